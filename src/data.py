@@ -1,0 +1,210 @@
+"""From a dataset to batches: which samples each rank takes at each step, and the
+loaders that fetch them.
+
+The samplers are the part that makes distributed numbers trustworthy:
+- training: a step's *global* batch is the same set of samples whatever the world
+  size and gradient accumulation, so 1 rank at batch 2B and 2 ranks at B train the
+  same model (with sync-BN), and a run can resume on a different world size;
+- evaluation: every sample is seen exactly once, no padding duplicates, so metrics
+  do not depend on the world size.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from src.datasets import DataSplits
+from src.errors import UsageError
+
+# Keys of a `dataset` config read by the loaders; all others go to its `_target_` builder.
+LOADER_KEYS = ("batch_size", "num_workers")
+
+
+class GlobalBatchSampler:
+    """This rank's micro-batches (lists of sample indices) for one epoch.
+
+    Step s covers samples perm[s*G : (s+1)*G] of a permutation drawn from (seed, epoch),
+    where G is the global batch size. With W ranks and k accumulation micro-steps,
+    rank r's micro-batch m of that step is the slice of b = G/(W*k) samples starting at
+    s*G + (m*W + r)*b. The ragged tail of fewer than G samples is dropped (a new
+    permutation each epoch drops different ones), so every step has the same size on
+    every rank and no rank waits on a collective another rank never reaches.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch_size: int,
+        rank: int,
+        world_size: int,
+        grad_accum: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.micro_batch_size = per_rank_micro_batch_size(global_batch_size, world_size, grad_accum)
+        if num_samples < global_batch_size:
+            raise UsageError(
+                f"dataset.batch_size={global_batch_size} is larger than the {num_samples} training "
+                "samples; lower dataset.batch_size"
+            )
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.grad_accum = grad_accum
+        self.shuffle = shuffle
+        self.seed = seed
+        self.steps_per_epoch = num_samples // global_batch_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pick the epoch's permutation; call before iterating each epoch."""
+        self.epoch = epoch
+
+    def permutation(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.grad_accum
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self.permutation().tolist()
+        b = self.micro_batch_size
+        for step in range(self.steps_per_epoch):
+            step_start = step * self.global_batch_size
+            for micro in range(self.grad_accum):
+                start = step_start + (micro * self.world_size + self.rank) * b
+                yield order[start : start + b]
+
+
+class EvalShardSampler:
+    """This rank's evaluation batches: a contiguous shard, every sample exactly once.
+
+    Shards differ in size by at most one sample and are never padded, so metrics summed
+    over ranks count each sample once (DistributedSampler would repeat samples to even
+    the shards out and bias the result).
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int) -> None:
+        self.batch_size = batch_size
+        self.start = num_samples * rank // world_size
+        self.stop = num_samples * (rank + 1) // world_size
+
+    def __len__(self) -> int:
+        return -(-(self.stop - self.start) // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start in range(self.start, self.stop, self.batch_size):
+            yield list(range(start, min(start + self.batch_size, self.stop)))
+
+
+def per_rank_micro_batch_size(global_batch_size: int, world_size: int, grad_accum: int) -> int:
+    """Samples one rank feeds through the model per forward pass."""
+    if global_batch_size <= 0:
+        raise UsageError(f"dataset.batch_size must be positive, got {global_batch_size}")
+    if grad_accum <= 0:
+        raise UsageError(f"trainer.grad_accum must be positive, got {grad_accum}")
+    shards = world_size * grad_accum
+    if global_batch_size % shards:
+        raise UsageError(
+            f"dataset.batch_size={global_batch_size} is the global batch and must be divisible by "
+            f"world_size x trainer.grad_accum = {world_size} x {grad_accum} = {shards}"
+        )
+    return global_batch_size // shards
+
+
+class TensorBatchLoader:
+    """Batches of an in-memory TensorDataset, gathered by index on the training device.
+
+    Same sampler semantics as a DataLoader, without its per-sample fetch and collate:
+    the whole dataset is copied to the device once.
+    """
+
+    def __init__(self, dataset: TensorDataset, batch_sampler: Iterable[list[int]], device: torch.device) -> None:
+        self.tensors = [t.to(device) for t in dataset.tensors]
+        self.batch_sampler = batch_sampler
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+        for indices in self.batch_sampler:
+            index = torch.tensor(indices, device=self.device)
+            yield [t.index_select(0, index) for t in self.tensors]
+
+
+def _seed_worker(worker_id: int) -> None:
+    # DataLoader seeds torch per worker from its generator; numpy and random follow it.
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_sampler: Iterable[list[int]],
+    device: torch.device,
+    num_workers: int,
+    seed: int,
+) -> Iterable[Any]:
+    """A loader over `batch_sampler`: TensorDatasets stay on the device, others use workers."""
+    if isinstance(dataset, TensorDataset):
+        return TensorBatchLoader(dataset, batch_sampler, device)
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=num_workers > 0,
+        worker_init_fn=_seed_worker,
+        # `seed` differs per rank, so augmentation differs per rank and worker.
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+@dataclass
+class Data:
+    """The run's data: loaders for this rank, the training sampler and the dataset's shape."""
+
+    splits: DataSplits
+    train_sampler: GlobalBatchSampler
+    train_loader: Iterable[Any]
+    val_loader: Iterable[Any]
+    num_val_samples: int
+
+
+def build_data(
+    dataset_cfg: DictConfig, rank: int, world_size: int, grad_accum: int, device: torch.device, seed: int
+) -> Data:
+    """Build the dataset named by `dataset_cfg` and this rank's train and val loaders."""
+    params = OmegaConf.to_container(dataset_cfg, resolve=True)
+    assert isinstance(params, dict)
+    loader_params = {key: params.pop(key) for key in LOADER_KEYS}
+    global_batch_size = int(loader_params["batch_size"])
+    per_rank_micro_batch_size(global_batch_size, world_size, grad_accum)
+    splits: DataSplits = instantiate(params)
+    train_sampler = GlobalBatchSampler(
+        len(splits.train), global_batch_size, rank, world_size, grad_accum, shuffle=True, seed=seed
+    )
+    val_sampler = EvalShardSampler(len(splits.val), global_batch_size // world_size, rank, world_size)
+    num_workers = int(loader_params["num_workers"])
+    worker_seed = seed + 1000 * rank + 1
+    return Data(
+        splits=splits,
+        train_sampler=train_sampler,
+        train_loader=make_loader(splits.train, train_sampler, device, num_workers, worker_seed),
+        val_loader=make_loader(splits.val, val_sampler, device, num_workers, worker_seed),
+        num_val_samples=len(splits.val),
+    )

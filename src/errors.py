@@ -1,0 +1,9 @@
+"""Errors that are the user's to fix: reported as one line naming what to change, exit code 2."""
+
+
+class UsageError(Exception):
+    """A mistake in the config, the command line or the files a run needs.
+
+    `train.py` prints the message alone (no traceback) and exits with code 2, so the
+    message must say what is wrong and what to change.
+    """

@@ -1,0 +1,42 @@
+"""Classification metrics that are exact under DDP.
+
+Each rank accumulates sums on its device (summed loss, correct predictions) and a
+sample count, with no host sync per step. `compute()` all-reduces the three totals in
+one collective, so the result is the sample-weighted mean over every rank's samples:
+not a mean of per-rank means, not rank 0's value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from src.distributed import all_reduce_sum
+
+
+class ClassificationMetrics:
+    """Running loss and accuracy over the samples seen since the last `reset()`."""
+
+    def __init__(self, device: torch.device) -> None:
+        # float64 keeps sums of thousands of per-sample losses exact enough to compare
+        # runs of different world sizes to 1e-6; counts stay exact integers.
+        self._totals = torch.zeros(2, dtype=torch.float64, device=device)
+        self._count = 0
+
+    def reset(self) -> None:
+        self._totals.zero_()
+        self._count = 0
+
+    @torch.no_grad()
+    def update(self, logits: torch.Tensor, targets: torch.Tensor, loss_sum: torch.Tensor) -> None:
+        """Add a batch: `loss_sum` is the batch's summed (not mean) per-sample loss."""
+        correct = (logits.argmax(dim=1) == targets).sum()
+        self._totals += torch.stack([loss_sum.detach().double(), correct.double()])
+        self._count += targets.shape[0]
+
+    def compute(self) -> dict[str, float]:
+        """`loss`, `acc` and `count` over all ranks' samples. A collective: call on every rank."""
+        totals = torch.cat([self._totals, self._totals.new_tensor([self._count])])
+        loss_sum, correct, count = all_reduce_sum(totals).tolist()
+        if count == 0:
+            return {"loss": float("nan"), "acc": float("nan"), "count": 0}
+        return {"loss": loss_sum / count, "acc": correct / count, "count": int(count)}

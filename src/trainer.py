@@ -1,0 +1,274 @@
+"""The training loop: epochs of optimizer steps, evaluation, checkpoints and reports.
+
+The loop only sees prepared components (model, optimizer, scheduler, loaders,
+checkpointer, reporter); it does not know how they were configured or launched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, ContextManager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from src.checkpoint import Checkpointer
+from src.data import Data
+from src.distributed import Runtime
+from src.metrics import ClassificationMetrics
+from src.errors import UsageError
+from src.reporting import Reporter
+from src.seeding import epoch_seed, seed_everything
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
+
+
+@dataclass
+class TrainState:
+    """What the loop has done so far; saved in every checkpoint."""
+
+    epoch: int = 0  # epochs completed
+    step: int = 0  # optimizer steps taken
+    best: float | None = None  # best value of the monitored metric
+    train_samples: int = 0  # training samples seen, all ranks
+    train_seconds: float = 0.0  # wall time spent in training epochs
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class TrainerOptions:
+    epochs: int
+    seed: int = 0
+    precision: str = "32"
+    grad_accum: int = 1
+    grad_clip: float | None = None
+    log_every_steps: int = 50
+    save_checkpoints: bool = True
+    monitor: str = "val/acc"
+    monitor_mode: str = "max"
+
+
+def autocast_dtype(precision: Any) -> torch.dtype | None:
+    """The autocast dtype for `trainer.precision` (32 -> None: autocast off)."""
+    key = str(precision)
+    if key not in PRECISIONS:
+        raise UsageError(f"trainer.precision={precision!r} is not one of 32, bf16, 16")
+    return PRECISIONS[key]
+
+
+class Trainer:
+    """Runs `fit()` on every rank; all ranks execute the same collectives in the same order."""
+
+    def __init__(
+        self,
+        options: TrainerOptions,
+        runtime: Runtime,
+        module: nn.Module,
+        train_model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        data: Data,
+        checkpointer: Checkpointer,
+        reporter: Reporter,
+    ) -> None:
+        self.options = options
+        self.runtime = runtime
+        self.module = module  # unwrapped: evaluated and saved
+        self.train_model = train_model  # DDP and/or compiled wrapper of `module`
+        self.ddp = _find_ddp(train_model)
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.data = data
+        self.checkpointer = checkpointer
+        self.reporter = reporter
+        self.amp_dtype = autocast_dtype(options.precision)
+        # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not.
+        self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=self.amp_dtype == torch.float16)
+        self.epoch_metrics = ClassificationMetrics(runtime.device)
+        self.window_metrics = ClassificationMetrics(runtime.device)
+
+    # -- state -------------------------------------------------------------------------
+
+    def state_dict(self, state: TrainState, config: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "config": config,
+            **asdict(state),
+        }
+
+    def load_state_dict(self, payload: dict[str, Any]) -> TrainState:
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.scheduler.load_state_dict(payload["scheduler"])
+        self.scaler.load_state_dict(payload["scaler"])
+        return TrainState(**{key: payload[key] for key in TrainState.__dataclass_fields__})
+
+    # -- the run -----------------------------------------------------------------------
+
+    def fit(self, state: TrainState, config: dict[str, Any]) -> TrainState:
+        """Train from `state` to `options.epochs`, evaluating and checkpointing every epoch."""
+        for epoch in range(state.epoch, self.options.epochs):
+            started = time.perf_counter()
+            train = self.train_one_epoch(epoch, state)
+            train_seconds = time.perf_counter() - started
+            val = self.evaluate()
+            state.epoch = epoch + 1
+            state.train_samples += train["count"]
+            state.train_seconds += train_seconds
+            record = {
+                "epoch": state.epoch,
+                "step": state.step,
+                "train/loss": train["loss"],
+                "train/acc": train["acc"],
+                "val/loss": val["loss"],
+                "val/acc": val["acc"],
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "epoch_time_s": time.perf_counter() - started,
+                "samples_per_s": train["count"] / train_seconds,
+            }
+            state.history.append(record)
+            is_best = self._improves(state, record[self.options.monitor])
+            self._report_epoch(record, val["count"])
+            self.reporter.write_metrics(self.summary(state, val["count"]))
+            if self.options.save_checkpoints:
+                self.checkpointer.save(self.state_dict(state, config), is_best)
+        return state
+
+    def train_one_epoch(self, epoch: int, state: TrainState) -> dict[str, float]:
+        self.data.train_sampler.set_epoch(epoch)
+        # Reseeding per epoch (differently per rank) makes dropout and augmentation
+        # repeatable after a resume and independent across ranks.
+        seed_everything(epoch_seed(self.options.seed, self.runtime.env.rank, epoch))
+        self.train_model.train()
+        self.epoch_metrics.reset()
+        self.window_metrics.reset()
+        window_started = time.perf_counter()
+        accum = self.options.grad_accum
+        for micro_step, (images, targets) in enumerate(self.data.train_loader):
+            images = images.to(self.runtime.device, non_blocking=True)
+            targets = targets.to(self.runtime.device, non_blocking=True)
+            is_step_end = (micro_step + 1) % accum == 0
+            self._forward_backward(images, targets, accum, sync=is_step_end)
+            if not is_step_end:
+                continue
+            self._optimizer_step()
+            state.step += 1
+            if state.step % self.options.log_every_steps == 0:
+                self._report_window(state.step, time.perf_counter() - window_started)
+                window_started = time.perf_counter()
+        return self.epoch_metrics.compute()
+
+    def _forward_backward(self, images: torch.Tensor, targets: torch.Tensor, accum: int, sync: bool) -> None:
+        # On micro-steps before the last one, DDP must not all-reduce gradients yet.
+        sync_context: ContextManager[Any] = contextlib.nullcontext()
+        if self.ddp is not None and not sync:
+            sync_context = self.ddp.no_sync()
+        with sync_context:
+            with self._autocast():
+                logits = self.train_model(images)
+            loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum")
+            # Each micro-batch holds 1/accum of the rank's samples; DDP averages over ranks,
+            # so the gradient is the mean over the global batch.
+            loss = loss_sum / (targets.shape[0] * accum)
+            self.scaler.scale(loss).backward()
+        self.epoch_metrics.update(logits, targets, loss_sum)
+        self.window_metrics.update(logits, targets, loss_sum)
+
+    def _optimizer_step(self) -> None:
+        if self.options.grad_clip is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.options.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss and accuracy over the whole val split, each sample counted once."""
+        metrics = ClassificationMetrics(self.runtime.device)
+        # The unwrapped module: evaluation needs no gradient sync, and ranks may run a
+        # different number of batches, which DDP's per-forward collectives would not allow.
+        self.module.eval()
+        for images, targets in self.data.val_loader:
+            images = images.to(self.runtime.device, non_blocking=True)
+            targets = targets.to(self.runtime.device, non_blocking=True)
+            with self._autocast():
+                logits = self.module(images)
+            metrics.update(logits, targets, F.cross_entropy(logits.float(), targets, reduction="sum"))
+        self.module.train()
+        return metrics.compute()
+
+    def summary(self, state: TrainState, num_val_samples: int) -> dict[str, Any]:
+        """The run so far, as written to metrics.json: the last epoch's metrics and the history."""
+        last = state.history[-1]
+        return {
+            **{key: last[key] for key in ("train/loss", "train/acc", "val/loss", "val/acc", "epoch", "step")},
+            "val/num_samples": num_val_samples,
+            "world_size": self.runtime.world_size,
+            "global_batch_size": self.data.train_sampler.global_batch_size,
+            "samples_per_s": state.train_samples / state.train_seconds,
+            "history": state.history,
+        }
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _autocast(self) -> ContextManager[Any]:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.runtime.device.type, dtype=self.amp_dtype)
+
+    def _improves(self, state: TrainState, value: float) -> bool:
+        better = state.best is None or (
+            value > state.best if self.options.monitor_mode == "max" else value < state.best
+        )
+        if better:
+            state.best = value
+        return better
+
+    def _report_window(self, step: int, seconds: float) -> None:
+        window = self.window_metrics.compute()
+        self.window_metrics.reset()
+        self.reporter.scalars(
+            {
+                "train/loss": window["loss"],
+                "train/acc": window["acc"],
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "throughput/samples_per_s": window["count"] / seconds,
+            },
+            step,
+        )
+
+    def _report_epoch(self, record: dict[str, float], num_val: int) -> None:
+        self.reporter.scalars(
+            {
+                "epoch/train_loss": record["train/loss"],
+                "epoch/train_acc": record["train/acc"],
+                "val/loss": record["val/loss"],
+                "val/acc": record["val/acc"],
+                "time/epoch_s": record["epoch_time_s"],
+                "throughput/epoch_samples_per_s": record["samples_per_s"],
+            },
+            record["step"],
+        )
+        log.info(
+            "epoch %d/%d  step %d  train loss %.4f acc %.4f  val loss %.4f acc %.4f (%d samples)  "
+            "%.0f samples/s",
+            record["epoch"], self.options.epochs, record["step"], record["train/loss"], record["train/acc"],
+            record["val/loss"], record["val/acc"], num_val, record["samples_per_s"],
+        )
+
+
+def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:
+    """The DDP wrapper inside `model` (possibly under torch.compile's wrapper), if any."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner if isinstance(inner, DistributedDataParallel) else None

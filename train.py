@@ -32,13 +32,16 @@ def main(cfg: DictConfig) -> float:
     """Hydra's entry point; returns the final val accuracy (what sweepers optimise)."""
     # torch and everything built on it load here, not at the top: `--help` and
     # `--cfg job` answer without paying seconds for imports they do not use.
-    from src.errors import UsageError
+    from src.errors import find_usage_error
 
     try:
         return train(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except UsageError as error:
+    except Exception as error:
+        usage_error = find_usage_error(error)
+        if usage_error is None:
+            raise
         if launch.is_main_rank():
-            print(f"error: {error}", file=sys.stderr)
+            print(f"error: {usage_error}", file=sys.stderr)
         sys.exit(2)
 
 

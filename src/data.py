@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from src.datasets import DataSplits
+from src.distributed import main_process_first
 from src.errors import UsageError
 
 # Keys of a `dataset` config read by the loaders; all others go to its `_target_` builder.
@@ -194,7 +195,8 @@ def build_data(
     loader_params = {key: params.pop(key) for key in LOADER_KEYS}
     global_batch_size = int(loader_params["batch_size"])
     per_rank_micro_batch_size(global_batch_size, world_size, grad_accum)
-    splits: DataSplits = instantiate(params)
+    with main_process_first():  # one download, not one per rank into the same folder
+        splits: DataSplits = instantiate(params)
     train_sampler = GlobalBatchSampler(
         len(splits.train), global_batch_size, rank, world_size, grad_accum, shuffle=True, seed=seed
     )

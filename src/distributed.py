@@ -174,6 +174,17 @@ def barrier() -> None:
         dist.barrier()
 
 
+@contextlib.contextmanager
+def main_process_first() -> Iterator[None]:
+    """Rank 0 runs the block before the others (say, a download), so they find its files."""
+    is_waiting_rank = is_initialized() and dist.get_rank() != 0
+    if is_waiting_rank:
+        dist.barrier()
+    yield
+    if is_initialized() and not is_waiting_rank:
+        dist.barrier()
+
+
 _store: dist.Store | None = None
 
 

@@ -1,0 +1,93 @@
+"""Samplers and loaders: which samples each rank sees, for any world size."""
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from src.data import EvalShardSampler, GlobalBatchSampler, TensorBatchLoader, per_rank_micro_batch_size
+from src.errors import UsageError
+
+
+def step_batches(num_samples, global_batch, world_size, grad_accum, epoch=0, seed=0):
+    """The set of samples each optimizer step covers, gathered over all ranks and micro-steps."""
+    samplers = [
+        GlobalBatchSampler(num_samples, global_batch, rank, world_size, grad_accum, seed=seed)
+        for rank in range(world_size)
+    ]
+    per_rank = []
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+        per_rank.append(list(sampler))
+    steps = []
+    for step in range(samplers[0].steps_per_epoch):
+        indices = []
+        for batches in per_rank:
+            for micro in range(grad_accum):
+                indices += batches[step * grad_accum + micro]
+        steps.append(sorted(indices))
+    return steps, per_rank
+
+
+@pytest.mark.parametrize("world_size,grad_accum", [(2, 1), (4, 1), (1, 4), (2, 2)])
+def test_every_step_covers_the_same_samples_whatever_the_world_size(world_size, grad_accum):
+    reference, _ = step_batches(1437, 64, 1, 1, epoch=3)
+    steps, per_rank = step_batches(1437, 64, world_size, grad_accum, epoch=3)
+    assert steps == reference
+    assert len(reference) == 1437 // 64
+    micro = 64 // (world_size * grad_accum)
+    assert all(len(batch) == micro for batches in per_rank for batch in batches)
+
+
+def test_an_epoch_sees_distinct_samples_and_drops_only_the_ragged_tail():
+    steps, _ = step_batches(1437, 64, 2, 1, epoch=0)
+    seen = [i for step in steps for i in step]
+    assert len(seen) == len(set(seen)) == 22 * 64
+
+
+def test_epochs_and_seeds_change_the_order():
+    first, _ = step_batches(500, 50, 2, 1, epoch=0)
+    second, _ = step_batches(500, 50, 2, 1, epoch=1)
+    other_seed, _ = step_batches(500, 50, 2, 1, epoch=0, seed=1)
+    again, _ = step_batches(500, 50, 2, 1, epoch=0)
+    assert first != second and first != other_seed and first == again
+
+
+def test_unshuffled_sampler_walks_the_dataset_in_order():
+    sampler = GlobalBatchSampler(10, 4, rank=1, world_size=2, shuffle=False)
+    assert list(sampler) == [[2, 3], [6, 7]]
+
+
+@pytest.mark.parametrize(
+    "batch,world,accum,message",
+    [(0, 1, 1, "must be positive"), (-8, 1, 1, "must be positive"), (63, 2, 1, "divisible"),
+     (64, 3, 1, "divisible"), (64, 2, 3, "divisible"), (64, 1, 0, "grad_accum")],
+)
+def test_batch_size_errors_name_the_key(batch, world, accum, message):
+    with pytest.raises(UsageError, match=message):
+        per_rank_micro_batch_size(batch, world, accum)
+
+
+def test_batch_larger_than_the_dataset_is_refused():
+    with pytest.raises(UsageError, match="larger than the 100 training samples"):
+        GlobalBatchSampler(100, 128, 0, 1)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+def test_eval_shards_cover_every_sample_exactly_once(world_size):
+    shards = [list(EvalShardSampler(359, 32, rank, world_size)) for rank in range(world_size)]
+    seen = [i for shard in shards for batch in shard for i in batch]
+    assert sorted(seen) == list(range(359))
+    sizes = [sum(len(b) for b in shard) for shard in shards]
+    assert max(sizes) - min(sizes) <= 1
+    assert [len(shard) for shard in shards] == [len(EvalShardSampler(359, 32, r, world_size)) for r in range(world_size)]
+
+
+def test_tensor_loader_gathers_the_sampled_rows():
+    images = torch.arange(20, dtype=torch.float32).view(10, 1, 1, 2)
+    labels = torch.arange(10)
+    loader = TensorBatchLoader(TensorDataset(images, labels), [[3, 1], [7]], torch.device("cpu"))
+    batches = list(loader)
+    assert len(loader) == 2
+    assert batches[0][1].tolist() == [3, 1]
+    assert torch.equal(batches[0][0], images[[3, 1]])
+    assert batches[1][1].tolist() == [7]

@@ -1,0 +1,254 @@
+"""Tests for src/datasets.py on small files written in the real on-disk formats (no network)."""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from PIL import Image
+
+from dataset_files import write_cifar10, write_image_folder, write_mnist
+from src import datasets
+from src.datasets import DatasetNotFoundError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- MNIST / Fashion-MNIST -------------------------------------------------------------------
+
+
+MNIST_CASES = [
+    (datasets.mnist, "MNIST", datasets.MNIST_MEAN_STD),
+    (datasets.fashion_mnist, "FashionMNIST", datasets.FASHION_MNIST_MEAN_STD),
+]
+
+
+@pytest.mark.parametrize("builder, folder_name, mean_std", MNIST_CASES)
+def test_mnist_format_round_trip(tmp_path, builder, folder_name, mean_std):
+    write_mnist(tmp_path, folder_name)
+    splits = builder(str(tmp_path), download=False)
+    assert (len(splits.train), len(splits.val)) == (30, 12)
+    assert (splits.num_classes, splits.in_channels, splits.image_size) == (10, 1, (28, 28))
+    (mean,), (std,) = mean_std
+    image, label = splits.val[7]
+    assert image.shape == (1, 28, 28) and image.dtype == torch.float32
+    assert label == 7 * 3 % 10
+    assert image[0, 0, 0].item() == pytest.approx((1.0 - mean) / std, abs=1e-5)
+    assert image[0, 5, 5].item() == pytest.approx((35 / 255 - mean) / std, abs=1e-5)
+    assert [splits.train[i][1] for i in range(30)] == [i * 3 % 10 for i in range(30)]
+
+
+@pytest.mark.parametrize("builder, folder_name, mean_std", MNIST_CASES)
+def test_mnist_missing_files_names_folder_and_files(tmp_path, builder, folder_name, mean_std):
+    write_mnist(tmp_path, folder_name)
+    (tmp_path / folder_name / "raw" / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(DatasetNotFoundError) as error:
+        builder(str(tmp_path), download=False)
+    message = str(error.value)
+    assert str(tmp_path / folder_name / "raw") in message
+    assert all(name in message for name in datasets.MNIST_FILES)
+    assert "\n" not in message
+
+
+def test_mnist_download_failure_is_one_clear_error(tmp_path, monkeypatch):
+    import torchvision.datasets
+
+    def no_network(self):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(torchvision.datasets.MNIST, "download", no_network)
+    with pytest.raises(DatasetNotFoundError, match="download failed .*Network is unreachable") as error:
+        datasets.mnist(str(tmp_path), download=True)
+    assert str(tmp_path / "MNIST" / "raw") in str(error.value)
+
+
+# ---- CIFAR-10 --------------------------------------------------------------------------------
+
+
+def cifar10_normalised(row: np.ndarray) -> torch.Tensor:
+    mean, std = (torch.tensor(values).view(3, 1, 1) for values in datasets.CIFAR10_MEAN_STD)
+    return (torch.from_numpy(row.reshape(3, 32, 32)).float() / 255 - mean) / std
+
+
+def test_cifar10_format_round_trip(tmp_path):
+    batches = write_cifar10(tmp_path)
+    splits = datasets.cifar10(str(tmp_path), download=False, augment=False, verify_checksums=False)
+    assert (len(splits.train), len(splits.val)) == (10, 2)
+    assert (splits.num_classes, splits.in_channels, splits.image_size) == (10, 3, (32, 32))
+    image, label = splits.train[3]  # second sample of data_batch_2
+    data, labels = batches["data_batch_2"]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32
+    assert label == labels[1]
+    torch.testing.assert_close(image, cifar10_normalised(data[1]))
+    image, label = splits.val[1]
+    data, labels = batches["test_batch"]
+    assert label == labels[1]
+    torch.testing.assert_close(image, cifar10_normalised(data[1]))
+
+
+def test_cifar10_augmented_train_keeps_shape_and_val_is_not_augmented(tmp_path):
+    batches = write_cifar10(tmp_path)
+    splits = datasets.cifar10(str(tmp_path), download=False, augment=True, verify_checksums=False)
+    assert splits.train[0][0].shape == (3, 32, 32)
+    torch.testing.assert_close(splits.val[0][0], cifar10_normalised(batches["test_batch"][0][0]))
+
+
+def test_cifar10_dataset_pickles_for_spawned_workers(tmp_path):
+    write_cifar10(tmp_path)
+    splits = datasets.cifar10(str(tmp_path), download=False, augment=False, verify_checksums=False)
+    copy = pickle.loads(pickle.dumps(splits.train))
+    torch.testing.assert_close(copy[4][0], splits.train[4][0])
+
+
+def test_cifar10_checksum_mismatch_is_refused_by_default(tmp_path):
+    write_cifar10(tmp_path)
+    with pytest.raises(DatasetNotFoundError, match="md5.*dataset.verify_checksums=false") as error:
+        datasets.cifar10(str(tmp_path), download=True)
+    message = str(error.value)
+    assert str(tmp_path / "cifar-10-batches-py") in message
+    assert all(name in message for name in datasets.CIFAR10_FILES)
+
+
+def test_cifar10_missing_files_names_folder_and_files(tmp_path):
+    with pytest.raises(DatasetNotFoundError) as error:
+        datasets.cifar10(str(tmp_path), download=False)
+    message = str(error.value)
+    assert str(tmp_path / "cifar-10-batches-py") in message
+    assert all(name in message for name in datasets.CIFAR10_FILES)
+
+
+def test_cifar10_download_failure_is_one_clear_error(tmp_path, monkeypatch):
+    import torchvision.datasets
+
+    def no_network(self):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(torchvision.datasets.CIFAR10, "download", no_network)
+    with pytest.raises(DatasetNotFoundError, match="download failed .*Network is unreachable") as error:
+        datasets.cifar10(str(tmp_path), download=True)
+    assert str(tmp_path / "cifar-10-batches-py") in str(error.value)
+
+
+# ---- image folders ---------------------------------------------------------------------------
+
+RED, BLUE = (255, 0, 0), (0, 0, 255)
+
+
+def test_image_folder_rgb(tmp_path):
+    write_image_folder(tmp_path, {"blue": BLUE, "red": RED})
+    splits = datasets.image_folder(str(tmp_path), image_size=OmegaConf.create([16, 20]), channels=3)
+    assert (len(splits.train), len(splits.val)) == (4, 4)
+    assert (splits.num_classes, splits.in_channels, splits.image_size) == (2, 3, (16, 20))
+    image, label = splits.val[2]  # classes are sorted: blue 0, red 1
+    assert image.shape == (3, 16, 20) and label == 1
+    torch.testing.assert_close(image[:, 0, 0], torch.tensor([1.0, -1.0, -1.0]))
+
+
+def test_image_folder_grayscale(tmp_path):
+    write_image_folder(tmp_path, {"blue": BLUE, "red": RED})
+    splits = datasets.image_folder(str(tmp_path), image_size=(8, 8), channels=1, augment=False)
+    image, label = splits.train[3]
+    assert image.shape == (1, 8, 8) and label == 1
+    red_luma = round(0.299 * 255) / 255  # PIL's ITU-R 601-2 luma transform
+    assert image[0, 4, 4].item() == pytest.approx((red_luma - 0.5) / 0.5, abs=1 / 255)
+
+
+def test_image_folder_missing_split_names_the_path(tmp_path):
+    write_image_folder(tmp_path, {"red": RED}, splits=("train",))
+    with pytest.raises(DatasetNotFoundError, match="not found") as error:
+        datasets.image_folder(str(tmp_path))
+    assert str(tmp_path / "val") in str(error.value)
+
+
+@pytest.mark.parametrize("class_folder", [None, "red"], ids=["no-class-folders", "class-folder-without-images"])
+def test_image_folder_empty_split_is_reported(tmp_path, class_folder):
+    write_image_folder(tmp_path, {"red": RED}, splits=("val",))
+    (tmp_path / "train").mkdir(exist_ok=True)
+    if class_folder:
+        (tmp_path / "train" / class_folder).mkdir()
+    with pytest.raises(DatasetNotFoundError, match="is empty") as error:
+        datasets.image_folder(str(tmp_path))
+    assert str(tmp_path / "train") in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_image_folder_class_mismatch_is_reported(tmp_path):
+    write_image_folder(tmp_path, {"red": RED}, splits=("train",))
+    write_image_folder(tmp_path, {"blue": BLUE}, splits=("val",))
+    with pytest.raises(ValueError, match=r"only in train \['red'\], only in val \['blue'\]"):
+        datasets.image_folder(str(tmp_path))
+
+
+# ---- digits ----------------------------------------------------------------------------------
+
+
+def test_digits_splits_normalised_and_labelled():
+    splits = datasets.digits(val_size=300)
+    assert (len(splits.train), len(splits.val)) == (1497, 300)
+    assert (splits.num_classes, splits.in_channels, splits.image_size) == (10, 1, (8, 8))
+    images, labels = splits.train.tensors
+    assert images.shape == (1497, 1, 8, 8) and images.dtype == torch.float32
+    assert labels.dtype == torch.int64
+    assert images.mean().item() == pytest.approx(0.0, abs=1e-5)
+    assert images.std().item() == pytest.approx(1.0, abs=1e-5)
+    assert set(labels.tolist()) == set(range(10))
+    assert set(splits.val.tensors[1].tolist()) == set(range(10))
+
+
+def sample_keys(dataset) -> set[bytes]:
+    """Each sample's raw image bytes, to compare splits by content (the digits set has no ids)."""
+    return {image.numpy().tobytes() for image in dataset.tensors[0]}
+
+
+def test_digits_split_is_deterministic_disjoint_and_seeded():
+    first, again, other = datasets.digits(split_seed=0), datasets.digits(split_seed=0), datasets.digits(split_seed=1)
+    torch.testing.assert_close(first.val.tensors[0], again.val.tensors[0])
+    torch.testing.assert_close(first.train.tensors[1], again.train.tensors[1])
+    assert not torch.equal(first.val.tensors[1], other.val.tensors[1])
+    # The 1797 images are all distinct, so disjoint splits covering them share no image.
+    assert not sample_keys(first.train) & sample_keys(first.val)
+    assert len(sample_keys(first.train) | sample_keys(first.val)) == 1797
+
+
+@pytest.mark.parametrize("val_size", [0, 1797, -5])
+def test_digits_rejects_impossible_val_size(val_size):
+    with pytest.raises(ValueError, match="val_size"):
+        datasets.digits(val_size=val_size)
+
+
+# ---- synthetic -------------------------------------------------------------------------------
+
+
+def test_synthetic_shapes_labels_and_determinism():
+    splits = datasets.synthetic(num_train=256, num_val=64, num_classes=5, channels=3, image_size=[6, 4], seed=3)
+    assert (splits.num_classes, splits.in_channels, splits.image_size) == (5, 3, (6, 4))
+    images, labels = splits.train.tensors
+    assert images.shape == (256, 3, 6, 4) and images.dtype == torch.float32
+    assert len(splits.val) == 64
+    assert set(labels.tolist()) == set(range(5))
+    again = datasets.synthetic(num_train=256, num_val=64, num_classes=5, channels=3, image_size=[6, 4], seed=3)
+    torch.testing.assert_close(again.val.tensors[0], splits.val.tensors[0])
+    other = datasets.synthetic(num_train=256, num_val=64, num_classes=5, channels=3, image_size=[6, 4], seed=4)
+    assert not torch.equal(other.train.tensors[0], images)
+
+
+def test_builders_instantiate_from_yaml():
+    config = OmegaConf.create(
+        "_target_: src.datasets.synthetic\nnum_train: 32\nnum_val: 8\nchannels: 1\nimage_size: [5, 7]\n"
+    )
+    splits = instantiate(config)
+    assert splits.image_size == (5, 7) and splits.train[0][0].shape == (1, 5, 7)
+
+
+def test_import_does_not_load_torchvision_or_sklearn():
+    code = "import sys, src.datasets; print(sorted({'torchvision', 'sklearn'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

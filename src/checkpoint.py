@@ -37,7 +37,8 @@ def load(path: Path) -> dict[str, Any]:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises several types for truncated or foreign files
-        raise UsageError(f"checkpoint {path} cannot be read ({type(error).__name__}): is it a complete .pt file?") from None
+        reason = type(error).__name__
+        raise UsageError(f"checkpoint {path} cannot be read ({reason}): is it a complete .pt file?") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise UsageError(f"{path} is not a checkpoint of this template (no format={FORMAT!r} in it)")
     return payload

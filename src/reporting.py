@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 _FORMAT = "[%(asctime)s][%(levelname)s] %(message)s"
+FINAL_METRICS = ("train/loss", "train/acc", "val/loss", "val/acc")
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -32,6 +33,19 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     for handler in handlers:
         handler.setFormatter(logging.Formatter(_FORMAT if rank == 0 else f"[rank {rank}]{_FORMAT}"))
         root.addHandler(handler)
+
+
+def log_run_start(run_dir: Path, runtime: Any, module: Any, data: Any, grad_accum: int) -> None:
+    """One summary of what is about to run (logged by every rank, printed by rank 0)."""
+    sampler = data.train_sampler
+    logging.getLogger("train").info(
+        "run dir %s | world size %d | device %s | backend %s | model %s (%.2fM params) | "
+        "%d train / %d val samples | global batch %d = %d ranks x %d per rank x %d accum | %d steps/epoch",
+        run_dir, runtime.world_size, runtime.device, runtime.backend or "none (single process)",
+        type(module).__name__, sum(p.numel() for p in module.parameters()) / 1e6,
+        len(data.splits.train), len(data.splits.val), sampler.global_batch_size, runtime.world_size,
+        sampler.micro_batch_size, grad_accum, sampler.steps_per_epoch,
+    )
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

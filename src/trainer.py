@@ -20,15 +20,12 @@ from torch.nn.parallel import DistributedDataParallel
 from src.checkpoint import Checkpointer
 from src.data import Data
 from src.distributed import Runtime
+from src.evaluation import autocast, autocast_dtype, evaluate
 from src.metrics import ClassificationMetrics
-from src.errors import UsageError
-from src.reporting import Reporter
+from src.reporting import FINAL_METRICS, Reporter
 from src.seeding import epoch_seed, seed_everything
 
 log = logging.getLogger(__name__)
-
-PRECISIONS = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
-
 
 @dataclass
 class TrainState:
@@ -54,13 +51,10 @@ class TrainerOptions:
     monitor: str = "val/acc"
     monitor_mode: str = "max"
 
-
-def autocast_dtype(precision: Any) -> torch.dtype | None:
-    """The autocast dtype for `trainer.precision` (32 -> None: autocast off)."""
-    key = str(precision)
-    if key not in PRECISIONS:
-        raise UsageError(f"trainer.precision={precision!r} is not one of 32, bf16, 16")
-    return PRECISIONS[key]
+    @classmethod
+    def from_config(cls, trainer_cfg: Any, seed: int) -> "TrainerOptions":
+        """Options from the config's `trainer` block (keys not used by the loop are skipped)."""
+        return cls(seed=seed, **{name: trainer_cfg[name] for name in cls.__dataclass_fields__ if name != "seed"})
 
 
 class Trainer:
@@ -173,7 +167,7 @@ class Trainer:
         if self.ddp is not None and not sync:
             sync_context = self.ddp.no_sync()
         with sync_context:
-            with self._autocast():
+            with autocast(self.runtime.device, self.amp_dtype):
                 logits = self.train_model(images)
             loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum")
             # Each micro-batch holds 1/accum of the rank's samples; DDP averages over ranks,
@@ -192,27 +186,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Loss and accuracy over the whole val split, each sample counted once."""
-        metrics = ClassificationMetrics(self.runtime.device)
-        # The unwrapped module: evaluation needs no gradient sync, and ranks may run a
-        # different number of batches, which DDP's per-forward collectives would not allow.
-        self.module.eval()
-        for images, targets in self.data.val_loader:
-            images = images.to(self.runtime.device, non_blocking=True)
-            targets = targets.to(self.runtime.device, non_blocking=True)
-            with self._autocast():
-                logits = self.module(images)
-            metrics.update(logits, targets, F.cross_entropy(logits.float(), targets, reduction="sum"))
-        self.module.train()
-        return metrics.compute()
+        return evaluate(self.module, self.data.val_loader, self.runtime.device, self.amp_dtype)
 
     def summary(self, state: TrainState, num_val_samples: int) -> dict[str, Any]:
         """The run so far, as written to metrics.json: the last epoch's metrics and the history."""
         last = state.history[-1]
         return {
-            **{key: last[key] for key in ("train/loss", "train/acc", "val/loss", "val/acc", "epoch", "step")},
+            **{key: last[key] for key in (*FINAL_METRICS, "epoch", "step")},
             "val/num_samples": num_val_samples,
             "world_size": self.runtime.world_size,
             "global_batch_size": self.data.train_sampler.global_batch_size,
@@ -221,11 +203,6 @@ class Trainer:
         }
 
     # -- helpers -----------------------------------------------------------------------
-
-    def _autocast(self) -> ContextManager[Any]:
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.runtime.device.type, dtype=self.amp_dtype)
 
     def _improves(self, state: TrainState, value: float) -> bool:
         better = state.best is None or (

@@ -37,7 +37,8 @@ def torchrun(nproc: int, args: list[str], cwd: Path, script: str = TRAIN, **kwar
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, f"exit {result.returncode}\nSTDOUT\n{result.stdout[-3000:]}\nSTDERR\n{result.stderr[-5000:]}"
+    output = f"STDOUT\n{result.stdout[-3000:]}\nSTDERR\n{result.stderr[-5000:]}"
+    assert result.returncode == 0, f"exit {result.returncode}\n{output}"
     return result
 
 

@@ -79,7 +79,8 @@ def test_eval_shards_cover_every_sample_exactly_once(world_size):
     assert sorted(seen) == list(range(359))
     sizes = [sum(len(b) for b in shard) for shard in shards]
     assert max(sizes) - min(sizes) <= 1
-    assert [len(shard) for shard in shards] == [len(EvalShardSampler(359, 32, r, world_size)) for r in range(world_size)]
+    lengths = [len(EvalShardSampler(359, 32, rank, world_size)) for rank in range(world_size)]
+    assert [len(shard) for shard in shards] == lengths
 
 
 def test_tensor_loader_gathers_the_sampled_rows():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pickle
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dataset_files import write_cifar10, write_image_folder, write_mnist
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from PIL import Image
 
-from dataset_files import write_cifar10, write_image_folder, write_mnist
 from src import datasets
 from src.datasets import DatasetNotFoundError
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, TINY, check, metrics, run, torchrun, train, weights
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, TINY, check, metrics, run, torchrun, train, weights
 from src.models import SimpleCNN
 
 pytestmark = pytest.mark.slow
@@ -136,7 +136,7 @@ def file_digests(folder: Path) -> dict[str, str]:
         (["trainer.device=cuda"], 2, "error: trainer.device=cuda but no CUDA GPU is visible"),
         (["dataset=mnist", "dataset.root=nowhere", "dataset.download=false"], 2, "nowhere/MNIST/raw"),
         (["resume=missing.pt"], 2, "error: checkpoint missing.pt does not exist"),
-        (["trainer.precision=8"], 2, "trainer.precision='8' is not one of 32, bf16, 16"),
+        (["trainer.precision=8"], 2, "trainer.precision=8 is not one of 32, bf16, 16"),
     ],
 )
 def test_bad_input_is_one_clear_error(workdir: Path, args, code, message):

@@ -1,0 +1,148 @@
+"""Synchronised batch normalisation that also works on the CPU (gloo).
+
+Under DDP each rank normalises with the statistics of its own per-rank batch, so without
+synchronisation a run on W ranks is not the computation one process does on the global
+batch, and the running statistics used for evaluation come from smaller batches.
+`nn.SyncBatchNorm` fixes this on GPUs only: DDP refuses CPU modules that contain it.
+`CPUSyncBatchNorm` does the same math with one all-reduce per layer, which gloo can run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum a tensor over a process group; the backward sums the gradient over the group too.
+
+    Every rank normalises with the global sums, so each rank's local sums receive gradient
+    from every rank's loss. (torch.distributed.nn.functional.all_reduce does this but is
+    deprecated.)
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad_total.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class CPUSyncBatchNorm(_BatchNorm):
+    """BatchNorm over (N, C, *) inputs whose training statistics cover all ranks' batches.
+
+    In training mode inside a process group of more than one rank, the per-channel sums,
+    sums of squares and element counts are summed over `process_group` (None: the default
+    group), so outputs, gradients and running statistics equal those of one BatchNorm on the
+    concatenated batch, even when ranks hold different batch sizes. Like nn.SyncBatchNorm,
+    this also holds with track_running_stats=False. Otherwise (eval mode, no process group,
+    a group of one) it is exactly torch's BatchNorm.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def _group_size(self) -> int:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.process_group)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Normalise `input` with global batch statistics when training across ranks."""
+        if not self.training or self._group_size() <= 1:
+            return super().forward(input)
+        self._check_input_dim(input)
+        # Sums of squares in half precision lose the variance, so accumulate in float32 at least.
+        x = input.to(torch.promote_types(input.dtype, torch.float32))
+        mean, var, count = self._global_statistics(x)
+        if self.track_running_stats:
+            self._update_running_stats(mean, var, count)
+        return self._normalize(x, mean, var).to(input.dtype)
+
+    def _global_statistics(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-channel mean and biased variance over all ranks, and the global element count."""
+        channels = x.size(1)
+        reduce_dims = [0, *range(2, x.dim())]
+        local_count = torch.full((1,), x.numel() / channels, dtype=x.dtype, device=x.device)
+        local = torch.cat([x.sum(reduce_dims), (x * x).sum(reduce_dims), local_count])
+        total = _AllReduceSum.apply(local, self.process_group)
+        total_sum, total_sq, count = total.split([channels, channels, 1])
+        if count.item() <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got {int(count.item())}")
+        mean = total_sum / count
+        # E[x^2] - E[x]^2 can round slightly below zero.
+        var = (total_sq / count - mean * mean).clamp_min(0)
+        return mean, var, count
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor) -> None:
+        """Blend this global batch into the running averages exactly as _BatchNorm does."""
+        self.num_batches_tracked.add_(1)
+        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+        self.running_var.mul_(1 - momentum).add_(var * (count / (count - 1)), alpha=momentum)
+
+    def _normalize(self, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        out = (x - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out
+
+
+def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
+    """Replace every BatchNorm in `module` by the sync-BN that works on `device`.
+
+    Like nn.SyncBatchNorm.convert_sync_batchnorm (used as is on CUDA), it converts in place,
+    keeps the attribute names (state_dict keys are unchanged, so checkpoints load into the
+    model without sync-BN) and reuses the parameter and buffer tensors. Returns `module`, or
+    its replacement when `module` is itself a BatchNorm.
+    """
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    # DDP refuses CPU modules holding nn.SyncBatchNorm ("SyncBatchNorm layers only work with
+    # GPU modules"), so CPU runs get CPUSyncBatchNorm instead.
+    converted = _to_cpu_sync_batchnorm(module) if _is_unsynced_batchnorm(module) else module
+    for name, child in module.named_children():
+        converted.add_module(name, convert_sync_batchnorm(child, device))
+    return converted
+
+
+def _is_unsynced_batchnorm(module: nn.Module) -> bool:
+    return isinstance(module, _BatchNorm) and not isinstance(module, (nn.SyncBatchNorm, CPUSyncBatchNorm))
+
+
+def _to_cpu_sync_batchnorm(bn: _BatchNorm) -> CPUSyncBatchNorm:
+    """A CPUSyncBatchNorm holding `bn`'s own parameters and buffers (same dtype, device, requires_grad)."""
+    sync_bn = CPUSyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
+    if bn.affine:
+        sync_bn.weight, sync_bn.bias = bn.weight, bn.bias
+    if bn.track_running_stats:
+        sync_bn.running_mean, sync_bn.running_var = bn.running_mean, bn.running_var
+        sync_bn.num_batches_tracked = bn.num_batches_tracked
+    sync_bn.train(bn.training)
+    return sync_bn

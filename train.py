@@ -2,6 +2,7 @@
 
     python train.py                                   # one process (CPU or one GPU)
     torchrun --nproc_per_node=2 train.py model=cnn    # a DDP group of 2 workers
+    python train.py dist.nproc_per_node=2             # the same group, started from here
     python train.py --help                            # config groups and options
 
 The story of a run: compose the config (Hydra), join the process group, build the
@@ -11,16 +12,18 @@ call into `src/`.
 
 from __future__ import annotations
 
+import json
 import logging
-import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from src import launch
+from src.errors import exit_on_usage_error
 
 log = logging.getLogger("train")
 
@@ -32,17 +35,14 @@ def main(cfg: DictConfig) -> float:
     """Hydra's entry point; returns the final val accuracy (what sweepers optimise)."""
     # torch and everything built on it load inside train(), not at the top: `--help` and
     # `--cfg job` answer without paying seconds for imports they do not use.
-    from src.errors import find_usage_error
-
-    try:
-        return train(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except Exception as error:
-        usage_error = find_usage_error(error)
-        if usage_error is None:
-            raise
-        if launch.is_main_rank():
-            print(f"error: {usage_error}", file=sys.stderr)
-        sys.exit(2)
+    launch.adopt_cluster_env()  # submitit / SLURM tasks become torchrun-style workers
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    with exit_on_usage_error(launch.is_main_rank(), in_sweep=hydra_cfg.mode == RunMode.MULTIRUN):
+        if cfg.dist.nproc_per_node > 1 and not launch.is_worker():
+            launch.launch_workers(__file__, cfg.dist.nproc_per_node, run_dir, hydra_cfg.overrides.task)
+            return json.loads((run_dir / "metrics.json").read_text())["val/acc"]
+        return launch.recording_errors(train)(cfg, run_dir)
 
 
 def train(cfg: DictConfig, run_dir: Path) -> float:
@@ -50,6 +50,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
 
     from src import checkpoint, distributed, reporting
     from src.data import build_data
+    from src.models import build_model
     from src.seeding import seed_everything
     from src.trainer import Trainer, TrainerOptions, TrainState
 
@@ -61,9 +62,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
         seed_everything(cfg.seed)  # the same initial weights on every rank
         data = build_data(cfg.dataset, runtime.env.rank, runtime.world_size, cfg.trainer.grad_accum,
                           runtime.device, cfg.seed)
-        shape = dict(in_channels=data.splits.in_channels, image_size=data.splits.image_size,
-                     num_classes=data.splits.num_classes)
-        module, train_model = distributed.prepare_model(instantiate(cfg.model, **shape), runtime,
+        module, train_model = distributed.prepare_model(build_model(cfg.model, data.splits), runtime,
                                                         cfg.dist.sync_bn, cfg.dist.find_unused_parameters)
         if cfg.trainer.compile:
             train_model = torch.compile(train_model)
@@ -95,5 +94,5 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
 
 
 if __name__ == "__main__":
-    sys.argv += launch.rank_overrides()  # ranks other than 0 leave Hydra's files to rank 0
+    launch.adopt_cluster_env()
     main()

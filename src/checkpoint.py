@@ -51,7 +51,8 @@ def load_model_state(module: torch.nn.Module, state: dict[str, Any], path: Path)
     except RuntimeError as error:
         first_line = str(error).strip().splitlines()[-1].strip()
         raise UsageError(
-            f"checkpoint {path} does not fit this model ({first_line}); use the model config it was saved with"
+            f"checkpoint {path} does not fit this model ({first_line}); "
+            "use the model and dataset configs it was saved with"
         ) from None
 
 

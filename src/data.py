@@ -190,23 +190,42 @@ def build_data(
     dataset_cfg: DictConfig, rank: int, world_size: int, grad_accum: int, device: torch.device, seed: int
 ) -> Data:
     """Build the dataset named by `dataset_cfg` and this rank's train and val loaders."""
-    params = OmegaConf.to_container(dataset_cfg, resolve=True)
-    assert isinstance(params, dict)
-    loader_params = {key: params.pop(key) for key in LOADER_KEYS}
-    global_batch_size = int(loader_params["batch_size"])
-    per_rank_micro_batch_size(global_batch_size, world_size, grad_accum)
-    with main_process_first():  # one download, not one per rank into the same folder
-        splits: DataSplits = instantiate(params)
+    global_batch_size = int(dataset_cfg.batch_size)
+    per_rank_micro_batch_size(global_batch_size, world_size, grad_accum)  # refuse before a download
+    splits = build_splits(dataset_cfg)
     train_sampler = GlobalBatchSampler(
         len(splits.train), global_batch_size, rank, world_size, grad_accum, shuffle=True, seed=seed
     )
-    val_sampler = EvalShardSampler(len(splits.val), global_batch_size // world_size, rank, world_size)
-    num_workers = int(loader_params["num_workers"])
+    num_workers = int(dataset_cfg.num_workers)
     worker_seed = seed + 1000 * rank + 1
     return Data(
         splits=splits,
         train_sampler=train_sampler,
         train_loader=make_loader(splits.train, train_sampler, device, num_workers, worker_seed),
-        val_loader=make_loader(splits.val, val_sampler, device, num_workers, worker_seed),
+        val_loader=make_val_loader(splits, global_batch_size, rank, world_size, device, num_workers, worker_seed),
         num_val_samples=len(splits.val),
     )
+
+
+def build_splits(dataset_cfg: DictConfig) -> DataSplits:
+    """The splits of the dataset `dataset_cfg` names (its LOADER_KEYS are left to the loaders)."""
+    params = OmegaConf.to_container(dataset_cfg, resolve=True)
+    assert isinstance(params, dict)
+    for key in LOADER_KEYS:
+        params.pop(key)
+    with main_process_first():  # one download, not one per rank into the same folder
+        return instantiate(params)
+
+
+def make_val_loader(
+    splits: DataSplits,
+    global_batch_size: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    num_workers: int,
+    seed: int,
+) -> Iterable[Any]:
+    """This rank's shard of the val split, in batches of global_batch_size / world_size samples."""
+    sampler = EvalShardSampler(len(splits.val), max(1, global_batch_size // world_size), rank, world_size)
+    return make_loader(splits.val, sampler, device, num_workers, seed)

@@ -98,6 +98,9 @@ class Runtime:
         return self.env.world_size
 
 
+_groups_started = 0
+
+
 @contextlib.contextmanager
 def process_group(requested_device: str, requested_backend: str, timeout_s: float) -> Iterator[Runtime]:
     """Join the launcher's process group for the duration of the block, then leave it.
@@ -113,9 +116,16 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
     backend = select_backend(requested_backend, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    global _groups_started
+    _groups_started += 1
+    # A fresh key namespace per group: a sweep run under torchrun starts one group per job
+    # in the same processes, and the previous group's keys in the shared store would
+    # otherwise satisfy (or wedge) the next group's rendezvous.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"ddp_template/restart{restart}/group{_groups_started}", rendezvous_store(env))
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
+        store=store,
         rank=env.rank,
         world_size=env.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -192,8 +202,8 @@ def rendezvous_store(env: DistEnv, timeout_s: float = 600.0) -> dist.Store:
     """A key-value store shared by the whole group, available before the process group.
 
     Under torchrun the elastic agent already serves one at MASTER_ADDR:MASTER_PORT, so
-    every rank is a client (the same store `init_process_group` uses). Elsewhere rank 0
-    hosts it; `multi_tenant` lets the later env:// rendezvous share that server.
+    every rank is a client. Elsewhere rank 0 hosts it. Process groups are built on it
+    (see `process_group`), and `src.launch` uses it to agree on the run dir first.
     """
     global _store
     if _store is not None:
@@ -207,6 +217,5 @@ def rendezvous_store(env: DistEnv, timeout_s: float = 600.0) -> dist.Store:
         is_master=env.is_main_process and not agent_serves,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
-        multi_tenant=True,
     )
     return _store

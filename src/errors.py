@@ -1,12 +1,28 @@
 """Errors that are the user's to fix: reported as one line naming what to change, exit code 2."""
 
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Iterator
+
+USAGE_ERROR_EXIT_CODE = 2
+
 
 class UsageError(Exception):
     """A mistake in the config, the command line or the files a run needs.
 
-    `train.py` prints the message alone (no traceback) and exits with code 2, so the
-    message must say what is wrong and what to change.
+    `train.py` and `eval.py` print the message alone (no traceback) and exit with code 2,
+    so the message must say what is wrong and what to change.
     """
+
+    reported = False  # True when worker processes have already printed the message
+
+
+class WorkersReportedUsageError(UsageError):
+    """Workers this process started stopped on a UsageError they printed themselves."""
+
+    reported = True
 
 
 def find_usage_error(error: BaseException) -> UsageError | None:
@@ -17,3 +33,22 @@ def find_usage_error(error: BaseException) -> UsageError | None:
             return current
         current = current.__cause__ or current.__context__
     return None
+
+
+@contextlib.contextmanager
+def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterator[None]:
+    """End the process with `error: <message>` on stderr and exit code 2 if the block raises a
+    UsageError; any other error propagates with its traceback.
+
+    Every rank of a group usually hits the same mistake, so only the main process prints it.
+    In a sweep the error propagates instead: Hydra marks that job failed and runs the next.
+    """
+    try:
+        yield
+    except Exception as error:
+        usage_error = find_usage_error(error)
+        if usage_error is None or in_sweep:
+            raise
+        if is_main_process and not usage_error.reported:
+            print(f"error: {usage_error}", file=sys.stderr)
+        sys.exit(USAGE_ERROR_EXIT_CODE)

@@ -4,7 +4,9 @@ Hydra resolves `${now:...}` in every process, so torchrun ranks that reach Hydra
 second apart would each create their own timestamped run dir (hydra #2070). Run dirs
 are therefore named with `${run_timestamp:FORMAT}`: rank 0's clock, shared with the
 other ranks through the launcher's store before Hydra creates any directory. Ranks
-other than 0 also skip writing `.hydra/`, so the run dir holds one copy of the config.
+other than 0 also skip writing `.hydra/` (`${main_rank_only:}`), so the run dir holds one
+copy of the config. Processes started by torchrun, by `launch_workers`, by submitit or by
+`srun` all end up with the same RANK / LOCAL_RANK / WORLD_SIZE contract.
 
 Nothing here imports torch unless the run has several processes: `python train.py
 --help` and `--cfg job` stay fast.
@@ -14,19 +16,30 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Mapping
+import sys
+import uuid
+from pathlib import Path
+from typing import Callable, Mapping, Sequence, TypeVar
 
 from omegaconf import OmegaConf
 
 _STORE_KEY = "ddp_template/run_started_at"
+_ENV_KEY = "DDP_TEMPLATE_RUN_STARTED_AT"
+T = TypeVar("T")
 _started_at: datetime.datetime | None = None
 
 
 def run_started_at() -> datetime.datetime:
-    """The run's start time: this process's clock alone, or rank 0's in a group."""
+    """The run's start time: this process's clock alone, or rank 0's in a group.
+
+    It is also exported to the environment, so processes this one starts (workers of
+    `dist.nproc_per_node`, tasks of the submitit launcher) name the same dirs.
+    """
     global _started_at
     if _started_at is None:
-        _started_at = _agree_on_start_time()
+        inherited = os.environ.get(_ENV_KEY)
+        _started_at = datetime.datetime.fromisoformat(inherited) if inherited else _agree_on_start_time()
+        os.environ[_ENV_KEY] = _started_at.isoformat()
     return _started_at
 
 
@@ -45,20 +58,94 @@ def _agree_on_start_time() -> datetime.datetime:
 
 
 def register_resolvers() -> None:
-    """Make `${run_timestamp:%Y-%m-%d}` available to the config (see conf/config.yaml)."""
-    OmegaConf.register_new_resolver(
-        "run_timestamp", lambda fmt: run_started_at().strftime(fmt), replace=True
+    """The config's `${run_timestamp:FORMAT}` and `${main_rank_only:VALUE}` (conf/config.yaml)."""
+    OmegaConf.register_new_resolver("run_timestamp", lambda fmt: run_started_at().strftime(fmt), replace=True)
+    # Hydra writes `.hydra/` before our code runs, in every process of a group; this
+    # makes `hydra.output_subdir` null on the other ranks whichever launcher started them.
+    OmegaConf.register_new_resolver("main_rank_only", lambda value: value if is_main_rank() else None, replace=True)
+
+
+def is_main_rank() -> bool:
+    """Whether this process is rank 0 (or the only process), whatever launched it."""
+    adopt_cluster_env()
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def adopt_cluster_env(environ: os._Environ = os.environ) -> None:  # type: ignore[type-arg]
+    """Under submitit or `srun` (no torchrun variables), export RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT from the job's environment, so the rest of the run reads
+    one contract whatever the launcher.
+
+    submitit's TorchDistributedEnvironment knows SLURM's variables (node list, task ids)
+    and its own local executor's; a plain `srun` task is a SLURM task it can read too.
+    """
+    if is_worker(environ):
+        return
+    if "SUBMITIT_EXECUTOR" not in environ:
+        if int(environ.get("SLURM_NTASKS", "1")) <= 1 or "SLURM_PROCID" not in environ:
+            return
+        environ["SUBMITIT_EXECUTOR"] = "slurm"  # a task of `srun python train.py`
+    import submitit
+
+    if submitit.JobEnvironment().num_tasks > 1:
+        submitit.helpers.TorchDistributedEnvironment().export()
+        # As torchrun does: one thread per worker unless the job says how many cores it has.
+        environ.setdefault("OMP_NUM_THREADS", environ.get("SLURM_CPUS_PER_TASK", "1"))
+
+
+def is_worker(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether a launcher (torchrun, our own `launch_workers`, SLURM) started this process as a worker."""
+    return "WORLD_SIZE" in environ
+
+
+def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Sequence[str]) -> None:
+    """Run `script` as one DDP group of `nproc` local workers writing into `run_dir`.
+
+    This is torchrun's own machinery (torch.distributed.launcher, as `torchrun --standalone`
+    uses it): a c10d rendezvous on a free port chosen by the OS, so back-to-back jobs of a
+    sweep never race for a port, and a failed worker stops the whole group. The workers
+    get this job's overrides, its run dir, and leave `.hydra/` to this process.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does: no thread oversubscription
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.5,
     )
+    overrides = [o for o in task_overrides if not o.startswith("dist.nproc_per_node=")]
+    worker_args = [script, *overrides, f"hydra.run.dir={_quote(str(run_dir))}", "hydra.output_subdir=null"]
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from src.errors import USAGE_ERROR_EXIT_CODE, WorkersReportedUsageError
+
+    try:
+        elastic_launch(config, entrypoint=sys.executable)(*worker_args)
+    except ChildFailedError as error:
+        if all(failure.exitcode == USAGE_ERROR_EXIT_CODE for failure in error.failures.values()):
+            raise WorkersReportedUsageError("the workers stopped on the error above") from None
+        raise
 
 
-def rank_overrides(environ: Mapping[str, str] = os.environ) -> list[str]:
-    """Hydra overrides this rank adds to the command line: ranks other than 0 don't
-    write `.hydra/` into the shared run dir."""
-    if is_main_rank(environ):
-        return []
-    return ["hydra.output_subdir=null"]
+def recording_errors(function: Callable[..., T]) -> Callable[..., T]:
+    """`function`, wrapped in torch's @record when this process is a launcher's worker:
+    an exception's traceback then goes to the error file torchrun reads, and torchrun
+    shows it in its failure summary instead of "To enable traceback see ..."."""
+    if not is_worker():
+        return function
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(function)
 
 
-def is_main_rank(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether this process is rank 0 (or the only process)."""
-    return int(environ.get("RANK", "0")) == 0
+def _quote(value: str) -> str:
+    """Quote a value for Hydra's override grammar (paths may hold characters it parses)."""
+    escaped = value.replace("\\", "\\\\").replace("'", "\\'")
+    return f"'{escaped}'"

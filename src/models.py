@@ -10,10 +10,20 @@ arguments are filled in at run time from the dataset. Adding a model is one clas
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
+from hydra.utils import instantiate
 from torch import nn
+
+from src.datasets import DataSplits
+
+
+def build_model(model_cfg: Any, splits: DataSplits) -> nn.Module:
+    """The model `model_cfg` names (`_target_` and options), built for the dataset's shape."""
+    return instantiate(
+        model_cfg, in_channels=splits.in_channels, image_size=splits.image_size, num_classes=splits.num_classes
+    )
 
 
 class SimpleCNN(nn.Module):

@@ -1,8 +1,8 @@
 """What a run leaves behind for people: log files, TensorBoard events and metrics.json.
 
-Rank 0 prints INFO to the console and writes `train.log`, TensorBoard events (`tb/`)
-and `metrics.json`; every other rank writes its own `train.rank<R>.log` and prints only
-warnings, so a crash on any rank is still visible.
+Rank 0 prints INFO to the console and writes `train.log` (`eval.log` for eval.py),
+TensorBoard events (`tb/`) and `metrics.json`; every other rank writes its own
+`train.rank<R>.log` and prints only warnings, so a crash on any rank is still visible.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ _FORMAT = "[%(asctime)s][%(levelname)s] %(message)s"
 FINAL_METRICS = ("train/loss", "train/acc", "val/loss", "val/acc")
 
 
-def setup_logging(run_dir: Path, rank: int) -> None:
-    """Send this rank's log records to its file in the run dir (and rank 0's to stdout)."""
+def setup_logging(run_dir: Path, rank: int, name: str = "train") -> None:
+    """Send this rank's log records to its file in the run dir, `<name>.log` or
+    `<name>.rank<R>.log` (and rank 0's to stdout)."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
     root.setLevel(logging.INFO)
-    name = "train.log" if rank == 0 else f"train.rank{rank}.log"
-    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / name)]
+    filename = f"{name}.log" if rank == 0 else f"{name}.rank{rank}.log"
+    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / filename)]
     console = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     handlers.append(console)
@@ -63,13 +64,16 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class Reporter:
-    """TensorBoard scalars, HParams and metrics.json, written by the main process only."""
+    """TensorBoard scalars, HParams and metrics.json, written by the main process only.
 
-    def __init__(self, run_dir: Path, is_main_process: bool) -> None:
+    With `tensorboard=False` it writes metrics.json alone (no `tb/` dir, no TensorBoard import).
+    """
+
+    def __init__(self, run_dir: Path, is_main_process: bool, tensorboard: bool = True) -> None:
         self.run_dir = run_dir
         self.enabled = is_main_process
         self._writer = None
-        if self.enabled:
+        if self.enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(run_dir / "tb"))

@@ -250,3 +250,11 @@ def test_import_does_not_load_torchvision_or_sklearn():
     code = "import sys, src.datasets; print(sorted({'torchvision', 'sklearn'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_digits_are_exactly_scikit_learns_load_digits():
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    table = datasets._bundled_digits_table()
+    assert (table[:, :-1] == bunch.data).all() and (table[:, -1] == bunch.target).all()

@@ -1,0 +1,125 @@
+"""A sweep's results at a glance: one row per job with its overrides and final metrics.
+
+A Hydra callback (registered in conf/config.yaml). After every job and at the end of a
+multirun it rewrites `summary.csv` and `summary.md` in the sweep dir from what the jobs
+wrote (their `.hydra/overrides.yaml` and `metrics.json`), sorted by the monitored metric,
+so the table is right whichever launcher ran the jobs and even while a sweep runs. A job
+that raised gets a `FAILED` file holding the error and shows as failed. Importing this
+module does not import torch.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from src.launch import is_main_rank
+
+log = logging.getLogger(__name__)
+
+METRICS = ("val/acc", "val/loss", "train/acc", "train/loss", "epoch", "samples_per_s")
+FAILED_MARKER = "FAILED"
+
+
+def job_row(job_dir: Path) -> dict[str, Any]:
+    """One job's overrides, status and final metrics, read from its dir."""
+    overrides = OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")
+    epochs = OmegaConf.load(job_dir / ".hydra" / "config.yaml").trainer.epochs
+    metrics_file = job_dir / "metrics.json"
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
+    if (job_dir / FAILED_MARKER).exists():
+        status = "failed"
+    elif metrics.get("epoch") == epochs:
+        status = "completed"
+    else:
+        status = "incomplete"
+    row: dict[str, Any] = {"job": job_dir.name, "status": status, "overrides": " ".join(overrides)}
+    row.update({name: metrics.get(name) for name in METRICS})
+    row["job_dir"] = str(job_dir)
+    return row
+
+
+def collect(sweep_dir: Path, metric: str, mode: str) -> list[dict[str, Any]]:
+    """Rows of every job under `sweep_dir`: completed jobs best first, then the others."""
+    job_dirs = [p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")]
+    rows = [job_row(job_dir) for job_dir in job_dirs]
+    sign = -1 if mode == "max" else 1
+
+    def order(row: dict[str, Any]) -> tuple:
+        value = row.get(metric)
+        ranked = row["status"] == "completed" and value is not None
+        return (not ranked, sign * value if ranked else 0, row["job"].zfill(8))
+
+    return sorted(rows, key=order)
+
+
+def to_markdown(rows: list[dict[str, Any]]) -> str:
+    columns = ["job", "status", *METRICS, "overrides"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [_format(row[column]) for column in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(rows: list[dict[str, Any]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=["job", "status", "overrides", *METRICS, "job_dir"])
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def _format(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class SweepSummary(Callback):
+    """Writes `summary.csv` and `summary.md` into the sweep dir; prints the table at the end."""
+
+    def __init__(self, metric: str = "val/acc", mode: str = "max") -> None:
+        self.metric = metric
+        self.mode = mode
+
+    def write(self, sweep_dir: Path) -> str:
+        rows = collect(sweep_dir, self.metric, self.mode)
+        table = to_markdown(rows)
+        _replace(sweep_dir / "summary.csv", to_csv(rows))
+        _replace(sweep_dir / "summary.md", table)
+        return table
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if config.hydra.mode != RunMode.MULTIRUN or not is_main_rank():
+            return
+        job_dir = Path(config.hydra.runtime.output_dir)
+        if job_return.status == JobStatus.FAILED:
+            error = job_return._return_value
+            (job_dir / FAILED_MARKER).write_text(f"{type(error).__name__}: {error}\n")
+        self.write(Path(config.hydra.sweep.dir))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if not is_main_rank():
+            return
+        sweep_dir = Path(config.hydra.sweep.dir)
+        table = self.write(sweep_dir)
+        print(f"\nSweep summary (sorted by {self.metric}, {self.mode}): {sweep_dir / 'summary.md'}\n{table}")

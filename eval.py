@@ -1,0 +1,105 @@
+"""Evaluate a checkpoint of train.py on the val split, on one process or as a DDP group.
+
+    python eval.py checkpoint=outputs/DATE/TIME/checkpoints/best.pt
+    torchrun --nproc_per_node=2 eval.py checkpoint=PATH    # the val split sharded over 2 workers
+    python eval.py checkpoint=PATH dataset.root=/data       # the checkpoint's dataset, one key changed
+    python eval.py --help                                   # options (conf/eval.yaml)
+
+The story of an evaluation: read the checkpoint, join the process group, build the
+val split and the saved model, evaluate, report. The model comes from the config saved
+in the checkpoint, so naming the file is enough; the metrics are exact on any number of
+processes (every val sample counted once) and land in this run's own dir.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError
+
+from src import launch
+from src.errors import UsageError, exit_on_usage_error
+
+log = logging.getLogger("eval")
+
+launch.register_resolvers()
+# The default `dataset` option: an empty node that dataset.KEY=VALUE overrides fill in, to be
+# merged onto the checkpoint's dataset config. Hydra closes the whole config to new keys
+# (struct mode), which would make users type `+dataset.KEY=VALUE`; a node whose own struct flag
+# is off stays open. YAML cannot set that flag, hence a node registered here rather than a file
+# in conf/dataset/ (where train.py would offer it too).
+FROM_CHECKPOINT = "checkpoint"
+ConfigStore.instance().store(group="dataset", name=FROM_CHECKPOINT, node=OmegaConf.create({}, flags={"struct": False}))
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="eval")
+def main(cfg: DictConfig) -> float:
+    """Hydra's entry point; returns the val accuracy."""
+    # As in train.py, torch loads inside evaluate_checkpoint(), so `--help` stays fast.
+    launch.adopt_cluster_env()  # submitit / SLURM tasks become torchrun-style workers
+    hydra_cfg = HydraConfig.get()
+    with exit_on_usage_error(launch.is_main_rank(), in_sweep=hydra_cfg.mode == RunMode.MULTIRUN):
+        evaluate_job = launch.recording_errors(evaluate_checkpoint)
+        return evaluate_job(cfg, hydra_cfg.runtime.choices.dataset, Path(hydra_cfg.runtime.output_dir))
+
+
+def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> float:
+    """Evaluate `cfg.checkpoint` on this rank's shard of the val split; every rank returns the
+    val accuracy over all of it. `dataset_choice` is the `dataset` option Hydra composed."""
+    from src import checkpoint, distributed, reporting
+    from src.data import build_splits, make_val_loader
+    from src.evaluation import autocast_dtype, evaluate
+    from src.models import build_model
+
+    if OmegaConf.is_missing(cfg, "checkpoint"):
+        raise UsageError("name the checkpoint to evaluate: python eval.py checkpoint=PATH")
+    path = Path(cfg.checkpoint)
+    payload = checkpoint.load(path)  # refuse a wrong file before any work is done
+    saved = OmegaConf.create(payload["config"])  # the resolved config of the run that saved it
+    dataset_cfg = cfg.dataset if dataset_choice != FROM_CHECKPOINT else merge_dataset(saved.dataset, cfg.dataset, path)
+    amp_dtype = autocast_dtype(saved.trainer.precision if cfg.trainer.precision is None else cfg.trainer.precision)
+
+    with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
+        reporting.setup_logging(run_dir, runtime.env.rank, name="eval")
+        splits = build_splits(dataset_cfg)
+        # The plain module, not DDP: evaluation syncs no gradients, only the metric totals.
+        module = build_model(saved.model, splits)
+        checkpoint.load_model_state(module, payload["model"], path)
+        module.to(runtime.device)
+        loader = make_val_loader(splits, dataset_cfg.batch_size, runtime.env.rank, runtime.world_size,
+                                 runtime.device, dataset_cfg.num_workers, saved.seed)
+        val = evaluate(module, loader, runtime.device, amp_dtype)
+
+        result = {"val/loss": val["loss"], "val/acc": val["acc"], "num_samples": val["count"],
+                  "world_size": runtime.world_size, "checkpoint": str(path.resolve()), "epoch": payload["epoch"]}
+        reporting.Reporter(run_dir, runtime.is_main_process, tensorboard=False).write_metrics(result)
+        log.info("val/loss=%.6f  val/acc=%.6f  num_samples=%d  world_size=%d  checkpoint %s (epoch %d)  run dir: %s",
+                 val["loss"], val["acc"], val["count"], runtime.world_size, path, payload["epoch"], run_dir)
+        return val["acc"]
+
+
+def merge_dataset(saved_dataset: DictConfig, overrides: DictConfig, path: Path) -> DictConfig:
+    """The checkpoint's dataset config with the command line's dataset.KEY=VALUE applied.
+
+    Only keys the saved config has may be changed, so a misspelt key is an error here
+    rather than an unexpected argument deep inside the dataset builder.
+    """
+    OmegaConf.set_struct(saved_dataset, True)
+    try:
+        return OmegaConf.merge(saved_dataset, overrides)
+    except ConfigKeyError as error:
+        raise UsageError(
+            f"dataset.{error.key} is not a key of the dataset config saved in {path} "
+            f"({', '.join(map(str, saved_dataset))}); choose another dataset with dataset=NAME"
+        ) from None
+
+
+if __name__ == "__main__":
+    launch.adopt_cluster_env()
+    main()

@@ -46,6 +46,16 @@ def main(cfg: DictConfig) -> float:
 
 
 def train(cfg: DictConfig, run_dir: Path) -> float:
+    """Join the process group, run, leave it."""
+    from src import distributed
+
+    with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
+        # The run's objects (DDP's reducer among them) are freed when run() returns, before
+        # the group they talk through is destroyed.
+        return run(cfg, run_dir, runtime)
+
+
+def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src.distributed.Runtime
     import torch
 
     from src import checkpoint, distributed, reporting
@@ -54,43 +64,42 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
     from src.seeding import seed_everything
     from src.trainer import Trainer, TrainerOptions, TrainState
 
-    with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
-        reporting.setup_logging(run_dir, runtime.env.rank)
-        checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", runtime.is_main_process)
-        resume_from = checkpointer.resume_path(cfg.resume)  # refuse before any work is done
+    reporting.setup_logging(run_dir, runtime.env.rank)
+    checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", runtime.is_main_process)
+    resume_from = checkpointer.resume_path(cfg.resume)  # refuse before any work is done
 
-        seed_everything(cfg.seed)  # the same initial weights on every rank
-        data = build_data(cfg.dataset, runtime.env.rank, runtime.world_size, cfg.trainer.grad_accum,
-                          runtime.device, cfg.seed)
-        module, train_model = distributed.prepare_model(build_model(cfg.model, data.splits), runtime,
-                                                        cfg.dist.sync_bn, cfg.dist.find_unused_parameters)
-        if cfg.trainer.compile:
-            train_model = torch.compile(train_model)
-        optimizer = instantiate(cfg.optimizer)(params=module.parameters())
-        steps_per_epoch = data.train_sampler.steps_per_epoch
-        scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=steps_per_epoch * cfg.trainer.epochs,
-                                               steps_per_epoch=steps_per_epoch)
+    seed_everything(cfg.seed)  # the same initial weights on every rank
+    data = build_data(cfg.dataset, runtime.env.rank, runtime.world_size, cfg.trainer.grad_accum,
+                      runtime.device, cfg.seed)
+    module, train_model = distributed.prepare_model(build_model(cfg.model, data.splits), runtime,
+                                                    cfg.dist.sync_bn, cfg.dist.find_unused_parameters)
+    if cfg.trainer.compile:
+        train_model = torch.compile(train_model)
+    optimizer = instantiate(cfg.optimizer)(params=module.parameters())
+    steps_per_epoch = data.train_sampler.steps_per_epoch
+    scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=steps_per_epoch * cfg.trainer.epochs,
+                                           steps_per_epoch=steps_per_epoch)
 
-        reporter = reporting.Reporter(run_dir, runtime.is_main_process)
-        trainer = Trainer(TrainerOptions.from_config(cfg.trainer, cfg.seed), runtime, module, train_model,
-                          optimizer, scheduler, data, checkpointer, reporter)
-        state = TrainState()
-        if resume_from is not None:
-            payload = checkpoint.load(resume_from)
-            checkpoint.load_model_state(module, payload["model"], resume_from)
-            state = trainer.load_state_dict(payload)
-            log.info("resumed from %s after epoch %d (step %d)", resume_from, state.epoch, state.step)
+    reporter = reporting.Reporter(run_dir, runtime.is_main_process)
+    trainer = Trainer(TrainerOptions.from_config(cfg.trainer, cfg.seed), runtime, module, train_model,
+                      optimizer, scheduler, data, checkpointer, reporter)
+    state = TrainState()
+    if resume_from is not None:
+        payload = checkpoint.load(resume_from)
+        checkpoint.load_model_state(module, payload["model"], resume_from)
+        state = trainer.load_state_dict(payload)
+        log.info("resumed from %s after epoch %d (step %d)", resume_from, state.epoch, state.step)
 
-        reporting.log_run_start(run_dir, runtime, module, data, cfg.trainer.grad_accum)
-        config = OmegaConf.to_container(cfg, resolve=True)
-        state = trainer.fit(state, config)
+    reporting.log_run_start(run_dir, runtime, module, data, cfg.trainer.grad_accum)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    state = trainer.fit(state, config)
 
-        summary = trainer.summary(state, data.num_val_samples)
-        reporter.hparams(reporting.flatten(config), {k: v for k, v in summary.items() if "/" in k})
-        reporter.close()
-        log.info("final: %s", "  ".join(f"{k}={summary[k]:.4f}" for k in reporting.FINAL_METRICS))
-        log.info("run dir: %s", run_dir)
-        return summary["val/acc"]
+    summary = trainer.summary(state, data.num_val_samples)
+    reporter.hparams(reporting.flatten(config), {k: v for k, v in summary.items() if "/" in k})
+    reporter.close()
+    log.info("final: %s", "  ".join(f"{k}={summary[k]:.4f}" for k in reporting.FINAL_METRICS))
+    log.info("run dir: %s", run_dir)
+    return summary["val/acc"]
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from src.datasets import DataSplits
 from src.distributed import main_process_first
 from src.errors import UsageError
+from src.seeding import epoch_seed
 
 # Keys of a `dataset` config read by the loaders; all others go to its `_target_` builder.
 LOADER_KEYS = ("batch_size", "num_workers")
@@ -197,7 +198,7 @@ def build_data(
         len(splits.train), global_batch_size, rank, world_size, grad_accum, shuffle=True, seed=seed
     )
     num_workers = int(dataset_cfg.num_workers)
-    worker_seed = seed + 1000 * rank + 1
+    worker_seed = epoch_seed(seed, rank, epoch=-1)  # per rank; the trainer reseeds it every epoch
     return Data(
         splits=splits,
         train_sampler=train_sampler,

@@ -9,6 +9,7 @@ none of them and runs as a group of one without a process group.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -198,6 +199,12 @@ def main_process_first() -> Iterator[None]:
 _store: dist.Store | None = None
 
 
+def _release_store() -> None:
+    """Close the store while the interpreter is still whole, not during its teardown."""
+    global _store
+    _store = None
+
+
 def rendezvous_store(env: DistEnv, timeout_s: float = 600.0) -> dist.Store:
     """A key-value store shared by the whole group, available before the process group.
 
@@ -208,6 +215,7 @@ def rendezvous_store(env: DistEnv, timeout_s: float = 600.0) -> dist.Store:
     global _store
     if _store is not None:
         return _store
+    atexit.register(_release_store)
     agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     # Kept for the life of the process: on rank 0 this object may be the server.
     _store = dist.TCPStore(

@@ -141,7 +141,11 @@ class Trainer:
         self.data.train_sampler.set_epoch(epoch)
         # Reseeding per epoch (differently per rank) makes dropout and augmentation
         # repeatable after a resume and independent across ranks.
-        seed_everything(epoch_seed(self.options.seed, self.runtime.env.rank, epoch))
+        seed = epoch_seed(self.options.seed, self.runtime.env.rank, epoch)
+        seed_everything(seed)
+        generator = getattr(self.data.train_loader, "generator", None)  # a DataLoader's: seeds its workers
+        if generator is not None:
+            generator.manual_seed(seed)
         self.train_model.train()
         self.epoch_metrics.reset()
         self.window_metrics.reset()

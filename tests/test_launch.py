@@ -72,26 +72,28 @@ def test_only_rank_zero_writes_hydra_files(monkeypatch):
     assert config.subdir is None
 
 
-def test_srun_tasks_export_the_torchrun_contract(monkeypatch):
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR"):
-        monkeypatch.delenv(key, raising=False)
+def adopted_environment(extra: dict[str, str]) -> dict[str, str]:
+    """The launcher variables `adopt_cluster_env` exports, given a job environment (in a fresh process)."""
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR")
+    env = {k: v for k, v in os.environ.items() if k not in keys and not k.startswith("SLURM_")}
+    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO)!r}); from src import launch; "
+            f"launch.adopt_cluster_env(); print(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))")
+    result = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_srun_tasks_export_the_torchrun_contract():
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
              "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]"}
-    for key, value in slurm.items():
-        monkeypatch.setenv(key, value)
-    launch.adopt_cluster_env()
-    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("3", "1", "4")
-    assert os.environ["MASTER_ADDR"] == "gpu07" and 0 < int(os.environ["MASTER_PORT"]) < 65536
-    assert launch.is_worker()
+    exported = adopted_environment(slurm)
+    assert (exported["RANK"], exported["LOCAL_RANK"], exported["WORLD_SIZE"]) == ("3", "1", "4")
+    assert exported["MASTER_ADDR"] == "gpu07" and 0 < int(exported["MASTER_PORT"]) < 65536
 
 
-def test_a_single_slurm_task_stays_a_single_process(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "SUBMITIT_EXECUTOR"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("SLURM_PROCID", "0")
-    monkeypatch.setenv("SLURM_NTASKS", "1")
-    launch.adopt_cluster_env()
-    assert "WORLD_SIZE" not in os.environ
+def test_a_single_slurm_task_stays_a_single_process():
+    exported = adopted_environment({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+    assert exported["WORLD_SIZE"] is None and exported["RANK"] is None
 
 
 def test_override_quoting_survives_hydras_grammar():

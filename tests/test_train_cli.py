@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, check, metrics, run, torchrun, train, weights
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
 
 from src.models import SimpleCNN
 
@@ -62,7 +63,14 @@ def test_tensorboard_events_are_readable(workdir: Path):
     assert [e.step for e in val_acc] == [22, 44]
     assert val_acc[-1].value == pytest.approx(metrics(workdir / "run")["val/acc"], abs=1e-6)
     assert [e.step for e in events.Scalars("train/loss")] == list(range(5, 45, 5))
-    assert "hparams" in events.PluginTagToContent("hparams") or events.PluginTagToContent("hparams")
+    hparams = {tag: plugin_data_pb2.HParamsPluginData.FromString(content)
+               for tag, content in events.PluginTagToContent("hparams").items()}
+    session = hparams["_hparams_/session_start_info"].session_start_info
+    assert session.hparams["optimizer.lr"].number_value == pytest.approx(0.003)
+    assert session.hparams["model._target_"].string_value == "src.models.SimpleCNN"
+    metric_tags = {m.name.tag for m in hparams["_hparams_/experiment"].experiment.metric_infos}
+    assert {"hparam/val/acc", "hparam/val/loss", "hparam/train/loss"} <= metric_tags
+    assert events.Scalars("hparam/val/acc")[-1].value == pytest.approx(metrics(workdir / "run")["val/acc"], abs=1e-6)
 
 
 def test_torchrun_two_workers_share_one_run_dir(workdir: Path):

@@ -86,7 +86,8 @@ def test_a_failing_job_is_reported_and_the_sweep_goes_on(workdir: Path):
 
 def test_a_crashing_worker_ends_its_group_with_its_traceback(workdir: Path):
     crashing = str(REPO / "tests" / "crashing_worker.py")
-    result = torchrun(2, ["trainer.epochs=3", "hydra.run.dir=run"], workdir, script=crashing, timeout=120)
+    # The whole group must be gone within 60 s of starting (a hang would hit this bound).
+    result = torchrun(2, ["trainer.epochs=3", "hydra.run.dir=run"], workdir, script=crashing, timeout=60)
     assert result.returncode != 0
     assert "RuntimeError: injected failure on rank 1 at step 3" in result.stderr
     assert "Root Cause" in result.stderr and "rank      : 1" in result.stderr

@@ -1,0 +1,42 @@
+"""src/evaluation.py and src/seeding.py on one process."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from src.errors import UsageError
+from src.evaluation import autocast_dtype, evaluate
+from src.seeding import epoch_seed, seed_everything
+
+
+def test_precision_names():
+    assert autocast_dtype(32) is None and autocast_dtype("32") is None
+    assert autocast_dtype("bf16") is torch.bfloat16 and autocast_dtype(16) is torch.float16
+    with pytest.raises(UsageError, match="trainer.precision=8 is not one of 32, bf16, 16"):
+        autocast_dtype(8)
+
+
+def test_evaluate_matches_a_direct_computation_and_restores_train_mode():
+    seed_everything(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    model.train()
+    x, y = torch.randn(23, 4), torch.randint(0, 3, (23,))
+    batches = [(x[:10], y[:10]), (x[10:], y[10:])]
+    result = evaluate(model, batches, torch.device("cpu"))
+    assert model.training  # left as it was
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+    assert result["count"] == 23
+    assert result["loss"] == pytest.approx(F.cross_entropy(logits, y).item(), abs=1e-6)
+    assert result["acc"] == (logits.argmax(1) == y).sum().item() / 23
+
+
+def test_epoch_seeds_differ_by_rank_and_epoch_and_repeat():
+    seeds = {epoch_seed(0, rank, epoch) for rank in range(8) for epoch in range(100)}
+    assert len(seeds) == 800
+    assert epoch_seed(3, 1, 2) == epoch_seed(3, 1, 2) != epoch_seed(4, 1, 2)
+    seed_everything(7)
+    first = torch.rand(3)
+    seed_everything(7)
+    assert torch.equal(first, torch.rand(3))

@@ -66,7 +66,9 @@ def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src
 
     reporting.setup_logging(run_dir, runtime.env.rank)
     checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", runtime.is_main_process)
-    resume_from = checkpointer.resume_path(cfg.resume)  # refuse before any work is done
+    # A restarted or requeued run picks up where it stopped; otherwise as configured.
+    resume = "auto" if cfg.resume is None and launch.restarted_by_launcher() else cfg.resume
+    resume_from = checkpointer.resume_path(resume)  # refuse before any work is done
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
     data = build_data(cfg.dataset, runtime.env.rank, runtime.world_size, cfg.trainer.grad_accum,

@@ -93,6 +93,15 @@ def adopt_cluster_env(environ: os._Environ = os.environ) -> None:  # type: ignor
         environ.setdefault("OMP_NUM_THREADS", environ.get("SLURM_CPUS_PER_TASK", "1"))
 
 
+def restarted_by_launcher(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this run is a restart: torchrun's `--max-restarts` or a requeued SLURM job.
+
+    Such a run continues from its run dir's last checkpoint without being told (the run dir
+    is the same: rank 0's start time stays in torchrun's store and in the job's environment).
+    """
+    return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or int(environ.get("SLURM_RESTART_COUNT", "0")) > 0
+
+
 def is_worker(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether a launcher (torchrun, our own `launch_workers`, SLURM) started this process as a worker."""
     return "WORLD_SIZE" in environ

@@ -18,24 +18,33 @@ class ClassificationMetrics:
 
     def __init__(self, device: torch.device) -> None:
         # float64 keeps sums of thousands of per-sample losses exact enough to compare
-        # runs of different world sizes to 1e-6; counts stay exact integers.
-        self._totals = torch.zeros(2, dtype=torch.float64, device=device)
+        # runs of different world sizes to 1e-6; correct counts stay exact integers.
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self._correct = torch.zeros((), dtype=torch.int64, device=device)
         self._count = 0
 
     def reset(self) -> None:
-        self._totals.zero_()
+        self._loss_sum.zero_()
+        self._correct.zero_()
         self._count = 0
 
     @torch.no_grad()
     def update(self, logits: torch.Tensor, targets: torch.Tensor, loss_sum: torch.Tensor) -> None:
         """Add a batch: `loss_sum` is the batch's summed (not mean) per-sample loss."""
-        correct = (logits.argmax(dim=1) == targets).sum()
-        self._totals += torch.stack([loss_sum.detach().double(), correct.double()])
+        self._loss_sum += loss_sum.detach()
+        self._correct += (logits.argmax(dim=1) == targets).sum()
         self._count += targets.shape[0]
 
-    def compute(self) -> dict[str, float]:
-        """`loss`, `acc` and `count` over all ranks' samples. A collective: call on every rank."""
-        totals = torch.cat([self._totals, self._totals.new_tensor([self._count])])
+    def totals(self) -> torch.Tensor:
+        """This rank's (loss sum, correct, count) so far, e.g. as the baseline of a window."""
+        return torch.stack([self._loss_sum, self._correct.double(), self._loss_sum.new_tensor(self._count)])
+
+    def compute(self, baseline: torch.Tensor | None = None) -> dict[str, float]:
+        """`loss`, `acc` and `count` over all ranks' samples (since `baseline`, if given).
+
+        A collective: call it on every rank.
+        """
+        totals = self.totals() if baseline is None else self.totals() - baseline
         loss_sum, correct, count = all_reduce_sum(totals).tolist()
         if count == 0:
             return {"loss": float("nan"), "acc": float("nan"), "count": 0}

@@ -86,7 +86,7 @@ class Trainer:
         # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not.
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=self.amp_dtype == torch.float16)
         self.epoch_metrics = ClassificationMetrics(runtime.device)
-        self.window_metrics = ClassificationMetrics(runtime.device)
+        self.window_start = self.epoch_metrics.totals()  # the epoch totals when the log window began
 
     # -- state -------------------------------------------------------------------------
 
@@ -132,9 +132,10 @@ class Trainer:
             state.history.append(record)
             is_best = self._improves(state, record[self.options.monitor])
             self._report_epoch(record, val["count"])
-            self.reporter.write_metrics(self.summary(state, val["count"]))
             if self.options.save_checkpoints:
                 self.checkpointer.save(self.state_dict(state, config), is_best)
+            # After the checkpoint: metrics.json never reports an epoch a restart would lose.
+            self.reporter.write_metrics(self.summary(state, val["count"]))
         return state
 
     def train_one_epoch(self, epoch: int, state: TrainState) -> dict[str, float]:
@@ -148,7 +149,7 @@ class Trainer:
             generator.manual_seed(seed)
         self.train_model.train()
         self.epoch_metrics.reset()
-        self.window_metrics.reset()
+        self.window_start = self.epoch_metrics.totals()
         window_started = time.perf_counter()
         accum = self.options.grad_accum
         for micro_step, (images, targets) in enumerate(self.data.train_loader):
@@ -179,7 +180,6 @@ class Trainer:
             loss = loss_sum / (targets.shape[0] * accum)
             self.scaler.scale(loss).backward()
         self.epoch_metrics.update(logits, targets, loss_sum)
-        self.window_metrics.update(logits, targets, loss_sum)
 
     def _optimizer_step(self) -> None:
         if self.options.grad_clip is not None:
@@ -217,8 +217,8 @@ class Trainer:
         return better
 
     def _report_window(self, step: int, seconds: float) -> None:
-        window = self.window_metrics.compute()
-        self.window_metrics.reset()
+        window = self.epoch_metrics.compute(baseline=self.window_start)
+        self.window_start = self.epoch_metrics.totals()
         self.reporter.scalars(
             {
                 "train/loss": window["loss"],

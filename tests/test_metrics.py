@@ -28,3 +28,12 @@ def test_reset_and_empty():
     metrics.reset()
     empty = metrics.compute()
     assert empty["count"] == 0 and empty["loss"] != empty["loss"]
+
+
+def test_a_window_is_the_difference_from_its_baseline():
+    metrics = ClassificationMetrics(torch.device("cpu"))
+    metrics.update(torch.eye(2), torch.tensor([0, 1]), torch.tensor(4.0))
+    baseline = metrics.totals()
+    metrics.update(torch.eye(3), torch.tensor([0, 0, 0]), torch.tensor(3.0))
+    assert metrics.compute(baseline=baseline) == {"loss": 1.0, "acc": 1 / 3, "count": 3}
+    assert metrics.compute() == {"loss": 7 / 5, "acc": 3 / 5, "count": 5}

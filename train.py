@@ -65,7 +65,7 @@ def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src
     from src.trainer import Trainer, TrainerOptions, TrainState
 
     reporting.setup_logging(run_dir, runtime.env.rank)
-    checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", runtime.is_main_process)
+    checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", runtime.is_main_process, cfg.trainer.keep_last)
     # A restarted or requeued run picks up where it stopped; otherwise as configured.
     resume = "auto" if cfg.resume is None and launch.restarted_by_launcher() else cfg.resume
     resume_from = checkpointer.resume_path(resume)  # refuse before any work is done
@@ -90,11 +90,16 @@ def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src
         payload = checkpoint.load(resume_from)
         checkpoint.load_model_state(module, payload["model"], resume_from)
         state = trainer.load_state_dict(payload)
-        log.info("resumed from %s after epoch %d (step %d)", resume_from, state.epoch, state.step)
+        log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", resume_from, state.epoch,
+                 state.step, state.step_in_epoch, state.epoch + 1)
 
     reporting.log_run_start(run_dir, runtime, module, data, cfg.trainer.grad_accum)
     config = OmegaConf.to_container(cfg, resolve=True)
     state = trainer.fit(state, config)
+    if state.stopped_early:
+        log.info("stopped at step %d with a checkpoint; continue with: resume=auto hydra.run.dir=%s",
+                 state.step, run_dir)
+        return state.history[-1]["val/acc"] if state.history else float("nan")
 
     summary = trainer.summary(state, data.num_val_samples)
     reporter.hparams(reporting.flatten(config), {k: v for k, v in summary.items() if "/" in k})

@@ -57,14 +57,16 @@ def load_model_state(module: torch.nn.Module, state: dict[str, Any], path: Path)
 
 
 class Checkpointer:
-    """Writes `checkpoints/last.pt` (every epoch) and `best.pt` (on improvement).
+    """Writes `checkpoints/last.pt` (every epoch, and at step checkpoints), `best.pt` (on
+    improvement) and `step_<N>.pt` (step checkpoints, the newest `keep_last`).
 
     Only the main process writes; the others hold the same state, so nothing is lost.
     """
 
-    def __init__(self, directory: Path, is_main_process: bool) -> None:
+    def __init__(self, directory: Path, is_main_process: bool, keep_last: int = 2) -> None:
         self.directory = directory
         self.is_main_process = is_main_process
+        self.keep_last = keep_last
 
     @property
     def last_path(self) -> Path:
@@ -74,15 +76,25 @@ class Checkpointer:
     def best_path(self) -> Path:
         return self.directory / BEST
 
-    def save(self, payload: dict[str, Any], is_best: bool) -> None:
+    def save(self, payload: dict[str, Any], is_best: bool, step: int | None = None) -> None:
+        """Write `last.pt` (and `best.pt` if `is_best`). A mid-epoch checkpoint (`step` given)
+        is also kept as `step_<step>.pt`, the newest `keep_last` of them."""
         if not self.is_main_process:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         save_atomic({"format": FORMAT, **payload}, self.last_path)
         if is_best:
-            tmp = self.best_path.with_name(BEST + ".tmp")
-            shutil.copyfile(self.last_path, tmp)
-            os.replace(tmp, self.best_path)
+            self._copy_atomic(self.last_path, self.best_path)
+        if step is not None:
+            self._copy_atomic(self.last_path, self.directory / f"step_{step:09d}.pt")
+            for old in sorted(self.directory.glob("step_*.pt"))[: -self.keep_last or None]:
+                old.unlink()
+
+    @staticmethod
+    def _copy_atomic(source: Path, target: Path) -> None:
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
 
     def resume_path(self, resume: str | None) -> Path | None:
         """The checkpoint to resume from: None (fresh start), `auto` or an explicit path.

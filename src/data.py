@@ -66,10 +66,13 @@ class GlobalBatchSampler:
         self.seed = seed
         self.steps_per_epoch = num_samples // global_batch_size
         self.epoch = 0
+        self.start_step = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        """Pick the epoch's permutation; call before iterating each epoch."""
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """Pick the epoch's permutation, and the step to start from (a resumed epoch skips
+        the global batches already trained on, whatever the world size then was)."""
         self.epoch = epoch
+        self.start_step = start_step
 
     def permutation(self) -> torch.Tensor:
         if not self.shuffle:
@@ -78,12 +81,12 @@ class GlobalBatchSampler:
         return torch.randperm(self.num_samples, generator=generator)
 
     def __len__(self) -> int:
-        return self.steps_per_epoch * self.grad_accum
+        return (self.steps_per_epoch - self.start_step) * self.grad_accum
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self.permutation().tolist()
         b = self.micro_batch_size
-        for step in range(self.steps_per_epoch):
+        for step in range(self.start_step, self.steps_per_epoch):
             step_start = step * self.global_batch_size
             for micro in range(self.grad_accum):
                 start = step_start + (micro * self.world_size + self.rank) * b

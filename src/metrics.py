@@ -39,6 +39,18 @@ class ClassificationMetrics:
         """This rank's (loss sum, correct, count) so far, e.g. as the baseline of a window."""
         return torch.stack([self._loss_sum, self._correct.double(), self._loss_sum.new_tensor(self._count)])
 
+    def compute_totals(self) -> list[float]:
+        """(loss sum, correct, count) over all ranks: what a checkpoint keeps of an unfinished epoch.
+        A collective."""
+        return all_reduce_sum(self.totals()).tolist()
+
+    def add_totals(self, totals: list[float]) -> None:
+        """Add totals saved by `compute_totals` (on one rank only, or they count twice)."""
+        loss_sum, correct, count = totals
+        self._loss_sum += loss_sum
+        self._correct += int(correct)
+        self._count += int(count)
+
     def compute(self, baseline: torch.Tensor | None = None) -> dict[str, float]:
         """`loss`, `acc` and `count` over all ranks' samples (since `baseline`, if given).
 

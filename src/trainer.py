@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, ContextManager
@@ -19,13 +21,42 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src.checkpoint import Checkpointer
 from src.data import Data
-from src.distributed import Runtime
+from src.distributed import Runtime, all_reduce_sum
 from src.evaluation import autocast, autocast_dtype, evaluate
 from src.metrics import ClassificationMetrics
 from src.reporting import FINAL_METRICS, Reporter
 from src.seeding import epoch_seed, seed_everything
 
 log = logging.getLogger(__name__)
+
+
+class PreemptionFlag:
+    """SIGTERM (what SLURM and torchrun send before killing) raises a flag instead of
+    killing the process at once, so the loop can checkpoint at the next agreed step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __enter__(self) -> "PreemptionFlag":
+        self.signalled = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.signalled:
+            log.warning("SIGTERM: checkpointing at the next log step, then stopping")
+        self.signalled = True
+
+    def any_rank_signalled(self) -> bool:
+        """Whether any rank got the signal (a collective: call on every rank at the same step)."""
+        return all_reduce_sum(torch.tensor([float(self.signalled)], device=self.device)).item() > 0
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
 
 @dataclass
 class TrainState:
@@ -37,6 +68,9 @@ class TrainState:
     train_samples: int = 0  # training samples seen, all ranks
     train_seconds: float = 0.0  # wall time spent in training epochs
     history: list[dict[str, float]] = field(default_factory=list)
+    step_in_epoch: int = 0  # optimizer steps already taken in the unfinished epoch `epoch`
+    epoch_totals: list[float] | None = None  # its train metric totals, summed over all ranks
+    stopped_early: bool = False  # the run stopped before its last epoch (max_steps, SIGTERM)
 
 
 @dataclass
@@ -50,6 +84,8 @@ class TrainerOptions:
     save_checkpoints: bool = True
     monitor: str = "val/acc"
     monitor_mode: str = "max"
+    checkpoint_every_steps: int | None = None  # also checkpoint mid-epoch every N optimizer steps
+    max_steps: int | None = None  # stop (with a checkpoint) after this many optimizer steps in all
 
     @classmethod
     def from_config(cls, trainer_cfg: Any, seed: int) -> "TrainerOptions":
@@ -104,55 +140,71 @@ class Trainer:
         self.optimizer.load_state_dict(payload["optimizer"])
         self.scheduler.load_state_dict(payload["scheduler"])
         self.scaler.load_state_dict(payload["scaler"])
-        return TrainState(**{key: payload[key] for key in TrainState.__dataclass_fields__})
+        defaults = TrainState()
+        return TrainState(**{key: payload.get(key, getattr(defaults, key)) for key in TrainState.__dataclass_fields__})
 
     # -- the run -----------------------------------------------------------------------
 
     def fit(self, state: TrainState, config: dict[str, Any]) -> TrainState:
-        """Train from `state` to `options.epochs`, evaluating and checkpointing every epoch."""
-        for epoch in range(state.epoch, self.options.epochs):
-            started = time.perf_counter()
-            train = self.train_one_epoch(epoch, state)
-            train_seconds = time.perf_counter() - started
-            val = self.evaluate()
-            state.epoch = epoch + 1
-            state.train_samples += train["count"]
-            state.train_seconds += train_seconds
-            record = {
-                "epoch": state.epoch,
-                "step": state.step,
-                "train/loss": train["loss"],
-                "train/acc": train["acc"],
-                "val/loss": val["loss"],
-                "val/acc": val["acc"],
-                "lr": self.optimizer.param_groups[0]["lr"],
-                "epoch_time_s": time.perf_counter() - started,
-                "samples_per_s": train["count"] / train_seconds,
-            }
-            state.history.append(record)
-            is_best = self._improves(state, record[self.options.monitor])
-            self._report_epoch(record, val["count"])
-            if self.options.save_checkpoints:
-                self.checkpointer.save(self.state_dict(state, config), is_best)
-            # After the checkpoint: metrics.json never reports an epoch a restart would lose.
-            self.reporter.write_metrics(self.summary(state, val["count"]))
+        """Train from `state` to `options.epochs`, evaluating and checkpointing every epoch.
+
+        Stops early, with a checkpoint to resume from, after `options.max_steps` optimizer
+        steps or when the process is asked to terminate (SIGTERM: preemption).
+        """
+        with PreemptionFlag(self.runtime.device) as preemption:
+            self.preemption = preemption
+            for epoch in range(state.epoch, self.options.epochs):
+                started = time.perf_counter()
+                train = self.train_one_epoch(epoch, state, config)
+                if state.stopped_early:
+                    return state
+                train_seconds = time.perf_counter() - started
+                val = self.evaluate()
+                state.epoch = epoch + 1
+                state.train_samples += train["timed_count"]
+                state.train_seconds += train_seconds
+                record = {
+                    "epoch": state.epoch,
+                    "step": state.step,
+                    "train/loss": train["loss"],
+                    "train/acc": train["acc"],
+                    "val/loss": val["loss"],
+                    "val/acc": val["acc"],
+                    "lr": self.optimizer.param_groups[0]["lr"],
+                    "epoch_time_s": time.perf_counter() - started,
+                    "samples_per_s": train["timed_count"] / train_seconds,
+                }
+                state.history.append(record)
+                is_best = self._improves(state, record[self.options.monitor])
+                self._report_epoch(record, val["count"])
+                if self.options.save_checkpoints:
+                    self.checkpointer.save(self.state_dict(state, config), is_best)
+                # After the checkpoint: metrics.json never reports an epoch a restart would lose.
+                self.reporter.write_metrics(self.summary(state, val["count"]))
         return state
 
-    def train_one_epoch(self, epoch: int, state: TrainState) -> dict[str, float]:
-        self.data.train_sampler.set_epoch(epoch)
-        # Reseeding per epoch (differently per rank) makes dropout and augmentation
-        # repeatable after a resume and independent across ranks.
-        seed = epoch_seed(self.options.seed, self.runtime.env.rank, epoch)
-        seed_everything(seed)
+    def train_one_epoch(self, epoch: int, state: TrainState, config: dict[str, Any]) -> dict[str, float]:
+        """One epoch's optimizer steps, from `state.step_in_epoch` on (a resumed epoch goes on
+        where it stopped, with the same remaining samples). Returns its train metrics."""
+        sampler = self.data.train_sampler
+        sampler.set_epoch(epoch, start_step=state.step_in_epoch)
         generator = getattr(self.data.train_loader, "generator", None)  # a DataLoader's: seeds its workers
         if generator is not None:
-            generator.manual_seed(seed)
+            generator.manual_seed(epoch_seed(self.options.seed, self.runtime.env.rank, epoch))
         self.train_model.train()
         self.epoch_metrics.reset()
+        restored = state.epoch_totals  # the totals of a resumed epoch's first steps
+        if restored is not None and self.runtime.is_main_process:
+            self.epoch_metrics.add_totals(restored)  # all ranks' sums: added once, on rank 0
+        state.epoch_totals = None
         self.window_start = self.epoch_metrics.totals()
         window_started = time.perf_counter()
         accum = self.options.grad_accum
         for micro_step, (images, targets) in enumerate(self.data.train_loader):
+            if micro_step % accum == 0:
+                # Seeded per optimizer step (differently per rank): dropout and augmentation
+                # draw the same after a resume at any step, and independently across ranks.
+                seed_everything(epoch_seed(self.options.seed, self.runtime.env.rank, state.step))
             images = images.to(self.runtime.device, non_blocking=True)
             targets = targets.to(self.runtime.device, non_blocking=True)
             is_step_end = (micro_step + 1) % accum == 0
@@ -161,10 +213,40 @@ class Trainer:
                 continue
             self._optimizer_step()
             state.step += 1
+            state.step_in_epoch += 1
             if state.step % self.options.log_every_steps == 0:
                 self._report_window(state.step, time.perf_counter() - window_started)
                 window_started = time.perf_counter()
-        return self.epoch_metrics.compute()
+            if self._should_stop(state):
+                self._save_mid_epoch(state, config)
+                state.stopped_early = True
+                return {}
+            every = self.options.checkpoint_every_steps
+            if every and state.step % every == 0 and state.step_in_epoch < sampler.steps_per_epoch:
+                self._save_mid_epoch(state, config)
+        state.step_in_epoch = 0
+        metrics = self.epoch_metrics.compute()
+        # Samples trained (and timed) by this run, not those restored from a checkpoint.
+        metrics["timed_count"] = metrics["count"] - (int(restored[2]) if restored is not None else 0)
+        return metrics
+
+    def _should_stop(self, state: TrainState) -> bool:
+        """max_steps reached, or a rank got SIGTERM. The signal is agreed on at log steps
+        (one all-reduce there), so every rank stops at the same step."""
+        if self.options.max_steps is not None and state.step >= self.options.max_steps:
+            return True
+        if state.step % self.options.log_every_steps:
+            return False
+        return self.preemption.any_rank_signalled()
+
+    def _save_mid_epoch(self, state: TrainState, config: dict[str, Any]) -> None:
+        """A step checkpoint: the model and everything needed to go on from this very step."""
+        state.epoch_totals = self.epoch_metrics.compute_totals()
+        if self.options.save_checkpoints:
+            self.checkpointer.save(self.state_dict(state, config), is_best=False, step=state.step)
+        state.epoch_totals = None
+        log.info("checkpoint at step %d (epoch %d, step %d of %d)", state.step, state.epoch + 1,
+                 state.step_in_epoch, self.data.train_sampler.steps_per_epoch)
 
     def _forward_backward(self, images: torch.Tensor, targets: torch.Tensor, accum: int, sync: bool) -> None:
         # On micro-steps before the last one, DDP must not all-reduce gradients yet.

@@ -122,3 +122,23 @@ def test_augmentation_is_seeded_per_rank_and_per_worker():
     assert not torch.equal(first, draws(rank1, num_workers=2))  # ranks augment differently
     # batches alternate between the two workers: their torch and numpy streams differ too
     assert len(set(first[:, 0].tolist())) == 8 and len(set(first[:, 1].tolist())) == 8
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (2, 4)])
+def test_a_resumed_epoch_sees_the_rest_exactly_once_on_a_new_world_size(before, after):
+    """Stopped after 7 steps on `before` ranks, resumed on `after`: every sample of the epoch
+    (but the dropped tail) is trained on exactly once, in the same global batches."""
+    def epoch_steps(world_size, start_step):
+        samplers = [GlobalBatchSampler(1437, 64, rank, world_size, seed=3) for rank in range(world_size)]
+        for sampler in samplers:
+            sampler.set_epoch(5, start_step=start_step)
+        per_rank = [list(sampler) for sampler in samplers]
+        assert all(len(batches) == len(samplers[0]) for batches in per_rank)
+        return [sorted(i for batches in per_rank for i in batches[step]) for step in range(len(per_rank[0]))]
+
+    full = epoch_steps(1, 0)
+    first_part = epoch_steps(before, 0)[:7]
+    rest = epoch_steps(after, 7)
+    assert first_part + rest == full
+    seen = [i for step in first_part + rest for i in step]
+    assert len(seen) == len(set(seen)) == 22 * 64

@@ -36,10 +36,10 @@ class PreemptionFlag:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-
-    def __enter__(self) -> "PreemptionFlag":
         self.signalled = False
         self._previous = None
+
+    def __enter__(self) -> "PreemptionFlag":
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         return self
@@ -121,6 +121,8 @@ class Trainer:
         self.amp_dtype = autocast_dtype(options.precision)
         # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not.
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=self.amp_dtype == torch.float16)
+        self.preemption = PreemptionFlag(runtime.device)  # armed while fit() runs
+        self.run_config: dict[str, Any] = {}  # the resolved config, saved in checkpoints
         self.epoch_metrics = ClassificationMetrics(runtime.device)
         self.window_start = self.epoch_metrics.totals()  # the epoch totals when the log window began
 
@@ -151,11 +153,11 @@ class Trainer:
         Stops early, with a checkpoint to resume from, after `options.max_steps` optimizer
         steps or when the process is asked to terminate (SIGTERM: preemption).
         """
-        with PreemptionFlag(self.runtime.device) as preemption:
-            self.preemption = preemption
+        self.run_config = config
+        with self.preemption:
             for epoch in range(state.epoch, self.options.epochs):
                 started = time.perf_counter()
-                train = self.train_one_epoch(epoch, state, config)
+                train = self.train_one_epoch(epoch, state)
                 if state.stopped_early:
                     return state
                 train_seconds = time.perf_counter() - started
@@ -183,7 +185,7 @@ class Trainer:
                 self.reporter.write_metrics(self.summary(state, val["count"]))
         return state
 
-    def train_one_epoch(self, epoch: int, state: TrainState, config: dict[str, Any]) -> dict[str, float]:
+    def train_one_epoch(self, epoch: int, state: TrainState) -> dict[str, float]:
         """One epoch's optimizer steps, from `state.step_in_epoch` on (a resumed epoch goes on
         where it stopped, with the same remaining samples). Returns its train metrics."""
         sampler = self.data.train_sampler
@@ -218,12 +220,12 @@ class Trainer:
                 self._report_window(state.step, time.perf_counter() - window_started)
                 window_started = time.perf_counter()
             if self._should_stop(state):
-                self._save_mid_epoch(state, config)
+                self._save_mid_epoch(state)
                 state.stopped_early = True
                 return {}
             every = self.options.checkpoint_every_steps
             if every and state.step % every == 0 and state.step_in_epoch < sampler.steps_per_epoch:
-                self._save_mid_epoch(state, config)
+                self._save_mid_epoch(state)
         state.step_in_epoch = 0
         metrics = self.epoch_metrics.compute()
         # Samples trained (and timed) by this run, not those restored from a checkpoint.
@@ -239,11 +241,11 @@ class Trainer:
             return False
         return self.preemption.any_rank_signalled()
 
-    def _save_mid_epoch(self, state: TrainState, config: dict[str, Any]) -> None:
+    def _save_mid_epoch(self, state: TrainState) -> None:
         """A step checkpoint: the model and everything needed to go on from this very step."""
         state.epoch_totals = self.epoch_metrics.compute_totals()
         if self.options.save_checkpoints:
-            self.checkpointer.save(self.state_dict(state, config), is_best=False, step=state.step)
+            self.checkpointer.save(self.state_dict(state, self.run_config), is_best=False, step=state.step)
         state.epoch_totals = None
         log.info("checkpoint at step %d (epoch %d, step %d of %d)", state.step, state.epoch + 1,
                  state.step_in_epoch, self.data.train_sampler.steps_per_epoch)

@@ -142,3 +142,44 @@ def test_sigterm_checkpoints_and_stops_cleanly(workdir: Path, straight: Path):
     assert saved["epoch"] == 1 and 22 < saved["step"] < 44 and saved["step"] % 2 == 0
     check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))
     assert_same_run(workdir / "run", straight)
+
+
+def test_a_corrupt_last_checkpoint_is_refused_and_left_alone(workdir: Path):
+    check(train(["trainer.epochs=1", "hydra.run.dir=run"], workdir))
+    last = workdir / "run" / "checkpoints" / "last.pt"
+    last.write_bytes(last.read_bytes()[:1000])  # as if the disk filled up under another tool
+    damaged = last.read_bytes()
+    result = train(["trainer.epochs=2", "resume=auto", "hydra.run.dir=run"], workdir)
+    assert result.returncode == 2
+    assert f"error: checkpoint {last} cannot be read" in result.stderr and "Traceback" not in result.stderr
+    assert last.read_bytes() == damaged
+    assert metrics(workdir / "run")["epoch"] == 1
+
+
+WRITER = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from src.checkpoint import Checkpointer
+saver = Checkpointer(Path({directory!r}), is_main_process=True)
+saver.save({{"model": {{"w": torch.zeros(3)}}, "epoch": 1}}, is_best=False)
+print("first saved", flush=True)
+saver.save({{"model": {{"w": torch.ones(64 * 2**20)}}, "epoch": 2}}, is_best=False)  # 256 MB: takes a while
+"""
+
+
+def test_a_process_killed_while_writing_leaves_the_previous_checkpoint(tmp_path: Path):
+    from conftest import REPO
+
+    from src import checkpoint
+
+    code = WRITER.format(repo=str(REPO), directory=str(tmp_path))
+    writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "first saved"
+    temp = tmp_path / "last.pt.tmp"
+    deadline = time.time() + 60
+    while not (temp.exists() and temp.stat().st_size > 0) and time.time() < deadline:
+        time.sleep(0.001)
+    writer.kill()  # mid-write of the second checkpoint
+    writer.wait(timeout=30)
+    assert checkpoint.load(tmp_path / "last.pt")["epoch"] == 1

@@ -1,4 +1,4 @@
-"""Seeding: one seed for the run, derived per rank and epoch where randomness must differ."""
+"""Seeding: one seed for the run, derived per rank, epoch and step where randomness must differ."""
 
 from __future__ import annotations
 
@@ -15,6 +15,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def seed_step(seed: int, device: torch.device) -> None:
+    """Seed Python, NumPy, the CPU and `device`'s generator: cheap enough for every step.
+
+    `torch.manual_seed` also queues a seed for every CUDA/XPU/MTIA device, recording a stack
+    trace each time when they are not initialised: about 0.3 ms, a tenth of a small step.
+    """
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+
+
 def epoch_seed(seed: int, rank: int, epoch: int) -> int:
-    """A distinct, reproducible seed for each (run seed, rank, epoch)."""
+    """A distinct, reproducible seed for each (run seed, rank, epoch or step)."""
     return (seed * 1_000_003 + rank * 10_007 + epoch) % 2**63

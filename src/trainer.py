@@ -25,7 +25,7 @@ from src.distributed import Runtime, all_reduce_sum
 from src.evaluation import autocast, autocast_dtype, evaluate
 from src.metrics import ClassificationMetrics
 from src.reporting import FINAL_METRICS, Reporter
-from src.seeding import epoch_seed, seed_everything
+from src.seeding import epoch_seed, seed_step
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ class Trainer:
             if micro_step % accum == 0:
                 # Seeded per optimizer step (differently per rank): dropout and augmentation
                 # draw the same after a resume at any step, and independently across ranks.
-                seed_everything(epoch_seed(self.options.seed, self.runtime.env.rank, state.step))
+                seed_step(epoch_seed(self.options.seed, self.runtime.env.rank, state.step), self.runtime.device)
             images = images.to(self.runtime.device, non_blocking=True)
             targets = targets.to(self.runtime.device, non_blocking=True)
             is_step_end = (micro_step + 1) % accum == 0

@@ -40,3 +40,21 @@ def test_epoch_seeds_differ_by_rank_and_epoch_and_repeat():
     first = torch.rand(3)
     seed_everything(7)
     assert torch.equal(first, torch.rand(3))
+
+
+def test_step_seeding_repeats_torch_numpy_and_python_draws():
+    import random
+
+    import numpy as np
+
+    from src.seeding import seed_step
+
+    def draw():
+        return torch.rand(2).tolist(), float(np.random.rand()), random.random()
+
+    seed_step(11, torch.device("cpu"))
+    first = draw()
+    seed_step(11, torch.device("cpu"))
+    assert draw() == first
+    seed_step(12, torch.device("cpu"))
+    assert draw() != first

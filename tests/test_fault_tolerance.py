@@ -183,3 +183,22 @@ def test_a_process_killed_while_writing_leaves_the_previous_checkpoint(tmp_path:
     writer.kill()  # mid-write of the second checkpoint
     writer.wait(timeout=30)
     assert checkpoint.load(tmp_path / "last.pt")["epoch"] == 1
+
+
+def test_sigterm_to_torchrun_checkpoints_every_rank_at_the_same_step(workdir: Path):
+    """SLURM and schedulers signal the launcher; torchrun forwards SIGTERM to its workers,
+    which agree on one step, write one checkpoint and exit before torchrun's grace period ends."""
+    check(torchrun(2, [*TWO_EPOCHS, "hydra.run.dir=straight"], workdir))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN,
+               *TWO_EPOCHS, "trainer.log_every_steps=2", "hydra.run.dir=run"]
+    agent = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (workdir / "run" / "metrics.json").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    agent.send_signal(signal.SIGTERM)
+    agent.communicate(timeout=120)
+    saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["epoch"] == 1 and 22 < saved["step"] < 44 and saved["step"] % 2 == 0
+    assert "stopped at step" in (workdir / "run" / "train.log").read_text()
+    check(torchrun(2, [*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))
+    assert_same_run(workdir / "run", workdir / "straight")

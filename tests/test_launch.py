@@ -133,3 +133,10 @@ def test_sweep_summary_sorts_completed_jobs_by_the_metric(tmp_path: Path):
 def test_no_run_dir_without_a_run(tmp_path: Path, argv):
     subprocess.run([sys.executable, str(REPO / "train.py"), *argv], cwd=tmp_path, check=True, capture_output=True)
     assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("environ,restarted", [
+    ({}, False), ({"TORCHELASTIC_RESTART_COUNT": "0"}, False), ({"TORCHELASTIC_RESTART_COUNT": "2"}, True),
+    ({"SLURM_RESTART_COUNT": "1"}, True), ({"SLURM_RESTART_COUNT": "0"}, False)])
+def test_restarts_and_requeues_are_recognised(environ, restarted):
+    assert launch.restarted_by_launcher(environ) is restarted

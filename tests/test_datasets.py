@@ -56,16 +56,20 @@ def test_mnist_missing_files_names_folder_and_files(tmp_path, builder, folder_na
     assert "\n" not in message
 
 
-def test_mnist_download_failure_is_one_clear_error(tmp_path, monkeypatch):
+@pytest.mark.parametrize("builder,torchvision_class,folder", [
+    (datasets.mnist, "MNIST", ("MNIST", "raw")),
+    (datasets.cifar10, "CIFAR10", ("cifar-10-batches-py",)),
+])
+def test_download_failure_is_one_clear_error(tmp_path, monkeypatch, builder, torchvision_class, folder):
     import torchvision.datasets
 
     def no_network(self):
         raise OSError("Network is unreachable")
 
-    monkeypatch.setattr(torchvision.datasets.MNIST, "download", no_network)
+    monkeypatch.setattr(getattr(torchvision.datasets, torchvision_class), "download", no_network)
     with pytest.raises(DatasetNotFoundError, match="download failed .*Network is unreachable") as error:
-        datasets.mnist(str(tmp_path), download=True)
-    assert str(tmp_path / "MNIST" / "raw") in str(error.value)
+        builder(str(tmp_path), download=True)
+    assert str(tmp_path.joinpath(*folder)) in str(error.value)
 
 
 # ---- CIFAR-10 --------------------------------------------------------------------------------
@@ -121,18 +125,6 @@ def test_cifar10_missing_files_names_folder_and_files(tmp_path):
     message = str(error.value)
     assert str(tmp_path / "cifar-10-batches-py") in message
     assert all(name in message for name in datasets.CIFAR10_FILES)
-
-
-def test_cifar10_download_failure_is_one_clear_error(tmp_path, monkeypatch):
-    import torchvision.datasets
-
-    def no_network(self):
-        raise OSError("Network is unreachable")
-
-    monkeypatch.setattr(torchvision.datasets.CIFAR10, "download", no_network)
-    with pytest.raises(DatasetNotFoundError, match="download failed .*Network is unreachable") as error:
-        datasets.cifar10(str(tmp_path), download=True)
-    assert str(tmp_path / "cifar-10-batches-py") in str(error.value)
 
 
 # ---- image folders ---------------------------------------------------------------------------

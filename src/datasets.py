@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from src.errors import UsageError
+from src.image_tensors import ImageTensorDataset
 
 if TYPE_CHECKING:
     import numpy as np
@@ -129,43 +130,63 @@ def synthetic(
     )
 
 
-def mnist(root: str, download: bool = True) -> DataSplits:
-    """MNIST from `<root>/MNIST/raw/` (idx files, uncompressed); the official test set is val."""
+def mnist(root: str, download: bool = True, in_memory: bool = True) -> DataSplits:
+    """MNIST from `<root>/MNIST/raw/` (idx files, uncompressed); the official test set is val.
+
+    `in_memory`: the splits as uint8 tensors, batched on the training device (`src/image_tensors.py`);
+    otherwise torchvision datasets that DataLoader workers read sample by sample.
+    """
     from torchvision.datasets import MNIST
 
-    return _mnist_format(MNIST, root, download, MNIST_MEAN_STD)
+    return _mnist_format(MNIST, root, download, MNIST_MEAN_STD, in_memory)
 
 
-def fashion_mnist(root: str, download: bool = True) -> DataSplits:
-    """Fashion-MNIST from `<root>/FashionMNIST/raw/` (idx files, uncompressed); test set is val."""
+def fashion_mnist(root: str, download: bool = True, in_memory: bool = True) -> DataSplits:
+    """Fashion-MNIST from `<root>/FashionMNIST/raw/` (idx files, uncompressed); test set is val.
+    `in_memory` as for `mnist`."""
     from torchvision.datasets import FashionMNIST
 
-    return _mnist_format(FashionMNIST, root, download, FASHION_MNIST_MEAN_STD)
+    return _mnist_format(FashionMNIST, root, download, FASHION_MNIST_MEAN_STD, in_memory)
 
 
 def _mnist_format(
-    dataset_class: type, root: str, download: bool, mean_std: tuple[tuple[float, ...], tuple[float, ...]]
+    dataset_class: type,
+    root: str,
+    download: bool,
+    mean_std: tuple[tuple[float, ...], tuple[float, ...]],
+    in_memory: bool,
 ) -> DataSplits:
     """MNIST-format 28x28 grayscale splits read by `dataset_class` (MNIST or one of its subclasses)."""
     from torchvision import transforms
 
     folder = Path(root) / dataset_class.__name__ / "raw"
     _ensure_files(dataset_class.__name__, folder, MNIST_FILES, download, lambda: dataset_class(root, download=True))
-    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(*mean_std)])
+    if in_memory:
+        train, val = (dataset_class(root, train=is_train) for is_train in (True, False))
+        # torchvision has already read the idx files into uint8 N x 28 x 28 tensors.
+        train, val = (ImageTensorDataset(split.data.unsqueeze(1), split.targets, *mean_std) for split in (train, val))
+    else:
+        transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(*mean_std)])
+        train, val = (dataset_class(root, train=is_train, transform=transform) for is_train in (True, False))
     return DataSplits(
-        train=dataset_class(root, train=True, transform=transform),
-        val=dataset_class(root, train=False, transform=transform),
+        train=train,
+        val=val,
         num_classes=10,
         in_channels=1,
         image_size=(28, 28),
     )
 
 
-def cifar10(root: str, download: bool = True, augment: bool = True, verify_checksums: bool = True) -> DataSplits:
+def cifar10(
+    root: str, download: bool = True, augment: bool = True, verify_checksums: bool = True, in_memory: bool = True
+) -> DataSplits:
     """CIFAR-10 from the python pickle batches in `<root>/cifar-10-batches-py/`; test_batch is val.
 
     With `verify_checksums` (the default) every file must match torchvision's md5 sums of the
-    official release; set it to false to accept other files in the same format.
+    official release; set it to false to accept other files in the same format. `augment`: random
+    crop of the 4-pixel zero-padded image and random horizontal flip, training images only.
+    `in_memory`: the splits as uint8 tensors, batched and augmented on the training device
+    (`src/image_tensors.py`); otherwise torchvision datasets that DataLoader workers read.
     """
     from torchvision import transforms
     from torchvision.datasets import CIFAR10
@@ -177,15 +198,27 @@ def cifar10(root: str, download: bool = True, augment: bool = True, verify_check
         dataset_class = CIFAR10
     else:
         from src.cifar10_files import CIFAR10WithoutMD5 as dataset_class
-    to_tensor = [transforms.ToTensor(), transforms.Normalize(*CIFAR10_MEAN_STD)]
-    augmentation = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
+    if in_memory:
+        train = _cifar10_tensors(dataset_class(root, train=True), augment)
+        val = _cifar10_tensors(dataset_class(root, train=False), augment=False)
+    else:
+        to_tensor = [transforms.ToTensor(), transforms.Normalize(*CIFAR10_MEAN_STD)]
+        augmentation = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
+        train = dataset_class(root, train=True, transform=transforms.Compose(augmentation + to_tensor))
+        val = dataset_class(root, train=False, transform=transforms.Compose(to_tensor))
     return DataSplits(
-        train=dataset_class(root, train=True, transform=transforms.Compose(augmentation + to_tensor)),
-        val=dataset_class(root, train=False, transform=transforms.Compose(to_tensor)),
+        train=train,
+        val=val,
         num_classes=10,
         in_channels=3,
         image_size=(32, 32),
     )
+
+
+def _cifar10_tensors(split: Dataset, augment: bool) -> ImageTensorDataset:
+    """A torchvision CIFAR10 split (its pickles already read into a uint8 N x H x W x C array) as tensors."""
+    images = torch.from_numpy(split.data).permute(0, 3, 1, 2).contiguous()
+    return ImageTensorDataset(images, torch.tensor(split.targets), *CIFAR10_MEAN_STD, 4 if augment else 0, augment)
 
 
 def _verify_cifar10_checksums(folder: Path) -> None:

@@ -10,12 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import check, metrics, train, weights
 from dataset_files import write_cifar10, write_image_folder, write_mnist
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from src import datasets
+from src.data import EvalShardSampler, TensorBatchLoader
 from src.datasets import DatasetNotFoundError
+from src.image_tensors import ImageTensorDataset
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,7 +108,7 @@ def test_cifar10_augmented_train_keeps_shape_and_val_is_not_augmented(tmp_path):
 
 def test_cifar10_dataset_pickles_for_spawned_workers(tmp_path):
     write_cifar10(tmp_path)
-    splits = datasets.cifar10(str(tmp_path), download=False, augment=False, verify_checksums=False)
+    splits = datasets.cifar10(str(tmp_path), download=False, augment=False, verify_checksums=False, in_memory=False)
     copy = pickle.loads(pickle.dumps(splits.train))
     torch.testing.assert_close(copy[4][0], splits.train[4][0])
 
@@ -125,6 +128,144 @@ def test_cifar10_missing_files_names_folder_and_files(tmp_path):
     message = str(error.value)
     assert str(tmp_path / "cifar-10-batches-py") in message
     assert all(name in message for name in datasets.CIFAR10_FILES)
+
+
+# ---- the on-device path (in_memory) ------------------------------------------------------------
+
+IN_MEMORY_CASES = [
+    (lambda root, **kw: datasets.mnist(root, download=False, **kw), "MNIST"),
+    (lambda root, **kw: datasets.fashion_mnist(root, download=False, **kw), "FashionMNIST"),
+    (lambda root, **kw: datasets.cifar10(root, download=False, augment=False, verify_checksums=False, **kw), "CIFAR"),
+]
+
+
+def write_files(root: Path, folder_name: str) -> None:
+    if folder_name == "CIFAR":
+        write_cifar10(root, per_batch=4)
+    else:
+        write_mnist(root, folder_name)
+
+
+def loader_batches(dataset, batch_size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """All of `dataset` through TensorBatchLoader, in order, concatenated."""
+    loader = TensorBatchLoader(dataset, EvalShardSampler(len(dataset), batch_size, 0, 1), torch.device("cpu"))
+    images, labels = zip(*loader)
+    return torch.cat(images), torch.cat(labels)
+
+
+@pytest.mark.parametrize("builder, folder_name", IN_MEMORY_CASES, ids=["mnist", "fashion_mnist", "cifar10"])
+def test_in_memory_batches_equal_torchvisions_to_tensor_and_normalize(tmp_path, builder, folder_name):
+    write_files(tmp_path, folder_name)
+    fast, slow = builder(str(tmp_path)), builder(str(tmp_path), in_memory=False)
+    for split in ("train", "val"):
+        tensors, reference = getattr(fast, split), getattr(slow, split)
+        assert isinstance(tensors, ImageTensorDataset) and not isinstance(reference, ImageTensorDataset)
+        assert tensors.tensors[0].dtype == torch.uint8
+        images, labels = loader_batches(tensors)
+        expected = torch.stack([reference[i][0] for i in range(len(reference))])
+        assert images.dtype == torch.float32 and images.shape == expected.shape
+        torch.testing.assert_close(images, expected, rtol=0, atol=1e-6)
+        assert labels.tolist() == [reference[i][1] for i in range(len(reference))]
+        torch.testing.assert_close(tensors[len(tensors) - 1][0], expected[-1], rtol=0, atol=1e-6)
+
+
+def cifar10_augmented(root: Path) -> tuple[TensorBatchLoader, np.ndarray]:
+    """A loader over CIFAR-10's 40 augmented training images in one batch, and their uint8 pixels."""
+    batches = write_cifar10(root, per_batch=8)
+    splits = datasets.cifar10(str(root), download=False, verify_checksums=False)
+    pixels = np.concatenate([batches[f"data_batch_{i}"][0] for i in range(1, 6)]).reshape(-1, 3, 32, 32)
+    return TensorBatchLoader(splits.train, EvalShardSampler(40, 40, 0, 1), torch.device("cpu")), pixels
+
+
+def crop_and_flip(image: np.ndarray, padded_pixels: np.ndarray) -> tuple[int, int, bool] | None:
+    """The (top, left, flipped) under which `image` is a 32x32 crop of `padded_pixels`, if any."""
+    for top in range(9):
+        for left in range(9):
+            crop = padded_pixels[:, top : top + 32, left : left + 32]
+            for flipped in (False, True):
+                if np.array_equal(image, crop[:, :, ::-1] if flipped else crop):
+                    return top, left, flipped
+    return None
+
+
+def test_cifar10_device_augmentation_is_a_crop_of_the_zero_padded_image_and_a_flip(tmp_path):
+    loader, pixels = cifar10_augmented(tmp_path)
+    ((images, _),) = list(loader)
+    torch.manual_seed(0)
+    augmented = loader.augment(images)
+    mean, std = (torch.tensor(values).view(1, 3, 1, 1) for values in datasets.CIFAR10_MEAN_STD)
+    recovered = ((augmented * std + mean) * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+    padded = np.pad(pixels, ((0, 0), (0, 0), (4, 4), (4, 4)))  # zeros: black borders
+    draws = [crop_and_flip(recovered[i], padded[i]) for i in range(len(pixels))]
+    assert None not in draws
+    assert len(set(draws)) > 20  # drawn per sample
+    assert {flipped for _, _, flipped in draws} == {False, True}
+    assert any(top != 4 or left != 4 for top, left, _ in draws)  # some crops take border pixels
+
+
+def test_cifar10_device_augmentation_is_reproducible_under_the_same_seed(tmp_path):
+    loader, _ = cifar10_augmented(tmp_path)
+    ((images, _),) = list(loader)
+    draws = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        draws.append(loader.augment(images))
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+
+
+def test_cifar10_val_split_and_its_loader_are_never_augmented(tmp_path):
+    batches = write_cifar10(tmp_path, per_batch=4)
+    splits = datasets.cifar10(str(tmp_path), download=False, verify_checksums=False)
+    assert splits.train.augments and not splits.val.augments
+    loader = TensorBatchLoader(splits.val, EvalShardSampler(4, 4, 0, 1), torch.device("cpu"))
+    ((images, labels),) = list(loader)
+    data, expected_labels = batches["test_batch"]
+    expected = torch.stack([cifar10_normalised(row) for row in data])
+    torch.testing.assert_close(images, expected, rtol=0, atol=1e-6)
+    assert torch.equal(loader.augment(images), images) and labels.tolist() == expected_labels
+
+
+# ---- both paths through train.py -----------------------------------------------------------------
+
+TINY_FILES_RUN = ["dataset.root=data", "dataset.download=false", "dataset.batch_size=8", "dataset.num_workers=0",
+                  "trainer.epochs=1", "trainer.log_every_steps=2"]
+
+
+@pytest.mark.slow
+def test_mnist_trains_the_same_model_on_the_device_path_and_the_dataloader_path(tmp_path):
+    write_mnist(tmp_path / "data", "MNIST", num_train=48, num_test=20)
+    for in_memory in ("true", "false"):
+        check(train(["dataset=mnist", *TINY_FILES_RUN, f"dataset.in_memory={in_memory}",
+                     f"hydra.run.dir=run_{in_memory}"], tmp_path))
+    fast, slow = metrics(tmp_path / "run_true"), metrics(tmp_path / "run_false")
+    assert fast["step"] == slow["step"] == 48 // 8 and fast["val/num_samples"] == slow["val/num_samples"] == 20
+    for key in ("train/loss", "train/acc", "val/loss", "val/acc"):
+        assert fast[key] == pytest.approx(slow[key], abs=1e-5), key
+    for name, tensor in weights(tmp_path / "run_true").items():
+        torch.testing.assert_close(tensor, weights(tmp_path / "run_false")[name], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("in_memory", ["true", "false"])
+def test_cifar10_trains_on_both_paths(tmp_path, in_memory):
+    write_cifar10(tmp_path / "data", per_batch=8)
+    check(train(["dataset=cifar10", "dataset.verify_checksums=false", *TINY_FILES_RUN,
+                 f"dataset.in_memory={in_memory}", "hydra.run.dir=run"], tmp_path))
+    summary = metrics(tmp_path / "run")
+    assert summary["step"] == 40 // 8 and summary["val/num_samples"] == 8
+    assert np.isfinite(summary["val/loss"]) and np.isfinite(summary["train/loss"])
+
+
+@pytest.mark.slow
+def test_cifar10_device_augmentation_replays_exactly_after_a_resume(tmp_path):
+    write_cifar10(tmp_path / "data", per_batch=8)
+    args = ["dataset=cifar10", "dataset.verify_checksums=false", *TINY_FILES_RUN, "optimizer=sgd"]
+    check(train([*args, "hydra.run.dir=straight"], tmp_path))
+    check(train([*args, "trainer.max_steps=2", "hydra.run.dir=resumed"], tmp_path))
+    check(train([*args, "resume=auto", "hydra.run.dir=resumed"], tmp_path))
+    assert metrics(tmp_path / "resumed")["step"] == 5
+    for name, tensor in weights(tmp_path / "straight").items():
+        assert torch.equal(tensor, weights(tmp_path / "resumed")[name]), name
 
 
 # ---- image folders ---------------------------------------------------------------------------

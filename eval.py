@@ -23,7 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from src import launch
+from src import config_schema, launch
 from src.errors import UsageError, exit_on_usage_error
 
 log = logging.getLogger("eval")
@@ -42,6 +42,7 @@ ConfigStore.instance().store(group="dataset", name=FROM_CHECKPOINT, node=OmegaCo
 def main(cfg: DictConfig) -> float:
     """Hydra's entry point; returns the val accuracy."""
     # As in train.py, torch loads inside evaluate_checkpoint(), so `--help` stays fast.
+    config_schema.config_composed()  # from here on, errors are the run's (Hydra reports them as usual)
     launch.adopt_cluster_env()  # submitit / SLURM tasks become torchrun-style workers
     hydra_cfg = HydraConfig.get()
     with exit_on_usage_error(launch.is_main_rank(), in_sweep=hydra_cfg.mode == RunMode.MULTIRUN):
@@ -102,4 +103,5 @@ def merge_dataset(saved_dataset: DictConfig, overrides: DictConfig, path: Path) 
 
 if __name__ == "__main__":
     launch.adopt_cluster_env()
-    main()
+    with config_schema.one_line_config_errors(launch.is_main_rank()):
+        main()

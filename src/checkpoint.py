@@ -10,6 +10,7 @@ run's resolved config), `best` (the best monitored value so far), `history` and
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,21 @@ def load_model_state(module: torch.nn.Module, state: dict[str, Any], path: Path)
     try:
         module.load_state_dict(state)
     except RuntimeError as error:
-        first_line = str(error).strip().splitlines()[-1].strip()
+        # torch names every mismatched key, one kind of problem per line: a few of each say enough.
+        problems = [_first_keys(line.strip().rstrip(". ")) for line in str(error).strip().splitlines()[1:]]
+        more = f"; and {len(problems) - 2} more" if len(problems) > 2 else ""
         raise UsageError(
-            f"checkpoint {path} does not fit this model ({first_line}); "
+            f"checkpoint {path} does not fit this model ({'; '.join(problems[:2])}{more}); "
             "use the model and dataset configs it was saved with"
         ) from None
+
+
+def _first_keys(problem: str, shown: int = 3) -> str:
+    """`Unexpected key(s) in state_dict: "a", "b", ...` cut to its first `shown` keys."""
+    keys = re.findall(r'"([^"]+)"', problem)
+    if len(keys) <= shown:
+        return problem
+    return f"{problem.split(':')[0]}: {', '.join(keys[:shown])} and {len(keys) - shown} more"
 
 
 class Checkpointer:

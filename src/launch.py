@@ -15,7 +15,9 @@ Nothing here imports torch unless the run has several processes: `python train.p
 from __future__ import annotations
 
 import datetime
+import errno
 import os
+import socket
 import sys
 import uuid
 from pathlib import Path
@@ -102,20 +104,49 @@ def restarted_by_launcher(environ: Mapping[str, str] = os.environ) -> bool:
     return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or int(environ.get("SLURM_RESTART_COUNT", "0")) > 0
 
 
+def resume_setting(resume: str | None) -> str | None:
+    """What `resume=` means for this process: a restart continues its run dir's last checkpoint
+    even when the command line (the same on every restart) asked for a fresh run."""
+    return "auto" if resume is None and restarted_by_launcher() else resume
+
+
 def is_worker(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether a launcher (torchrun, our own `launch_workers`, SLURM) started this process as a worker."""
     return "WORLD_SIZE" in environ
 
 
-def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Sequence[str]) -> None:
+def launch_workers(
+    script: str,
+    nproc: int,
+    run_dir: Path,
+    task_overrides: Sequence[str],
+    master_port: int | None = None,
+    device: str = "auto",
+    backend: str = "auto",
+) -> None:
     """Run `script` as one DDP group of `nproc` local workers writing into `run_dir`.
 
     This is torchrun's own machinery (torch.distributed.launcher, as `torchrun --standalone`
-    uses it): a c10d rendezvous on a free port chosen by the OS, so back-to-back jobs of a
-    sweep never race for a port, and a failed worker stops the whole group. The workers
-    get this job's overrides, its run dir, and leave `.hydra/` to this process.
+    uses it): a c10d rendezvous on `master_port`, or by default on a free port chosen by the
+    OS, so back-to-back jobs of a sweep never race for a port, and a failed worker stops the
+    whole group. The workers get this job's overrides, its run dir, and leave `.hydra/` to
+    this process. A port in use, or a device or backend the workers could not get, is refused
+    here, before any worker starts.
     """
+    from src.errors import USAGE_ERROR_EXIT_CODE, UsageError, WorkersReportedUsageError
+
+    if master_port is not None and not port_is_free(master_port):
+        raise UsageError(
+            f"dist.master_port={master_port} is in use on localhost; pick another port "
+            "or leave dist.master_port=null for a free one"
+        )
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from src import distributed
+
+    # The workers' own checks, made once here rather than after starting them all.
+    last_worker = distributed.DistEnv(rank=nproc - 1, local_rank=nproc - 1, world_size=nproc)
+    distributed.select_backend(backend, distributed.select_device(device, last_worker))
 
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does: no thread oversubscription
@@ -125,7 +156,7 @@ def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Seque
         nproc_per_node=nproc,
         run_id=uuid.uuid4().hex,
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
+        rdzv_endpoint=f"localhost:{master_port or 0}",
         max_restarts=0,
         monitor_interval=0.5,
     )
@@ -133,14 +164,27 @@ def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Seque
     worker_args = [script, *overrides, f"hydra.run.dir={_quote(str(run_dir))}", "hydra.output_subdir=null"]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from src.errors import USAGE_ERROR_EXIT_CODE, WorkersReportedUsageError
-
     try:
         elastic_launch(config, entrypoint=sys.executable)(*worker_args)
     except ChildFailedError as error:
         if all(failure.exitcode == USAGE_ERROR_EXIT_CODE for failure in error.failures.values()):
             raise WorkersReportedUsageError("the workers stopped on the error above") from None
         raise
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on `port` of localhost now (torch's own bind error, raised
+    later from inside the rendezvous, is a page of traceback)."""
+    with socket.socket() as sock:
+        # As torch's TCPStore binds: a port merely waiting out TIME_WAIT counts as free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("localhost", port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
 
 
 def recording_errors(function: Callable[..., T]) -> Callable[..., T]:

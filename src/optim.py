@@ -1,4 +1,4 @@
-"""Learning-rate schedules, counted in optimizer steps (not micro-steps, not epochs).
+"""The optimizer, and learning-rate schedules counted in optimizer steps (not micro-steps, not epochs).
 
 Each schedule is a function `(optimizer, total_steps, steps_per_epoch, **options)`
 returning a scheduler that the loop steps once per optimizer step. `conf/scheduler/*.yaml`
@@ -9,9 +9,28 @@ options can be given in epochs whatever the dataset size, batch size or world si
 from __future__ import annotations
 
 import math
+from typing import Any, Iterable
 
+import torch
+from hydra.utils import instantiate
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
+
+from src.errors import UsageError
+
+
+def build_optimizer(optimizer_cfg: Any, parameters: Iterable[torch.nn.Parameter]) -> Optimizer:
+    """The optimizer `optimizer_cfg` names (`_target_`, `_partial_: true`), over `parameters`.
+
+    torch checks its own settings (betas in [0, 1), eps and weight decay >= 0, ...): such a
+    refusal is the user's to fix, so it becomes one `error:` line instead of a traceback.
+    """
+    try:
+        return instantiate(optimizer_cfg)(params=parameters)
+    except ValueError as error:
+        raise UsageError(
+            f"{optimizer_cfg._target_} refused its settings ({error}): change the optimizer.* keys"
+        ) from error
 
 
 def _warmup_steps(warmup_epochs: float, steps_per_epoch: int, total_steps: int) -> int:

@@ -15,6 +15,7 @@ from conftest import REPO
 from omegaconf import OmegaConf
 
 from src import launch, sweep_summary
+from src.errors import UsageError
 
 AGREE = """
 import os, sys, time
@@ -94,6 +95,36 @@ def test_srun_tasks_export_the_torchrun_contract():
 def test_a_single_slurm_task_stays_a_single_process():
     exported = adopted_environment({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
     assert exported["WORLD_SIZE"] is None and exported["RANK"] is None
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_self_launch_rendezvous_on_the_configured_port(monkeypatch, tmp_path: Path, configured: bool):
+    from torch.distributed.launcher import api
+
+    master_port = free_port() if configured else None
+
+    launched = {}
+
+    def record_launch(config, entrypoint):
+        launched["endpoint"] = config.rdzv_endpoint
+        return lambda *args: None
+
+    monkeypatch.setattr(api, "elastic_launch", record_launch)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    launch.launch_workers("train.py", 2, tmp_path, [], master_port, device="cpu", backend="gloo")
+    expected = f"localhost:{master_port}" if configured else "localhost:0"  # port 0: the OS picks a free one
+    assert launched == {"endpoint": expected}
+
+
+def test_a_busy_master_port_is_refused_before_any_worker_starts(tmp_path: Path):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert not launch.port_is_free(port)
+        with pytest.raises(UsageError, match=f"dist.master_port={port} is in use on localhost; pick another port"):
+            launch.launch_workers("train.py", 2, tmp_path, [], port)
+    assert launch.port_is_free(port)
 
 
 def test_override_quoting_survives_hydras_grammar():

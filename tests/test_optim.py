@@ -54,3 +54,18 @@ def test_schedule_state_round_trips_through_a_checkpoint():
     fresh_opt.load_state_dict(opt.state_dict())
     assert fresh.last_epoch == 37
     assert fresh.get_last_lr() == pytest.approx(scheduler.get_last_lr())
+
+
+def test_build_optimizer_completes_the_partial_and_reports_torchs_refusals():
+    from omegaconf import OmegaConf
+
+    from src.errors import UsageError
+    from src.optim import build_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    cfg = OmegaConf.create({"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.01, "betas": [0.9, 0.99]})
+    optimizer = build_optimizer(cfg, params)
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["betas"] == (0.9, 0.99)
+    cfg.betas = [1.5, 0.99]
+    with pytest.raises(UsageError, match=r"torch.optim.AdamW refused its settings \(Invalid beta parameter at index 0"):
+        build_optimizer(cfg, params)

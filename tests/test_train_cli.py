@@ -124,30 +124,7 @@ def test_help_lists_groups_and_cfg_job_skips_torch(workdir: Path):
 
 def file_digests(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file() and ".hydra" not in p.parts}
-
-
-@pytest.mark.parametrize(
-    "args,code,message",
-    [
-        (["model=nope"], 1, "Could not find 'model/nope'"),
-        (["dataset.batch_size=0"], 2, "error: dataset.batch_size must be positive"),
-        (["dataset.batch_size=-64"], 2, "error: dataset.batch_size must be positive"),
-        (["trainer.grad_accum=3"], 2, "must be divisible by world_size x trainer.grad_accum"),
-        (["trainer.device=cuda"], 2, "error: trainer.device=cuda but no CUDA GPU is visible"),
-        (["dataset=mnist", "dataset.root=nowhere", "dataset.download=false"], 2, "nowhere/MNIST/raw"),
-        (["resume=missing.pt"], 2, "error: checkpoint missing.pt does not exist"),
-        (["trainer.precision=8"], 2, "trainer.precision=8 is not one of 32, bf16, 16"),
-    ],
-)
-def test_bad_input_is_one_clear_error(workdir: Path, args, code, message):
-    result = train([*args, "hydra.run.dir=run"], workdir)
-    assert result.returncode == code, result.stderr[-2000:]
-    assert message in result.stderr
-    if code == 2:
-        error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-        assert len(error_lines) == 1 and "Traceback" not in result.stderr
-    assert not (workdir / "run" / "checkpoints").exists()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_batch_size_must_divide_over_ranks(workdir: Path):
@@ -163,5 +140,4 @@ def test_an_existing_run_is_never_overwritten(default_run, workdir: Path):
     result = train(["trainer.epochs=1", f"hydra.run.dir={run_dir}"], workdir)
     assert result.returncode == 2
     assert "already holds a run; pass resume=auto" in result.stderr
-    after = file_digests(run_dir)
-    assert {k: v for k, v in after.items() if k != "train.log"} == {k: v for k, v in before.items() if k != "train.log"}
+    assert file_digests(run_dir) == before  # refused before Hydra writes .hydra/ or a log line

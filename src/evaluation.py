@@ -32,15 +32,20 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> ContextManager[
 
 @torch.no_grad()
 def evaluate(
-    module: nn.Module, loader: Iterable[Any], device: torch.device, amp_dtype: torch.dtype | None = None
-) -> dict[str, float]:
-    """`loss`, `acc` and `count` of `module` over this rank's batches, summed over all ranks.
+    module: nn.Module,
+    loader: Iterable[Any],
+    device: torch.device,
+    amp_dtype: torch.dtype | None = None,
+    num_classes: int | None = None,
+) -> dict[str, Any]:
+    """`loss`, `acc` and `count` of `module` over this rank's batches, summed over all ranks;
+    with `num_classes`, also `confusion`, the C x C matrix of counts (rows: true class).
 
     Pass the unwrapped module: evaluation needs no gradient sync, and ranks may run a
     different number of batches, which DDP's per-forward collectives would not allow.
     A collective: every rank must call it.
     """
-    metrics = ClassificationMetrics(device)
+    metrics = ClassificationMetrics(device, num_classes)
     was_training = module.training
     module.eval()
     for images, targets in loader:

@@ -58,3 +58,17 @@ def test_step_seeding_repeats_torch_numpy_and_python_draws():
     assert draw() == first
     seed_step(12, torch.device("cpu"))
     assert draw() != first
+
+
+def test_evaluate_counts_a_confusion_matrix_when_given_the_classes():
+    seed_everything(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(23, 4), torch.randint(0, 3, (23,))
+    result = evaluate(model, [(x[:10], y[:10]), (x[10:], y[10:])], torch.device("cpu"), num_classes=3)
+    with torch.no_grad():
+        predicted = model(x).argmax(1)
+    expected = torch.zeros(3, 3, dtype=torch.int64)
+    for true, guess in zip(y.tolist(), predicted.tolist()):
+        expected[true, guess] += 1
+    assert torch.equal(result["confusion"], expected)
+    assert "confusion" not in evaluate(model, [(x, y)], torch.device("cpu"))  # only when asked

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -30,11 +31,18 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 START_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[INFO\] run dir .* \| world size", re.M)
 
 
+def run_checked(command: list[str]) -> str:
+    """Run `command` from the repo root and return its stdout; on failure, exit showing its stderr."""
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"benchmark command failed ({result.returncode}): {' '.join(command)}\n{result.stderr[-3000:]}")
+    return result.stdout
+
+
 def run_template(launcher: list[str], args: list[str], workdir: Path) -> dict[str, float]:
     run_dir = workdir / f"run-{time.time_ns()}"
     started = time.time()
-    subprocess.run([*launcher, str(REPO / "train.py"), *args, f"hydra.run.dir={run_dir}"],
-                   cwd=REPO, check=True, capture_output=True)
+    run_checked([*launcher, str(REPO / "train.py"), *args, f"hydra.run.dir={run_dir}"])
     wall = time.time() - started
     metrics = json.loads((run_dir / "metrics.json").read_text())
     # The start-of-run line is logged right before the first step.
@@ -45,10 +53,9 @@ def run_template(launcher: list[str], args: list[str], workdir: Path) -> dict[st
 
 def run_bare(launcher: list[str], args: list[str]) -> dict[str, float]:
     started = time.time()
-    result = subprocess.run([*launcher, str(REPO / "benchmarks" / "bare_loop.py"), *args],
-                            cwd=REPO, check=True, capture_output=True, text=True)
+    stdout = run_checked([*launcher, str(REPO / "benchmarks" / "bare_loop.py"), *args])
     wall = time.time() - started
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = json.loads(stdout.strip().splitlines()[-1])
     return {"samples_per_s": report["samples_per_s"], "wall_s": wall, "first_step_s": report["first_step_at"] - started}
 
 
@@ -66,23 +73,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=20, help="digits epochs (synthetic runs a quarter)")
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "RESULTS.md")
+    parser.add_argument("--cases", nargs="+", choices=["digits", "ddp"], default=["digits", "ddp"],
+                        help="which cases to run (default: all)")
     args = parser.parse_args()
     python = [sys.executable]
     rows = []
+    load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        ours, bare = interleaved(
-            args.repeats,
-            lambda: run_template(python, [f"trainer.epochs={args.epochs}"], workdir),
-            lambda: run_bare(python, ["--dataset", "digits", "--epochs", str(args.epochs), "--batch-size", "64"]),
-        )
-        rows.append(("digits + cnn, 1 process: training samples/s", ours["samples_per_s"], bare["samples_per_s"]))
-        rows.append(("digits + cnn, 1 process: whole process, s", ours["wall_s"], bare["wall_s"]))
-        rows.append(("digits + cnn, 1 process: start to first step, s", ours["first_step_s"], bare["first_step_s"]))
+        if "digits" in args.cases:
+            ours, bare = interleaved(
+                args.repeats,
+                lambda: run_template(python, [f"trainer.epochs={args.epochs}"], workdir),
+                lambda: run_bare(python, ["--dataset", "digits", "--epochs", str(args.epochs), "--batch-size", "64"]),
+            )
+            rows.append(("digits + cnn, 1 process: training samples/s", ours["samples_per_s"], bare["samples_per_s"]))
+            rows.append(("digits + cnn, 1 process: whole process, s", ours["wall_s"], bare["wall_s"]))
+            rows.append(("digits + cnn, 1 process: start to first step, s", ours["first_step_s"],
+                         bare["first_step_s"]))
         epochs = max(1, args.epochs // 4)
         synthetic = ["dataset=synthetic", f"trainer.epochs={epochs}"]
         bare_synthetic = ["--dataset", "synthetic", "--epochs", str(epochs), "--batch-size", "128"]
-        for sync_bn in ("true", "false"):
+        for sync_bn in ("true", "false") if "ddp" in args.cases else ():
             ours, bare = interleaved(
                 args.repeats,
                 lambda: run_template(TORCHRUN, [*synthetic, f"dist.sync_bn={sync_bn}"], workdir),
@@ -96,6 +108,9 @@ def main() -> None:
         "",
         "Median of the repeats, template and bare loop interleaved in one run. The bare 2-rank loop uses plain",
         "BatchNorm; with sync_bn=true the template also all-reduces BN statistics, which the bare loop does not do.",
+        "",
+        f"CPU load (1-minute average) at start and end: {load_at_start:.1f} and {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} cores; above about 1, other work shared the CPU and the numbers are noisier.",
         "",
         "| case | template | bare loop | template / bare |",
         "|---|---|---|---|",

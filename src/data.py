@@ -11,6 +11,8 @@ The samplers are the part that makes distributed numbers trustworthy:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -19,11 +21,12 @@ import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from src.datasets import DataSplits
 from src.distributed import main_process_first
 from src.errors import UsageError
+from src.image_tensors import ImageTensorDataset
 from src.seeding import epoch_seed
 
 # Keys of a `dataset` config read by the loaders; all others go to its `_target_` builder.
@@ -39,6 +42,7 @@ class GlobalBatchSampler:
     s*G + (m*W + r)*b. The ragged tail of fewer than G samples is dropped (a new
     permutation each epoch drops different ones), so every step has the same size on
     every rank and no rank waits on a collective another rank never reaches.
+    `max_steps_per_epoch` cuts every epoch short after that many steps (a debugging limit).
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class GlobalBatchSampler:
         grad_accum: int = 1,
         shuffle: bool = True,
         seed: int = 0,
+        max_steps_per_epoch: int | None = None,
     ) -> None:
         self.micro_batch_size = per_rank_micro_batch_size(global_batch_size, world_size, grad_accum)
         if num_samples < global_batch_size:
@@ -65,6 +70,8 @@ class GlobalBatchSampler:
         self.shuffle = shuffle
         self.seed = seed
         self.steps_per_epoch = num_samples // global_batch_size
+        if max_steps_per_epoch is not None:
+            self.steps_per_epoch = min(self.steps_per_epoch, max_steps_per_epoch)
         self.epoch = 0
         self.start_step = 0
 
@@ -98,16 +105,25 @@ class EvalShardSampler:
 
     Shards differ in size by at most one sample and are never padded, so metrics summed
     over ranks count each sample once (DistributedSampler would repeat samples to even
-    the shards out and bias the result).
+    the shards out and bias the result). `max_batches` keeps a shard's first batches only
+    (a debugging limit).
     """
 
-    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int) -> None:
+    def __init__(
+        self, num_samples: int, batch_size: int, rank: int, world_size: int, max_batches: int | None = None
+    ) -> None:
         self.batch_size = batch_size
         self.start = num_samples * rank // world_size
         self.stop = num_samples * (rank + 1) // world_size
+        if max_batches is not None:
+            self.stop = min(self.stop, self.start + max_batches * batch_size)
+
+    @property
+    def num_samples(self) -> int:
+        return self.stop - self.start
 
     def __len__(self) -> int:
-        return -(-(self.stop - self.start) // self.batch_size)
+        return -(-self.num_samples // self.batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
         for start in range(self.start, self.stop, self.batch_size):
@@ -133,11 +149,16 @@ class TensorBatchLoader:
     """Batches of an in-memory TensorDataset, gathered by index on the training device.
 
     Same sampler semantics as a DataLoader, without its per-sample fetch and collate:
-    the whole dataset is copied to the device once.
+    the whole dataset is copied to the device once. uint8 image datasets become normalised
+    float batches there; their training augmentation is left to `augment`, which
+    `train_batch_to_device` applies after the trainer has seeded the step.
     """
 
     def __init__(self, dataset: TensorDataset, batch_sampler: Iterable[list[int]], device: torch.device) -> None:
-        self.tensors = [t.to(device) for t in dataset.tensors]
+        if isinstance(dataset, ImageTensorDataset):
+            dataset = dataset.to(device)  # with its normalisation constants
+        self.images = dataset if isinstance(dataset, ImageTensorDataset) else None
+        self.tensors = [t.to(device) for t in dataset.tensors]  # a no-op for tensors already there
         self.batch_sampler = batch_sampler
         self.device = device
 
@@ -147,7 +168,27 @@ class TensorBatchLoader:
     def __iter__(self) -> Iterator[list[torch.Tensor]]:
         for indices in self.batch_sampler:
             index = torch.tensor(indices, device=self.device)
-            yield [t.index_select(0, index) for t in self.tensors]
+            images, *rest = (t.index_select(0, index) for t in self.tensors)
+            yield [images if self.images is None else self.images.normalize(images), *rest]
+
+    def augment(self, images: torch.Tensor) -> torch.Tensor:
+        """A training batch's on-device augmentation (none for datasets that have none)."""
+        return images if self.images is None else self.images.augment(images)
+
+
+def train_batch_to_device(
+    loader: Iterable[Any], images: torch.Tensor, targets: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A training batch from `loader`, on `device` and augmented if its loader augments there.
+
+    Call it after seeding the step: on-device augmentation draws from the device's default
+    generator, so a run resumed at any step draws the same crops and flips.
+    """
+    images = images.to(device, non_blocking=True)
+    targets = targets.to(device, non_blocking=True)
+    if isinstance(loader, TensorBatchLoader):
+        images = loader.augment(images)
+    return images, targets
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -190,15 +231,40 @@ class Data:
     num_val_samples: int
 
 
+@dataclass(frozen=True)
+class DataLimits:
+    """Cuts of the data for smoke tests and debugging (`trainer.limit_*`, `trainer.overfit_batches`)."""
+
+    train_batches: int | None = None  # optimizer steps per epoch, at most
+    val_batches: int | None = None  # val batches per rank, at most
+    overfit_batches: int = 0  # >0: train and validate on the train split's first N global batches
+
+    @classmethod
+    def from_config(cls, trainer_cfg: Any) -> "DataLimits":
+        return cls(trainer_cfg.limit_train_batches, trainer_cfg.limit_val_batches, trainer_cfg.overfit_batches)
+
+
 def build_data(
-    dataset_cfg: DictConfig, rank: int, world_size: int, grad_accum: int, device: torch.device, seed: int
+    dataset_cfg: DictConfig,
+    rank: int,
+    world_size: int,
+    grad_accum: int,
+    device: torch.device,
+    seed: int,
+    limits: DataLimits = DataLimits(),
 ) -> Data:
     """Build the dataset named by `dataset_cfg` and this rank's train and val loaders."""
     global_batch_size = int(dataset_cfg.batch_size)
     per_rank_micro_batch_size(global_batch_size, world_size, grad_accum)  # refuse before a download
     splits = build_splits(dataset_cfg)
+    if limits.overfit_batches:
+        # Lightning's overfit_batches: the same fixed samples for training and validation, so a
+        # model that can learn at all drives both losses towards zero.
+        fixed = first_samples(splits.train, limits.overfit_batches * global_batch_size)
+        splits = dataclasses.replace(splits, train=fixed, val=fixed)
     train_sampler = GlobalBatchSampler(
-        len(splits.train), global_batch_size, rank, world_size, grad_accum, shuffle=True, seed=seed
+        len(splits.train), global_batch_size, rank, world_size, grad_accum, shuffle=True, seed=seed,
+        max_steps_per_epoch=limits.train_batches,
     )
     num_workers = int(dataset_cfg.num_workers)
     worker_seed = epoch_seed(seed, rank, epoch=-1)  # per rank; the trainer reseeds it every epoch
@@ -206,9 +272,28 @@ def build_data(
         splits=splits,
         train_sampler=train_sampler,
         train_loader=make_loader(splits.train, train_sampler, device, num_workers, worker_seed),
-        val_loader=make_val_loader(splits, global_batch_size, rank, world_size, device, num_workers, worker_seed),
-        num_val_samples=len(splits.val),
+        val_loader=make_val_loader(
+            splits, global_batch_size, rank, world_size, device, num_workers, worker_seed, limits.val_batches
+        ),
+        # What the val metrics cover: all of the val split unless limit_val_batches cuts it.
+        num_val_samples=sum(
+            EvalShardSampler(len(splits.val), val_batch_size(global_batch_size, world_size), r, world_size,
+                             limits.val_batches).num_samples
+            for r in range(world_size)
+        ),
     )
+
+
+def first_samples(dataset: Dataset, count: int) -> Dataset:
+    """The first `count` samples of `dataset` (all of them if it has fewer), as the same kind of
+    dataset where that matters: a TensorDataset stays one, so it keeps the on-device fast path."""
+    count = min(count, len(dataset))  # type: ignore[arg-type]
+    if isinstance(dataset, TensorDataset):
+        # A copy keeps the subclass (ImageTensorDataset: uint8 images, normalisation, augmentation).
+        head = copy.copy(dataset)
+        head.tensors = tuple(tensor[:count] for tensor in dataset.tensors)
+        return head
+    return Subset(dataset, range(count))
 
 
 def build_splits(dataset_cfg: DictConfig) -> DataSplits:
@@ -229,7 +314,15 @@ def make_val_loader(
     device: torch.device,
     num_workers: int,
     seed: int,
+    max_batches: int | None = None,
 ) -> Iterable[Any]:
-    """This rank's shard of the val split, in batches of global_batch_size / world_size samples."""
-    sampler = EvalShardSampler(len(splits.val), max(1, global_batch_size // world_size), rank, world_size)
+    """This rank's shard of the val split, in batches of global_batch_size / world_size samples
+    (its first `max_batches` only, if given)."""
+    batch_size = val_batch_size(global_batch_size, world_size)
+    sampler = EvalShardSampler(len(splits.val), batch_size, rank, world_size, max_batches)
     return make_loader(splits.val, sampler, device, num_workers, seed)
+
+
+def val_batch_size(global_batch_size: int, world_size: int) -> int:
+    """Samples per val batch on each rank: the training batch's share, at least one."""
+    return max(1, global_batch_size // world_size)

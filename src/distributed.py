@@ -171,6 +171,13 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
+    """The elementwise minimum of `tensor` over all ranks, in place (no-op in a single process)."""
+    if is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return tensor
+
+
 def broadcast_object(obj: object, src: int = 0) -> object:
     """Return rank `src`'s `obj` on every rank (identity in a single process)."""
     if not is_initialized():

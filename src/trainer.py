@@ -7,6 +7,7 @@ checkpointer, reporter); it does not know how they were configured or launched.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -20,11 +21,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from src.checkpoint import Checkpointer
-from src.data import Data
+from src.data import Data, train_batch_to_device
 from src.distributed import Runtime, all_reduce_sum
+from src.divergence import NonFiniteLossWatch, TrainingDiverged, diverged_message
 from src.evaluation import autocast, autocast_dtype, evaluate
 from src.metrics import ClassificationMetrics
-from src.reporting import FINAL_METRICS, Reporter
+from src.performance import Utilization
+from src.reporting import Reporter
 from src.seeding import epoch_seed, seed_step
 
 log = logging.getLogger(__name__)
@@ -86,6 +89,7 @@ class TrainerOptions:
     monitor_mode: str = "max"
     checkpoint_every_steps: int | None = None  # also checkpoint mid-epoch every N optimizer steps
     max_steps: int | None = None  # stop (with a checkpoint) after this many optimizer steps in all
+    detect_anomaly: bool = False  # autograd anomaly mode, and a NaN check every step (slow; for debugging)
 
     @classmethod
     def from_config(cls, trainer_cfg: Any, seed: int) -> "TrainerOptions":
@@ -107,6 +111,7 @@ class Trainer:
         data: Data,
         checkpointer: Checkpointer,
         reporter: Reporter,
+        profiler: torch.profiler.profile | None = None,
     ) -> None:
         self.options = options
         self.runtime = runtime
@@ -118,6 +123,8 @@ class Trainer:
         self.data = data
         self.checkpointer = checkpointer
         self.reporter = reporter
+        self.profiler = profiler  # stepped after every optimizer step while fit() runs
+        self.loss_watch = NonFiniteLossWatch(runtime.device)
         self.amp_dtype = autocast_dtype(options.precision)
         # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not.
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=self.amp_dtype == torch.float16)
@@ -154,7 +161,8 @@ class Trainer:
         steps or when the process is asked to terminate (SIGTERM: preemption).
         """
         self.run_config = config
-        with self.preemption:
+        profiling = self.profiler if self.profiler is not None else contextlib.nullcontext()
+        with self.preemption, profiling, torch.autograd.set_detect_anomaly(self.options.detect_anomaly):
             for epoch in range(state.epoch, self.options.epochs):
                 started = time.perf_counter()
                 train = self.train_one_epoch(epoch, state)
@@ -168,10 +176,8 @@ class Trainer:
                 record = {
                     "epoch": state.epoch,
                     "step": state.step,
-                    "train/loss": train["loss"],
-                    "train/acc": train["acc"],
-                    "val/loss": val["loss"],
-                    "val/acc": val["acc"],
+                    **metric_values("train", train),  # train/loss, train/acc, and any metric added
+                    **metric_values("val", val),
                     "lr": self.optimizer.param_groups[0]["lr"],
                     "epoch_time_s": time.perf_counter() - started,
                     "samples_per_s": train["timed_count"] / train_seconds,
@@ -183,6 +189,7 @@ class Trainer:
                     self.checkpointer.save(self.state_dict(state, config), is_best)
                 # After the checkpoint: metrics.json never reports an epoch a restart would lose.
                 self.reporter.write_metrics(self.summary(state, val["count"]))
+                self.reporter.confusion_matrix(val["confusion"], state.step)
         return state
 
     def train_one_epoch(self, epoch: int, state: TrainState) -> dict[str, float]:
@@ -201,25 +208,32 @@ class Trainer:
         state.epoch_totals = None
         self.window_start = self.epoch_metrics.totals()
         window_started = time.perf_counter()
+        progress = self.reporter.progress(f"epoch {epoch + 1}/{self.options.epochs}", sampler.steps_per_epoch,
+                                          done=state.step_in_epoch)
         accum = self.options.grad_accum
         for micro_step, (images, targets) in enumerate(self.data.train_loader):
             if micro_step % accum == 0:
                 # Seeded per optimizer step (differently per rank): dropout and augmentation
                 # draw the same after a resume at any step, and independently across ranks.
                 seed_step(epoch_seed(self.options.seed, self.runtime.env.rank, state.step), self.runtime.device)
-            images = images.to(self.runtime.device, non_blocking=True)
-            targets = targets.to(self.runtime.device, non_blocking=True)
+            images, targets = train_batch_to_device(self.data.train_loader, images, targets, self.runtime.device)
             is_step_end = (micro_step + 1) % accum == 0
-            self._forward_backward(images, targets, accum, sync=is_step_end)
+            self._forward_backward(images, targets, accum, sync=is_step_end, step=state.step + 1)
             if not is_step_end:
                 continue
             self._optimizer_step()
             state.step += 1
+            if self.profiler is not None:
+                self.profiler.step()
+            if self.options.detect_anomaly:
+                self.loss_watch.check_now()
             state.step_in_epoch += 1
+            progress.update()
             if state.step % self.options.log_every_steps == 0:
                 self._report_window(state.step, time.perf_counter() - window_started)
                 window_started = time.perf_counter()
             if self._should_stop(state):
+                progress.close()
                 self._save_mid_epoch(state)
                 state.stopped_early = True
                 return {}
@@ -227,7 +241,9 @@ class Trainer:
             if every and state.step % every == 0 and state.step_in_epoch < sampler.steps_per_epoch:
                 self._save_mid_epoch(state)
         state.step_in_epoch = 0
+        progress.close()
         metrics = self.epoch_metrics.compute()
+        self.loss_watch.check(metrics["loss"])
         # Samples trained (and timed) by this run, not those restored from a checkpoint.
         metrics["timed_count"] = metrics["count"] - (int(restored[2]) if restored is not None else 0)
         return metrics
@@ -244,13 +260,16 @@ class Trainer:
     def _save_mid_epoch(self, state: TrainState) -> None:
         """A step checkpoint: the model and everything needed to go on from this very step."""
         state.epoch_totals = self.epoch_metrics.compute_totals()
+        self.loss_watch.check(state.epoch_totals[0])  # never checkpoint a diverged model
         if self.options.save_checkpoints:
             self.checkpointer.save(self.state_dict(state, self.run_config), is_best=False, step=state.step)
         state.epoch_totals = None
         log.info("checkpoint at step %d (epoch %d, step %d of %d)", state.step, state.epoch + 1,
                  state.step_in_epoch, self.data.train_sampler.steps_per_epoch)
 
-    def _forward_backward(self, images: torch.Tensor, targets: torch.Tensor, accum: int, sync: bool) -> None:
+    def _forward_backward(
+        self, images: torch.Tensor, targets: torch.Tensor, accum: int, sync: bool, step: int
+    ) -> None:
         # On micro-steps before the last one, DDP must not all-reduce gradients yet.
         sync_context: ContextManager[Any] = contextlib.nullcontext()
         if self.ddp is not None and not sync:
@@ -262,7 +281,14 @@ class Trainer:
             # Each micro-batch holds 1/accum of the rank's samples; DDP averages over ranks,
             # so the gradient is the mean over the global batch.
             loss = loss_sum / (targets.shape[0] * accum)
-            self.scaler.scale(loss).backward()
+            self.loss_watch.observe(loss_sum, step)
+            try:
+                self.scaler.scale(loss).backward()
+            except RuntimeError as error:  # anomaly mode names the backward op that made a NaN
+                if not self.options.detect_anomaly or "nan values" not in str(error):
+                    raise
+                what = str(error).splitlines()[0].rstrip(".")
+                raise TrainingDiverged(diverged_message(step, what, names_the_op=True)) from None
         self.epoch_metrics.update(logits, targets, loss_sum)
 
     def _optimizer_step(self) -> None:
@@ -274,15 +300,18 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-    def evaluate(self) -> dict[str, float]:
-        """Loss and accuracy over the whole val split, each sample counted once."""
-        return evaluate(self.module, self.data.val_loader, self.runtime.device, self.amp_dtype)
+    def evaluate(self) -> dict[str, Any]:
+        """Loss, accuracy and confusion matrix over the whole val split, each sample counted once."""
+        return evaluate(self.module, self.reporter.track(self.data.val_loader, "val"), self.runtime.device,
+                        self.amp_dtype, self.data.splits.num_classes)
 
     def summary(self, state: TrainState, num_val_samples: int) -> dict[str, Any]:
         """The run so far, as written to metrics.json: the last epoch's metrics and the history."""
         last = state.history[-1]
         return {
-            **{key: last[key] for key in (*FINAL_METRICS, "epoch", "step")},
+            **{key: value for key, value in last.items() if key.startswith(("train/", "val/"))},
+            "epoch": last["epoch"],
+            "step": last["step"],
             "val/num_samples": num_val_samples,
             "world_size": self.runtime.world_size,
             "global_batch_size": self.data.train_sampler.global_batch_size,
@@ -302,24 +331,31 @@ class Trainer:
 
     def _report_window(self, step: int, seconds: float) -> None:
         window = self.epoch_metrics.compute(baseline=self.window_start)
+        self.loss_watch.check(window["loss"])
         self.window_start = self.epoch_metrics.totals()
+        samples_per_s = window["count"] / seconds
         self.reporter.scalars(
             {
-                "train/loss": window["loss"],
-                "train/acc": window["acc"],
+                **metric_values("train", window),
                 "lr": self.optimizer.param_groups[0]["lr"],
-                "throughput/samples_per_s": window["count"] / seconds,
+                "throughput/samples_per_s": samples_per_s,
+                **self._utilization.scalars(samples_per_s),  # MFU and peak memory on GPUs of known peak
             },
             step,
         )
 
+    @functools.cached_property
+    def _utilization(self) -> Utilization:
+        """Built at the first log window (a GPU counts the model's FLOPs then; the CPU nothing, ever)."""
+        return Utilization(self.module, self.runtime.device, self.options.precision, self.runtime.world_size,
+                           (self.data.splits.in_channels, *self.data.splits.image_size),
+                           self.data.train_sampler.micro_batch_size)
+
     def _report_epoch(self, record: dict[str, float], num_val: int) -> None:
         self.reporter.scalars(
             {
-                "epoch/train_loss": record["train/loss"],
-                "epoch/train_acc": record["train/acc"],
-                "val/loss": record["val/loss"],
-                "val/acc": record["val/acc"],
+                **{key.replace("train/", "epoch/train_"): v for key, v in record.items() if key.startswith("train/")},
+                **{key: v for key, v in record.items() if key.startswith("val/")},
                 "time/epoch_s": record["epoch_time_s"],
                 "throughput/epoch_samples_per_s": record["samples_per_s"],
             },
@@ -331,6 +367,15 @@ class Trainer:
             record["epoch"], self.options.epochs, record["step"], record["train/loss"], record["train/acc"],
             record["val/loss"], record["val/acc"], num_val, record["samples_per_s"],
         )
+
+
+def metric_values(split: str, metrics: dict[str, Any]) -> dict[str, float]:
+    """`split/<name>` for each value a metrics `compute()` returned; counts and the confusion
+    matrix are reported on their own."""
+    return {f"{split}/{name}": value for name, value in metrics.items() if name not in _NOT_METRICS}
+
+
+_NOT_METRICS = ("count", "timed_count", "confusion")
 
 
 def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:

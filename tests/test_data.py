@@ -2,9 +2,18 @@
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
-from src.data import EvalShardSampler, GlobalBatchSampler, TensorBatchLoader, per_rank_micro_batch_size
+from src.data import (
+    DataLimits,
+    EvalShardSampler,
+    GlobalBatchSampler,
+    TensorBatchLoader,
+    build_data,
+    first_samples,
+    per_rank_micro_batch_size,
+)
 from src.errors import UsageError
 
 
@@ -142,3 +151,61 @@ def test_a_resumed_epoch_sees_the_rest_exactly_once_on_a_new_world_size(before, 
     assert first_part + rest == full
     seen = [i for step in first_part + rest for i in step]
     assert len(seen) == len(set(seen)) == 22 * 64
+
+
+def test_limit_train_batches_cuts_each_epoch_but_keeps_the_permutation():
+    full = GlobalBatchSampler(100, 10, rank=0, world_size=1, seed=1)
+    cut = GlobalBatchSampler(100, 10, rank=0, world_size=1, seed=1, max_steps_per_epoch=3)
+    assert (full.steps_per_epoch, cut.steps_per_epoch, len(cut)) == (10, 3, 3)
+    assert list(cut) == list(full)[:3]
+    # A limit above the epoch's length changes nothing.
+    assert GlobalBatchSampler(100, 10, 0, 1, max_steps_per_epoch=50).steps_per_epoch == 10
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_limit_val_batches_keeps_each_shards_first_batches(world_size):
+    shards = [EvalShardSampler(359, 32, rank, world_size, max_batches=2) for rank in range(world_size)]
+    full = [list(EvalShardSampler(359, 32, rank, world_size)) for rank in range(world_size)]
+    for shard, whole in zip(shards, full):
+        assert list(shard) == whole[:2] and len(shard) == min(2, len(whole))
+        assert shard.num_samples == sum(len(batch) for batch in whole[:2])
+
+
+def test_first_samples_keeps_tensor_datasets_on_the_fast_path():
+    dataset = TensorDataset(torch.arange(10.0).view(10, 1), torch.arange(10))
+    head = first_samples(dataset, 4)
+    assert isinstance(head, TensorDataset) and head.tensors[1].tolist() == [0, 1, 2, 3]
+    assert len(first_samples(dataset, 99)) == 10
+    listed = first_samples([(i, i) for i in range(10)], 3)
+    assert [listed[i] for i in range(len(listed))] == [(0, 0), (1, 1), (2, 2)]
+
+
+def test_overfit_batches_trains_and_validates_on_the_same_fixed_samples():
+    cfg = OmegaConf.create({"_target_": "src.datasets.digits", "batch_size": 64, "num_workers": 0})
+    data = build_data(cfg, 0, 1, 1, torch.device("cpu"), seed=0, limits=DataLimits(overfit_batches=2))
+    assert data.train_sampler.steps_per_epoch == 2 and data.num_val_samples == 128
+    train_images = torch.cat([images for images, _ in data.train_loader])
+    val_images = torch.cat([images for images, _ in data.val_loader])
+    # The same 128 samples, trained in shuffled order and validated in order.
+    assert train_images.shape == val_images.shape == (128, 1, 8, 8)
+    assert torch.equal(val_images, data.splits.train.tensors[0])
+    assert sorted(map(tuple, train_images.flatten(1).tolist())) == sorted(map(tuple, val_images.flatten(1).tolist()))
+
+
+def test_limits_count_the_val_samples_of_every_rank():
+    cfg = OmegaConf.create({"_target_": "src.datasets.digits", "batch_size": 64, "num_workers": 0})
+    limits = DataLimits(train_batches=3, val_batches=2)
+    data = build_data(cfg, 1, 2, 1, torch.device("cpu"), seed=0, limits=limits)
+    assert data.train_sampler.steps_per_epoch == 3
+    assert data.num_val_samples == 2 * (2 * 32)  # 2 ranks x 2 batches x 32 samples
+    assert sum(len(targets) for _, targets in data.val_loader) == 64  # this rank's share
+
+
+def test_first_samples_keeps_image_tensor_datasets_normalised():
+    from src.image_tensors import ImageTensorDataset
+
+    images = torch.arange(6 * 4, dtype=torch.uint8).view(6, 1, 2, 2)
+    dataset = ImageTensorDataset(images, torch.arange(6), mean=[0.5], std=[0.25], crop_padding=1, flip=True)
+    head = first_samples(dataset, 3)
+    assert isinstance(head, ImageTensorDataset) and len(head) == 3 and head.augments
+    assert torch.equal(head[2][0], dataset[2][0]) and head[2][0].dtype == torch.float32

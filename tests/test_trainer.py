@@ -6,6 +6,7 @@ runs exactly when DDP reduces, so counting its calls shows which micro-steps syn
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from src.checkpoint import Checkpointer
 from src.data import Data, GlobalBatchSampler, TensorBatchLoader
 from src.datasets import DataSplits
 from src.distributed import DistEnv, Runtime
+from src.metrics import ClassificationMetrics
 from src.reporting import Reporter
 from src.trainer import Trainer, TrainerOptions, TrainState
 
@@ -67,3 +69,49 @@ def test_gradients_are_all_reduced_on_the_last_micro_step_only(one_rank_group, t
     assert len(micro_steps) == STEPS * grad_accum and state.step == STEPS
     # Without no_sync every micro-step would all-reduce: STEPS * grad_accum calls.
     assert reduced_on == [grad_accum * (step + 1) for step in range(STEPS)]
+
+
+class WithTop2(ClassificationMetrics):
+    """The README's "add a metric": one more sum in the all-reduced vector, one more value."""
+
+    def __init__(self, device, num_classes=None):
+        super().__init__(device, num_classes)
+        self._top2 = torch.zeros((), dtype=torch.float64, device=device)
+
+    def reset(self):
+        super().reset()
+        self._top2.zero_()
+
+    def update(self, logits, targets, loss_sum):
+        super().update(logits, targets, loss_sum)
+        self._top2 += (logits.topk(2, dim=1).indices == targets[:, None]).any(dim=1).sum()
+
+    def totals(self):
+        return torch.cat([super().totals(), self._top2.view(1)])
+
+    def compute(self, baseline=None):
+        result = super().compute(baseline)  # reduces the whole vector, top2 sum included
+        totals = self.totals() if baseline is None else self.totals() - baseline
+        result["top2"] = float(totals[-1]) / result["count"]  # one rank: the local sum is the total
+        return result
+
+
+def test_an_added_metric_is_reported_for_train_and_val(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr("src.trainer.ClassificationMetrics", WithTop2)
+    monkeypatch.setattr("src.evaluation.ClassificationMetrics", WithTop2)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = tiny_data(grad_accum=1)
+    data = Data(splits=data.splits, train_sampler=data.train_sampler, train_loader=data.train_loader,
+                val_loader=TensorBatchLoader(data.splits.val, [list(range(GLOBAL_BATCH * STEPS))], torch.device("cpu")),
+                num_val_samples=GLOBAL_BATCH * STEPS)
+    runtime = Runtime(DistEnv(), torch.device("cpu"), backend=None)
+    trainer = Trainer(TrainerOptions(epochs=1, save_checkpoints=False, monitor="val/top2"), runtime, model, model,
+                      optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
+                      Checkpointer(tmp_path / "checkpoints", True), Reporter(tmp_path, True, tensorboard=False))
+    state = trainer.fit(TrainState(), config={})
+    record = state.history[-1]
+    assert 0 < record["train/top2"] <= 1 and record["train/acc"] <= record["train/top2"]
+    assert record["val/acc"] <= record["val/top2"] <= 1 and state.best == record["val/top2"]
+    summary = json.loads((tmp_path / "metrics.json").read_text())
+    assert summary["val/top2"] == record["val/top2"]

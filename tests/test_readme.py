@@ -1,0 +1,186 @@
+"""The README's commands are real: each composes here, and the test named for it runs it.
+
+Commands that need GPUs, 8 processes or a cluster run in the named test scaled down (2 CPU
+processes, one epoch); SLURM runs through submitit's local executor, which shares its code path.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, check, metrics, run, train, weights
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from src import config_schema, launch  # noqa: F401 - registers the schema and the resolvers
+
+README = (REPO / "README.md").read_text()
+
+# Each README command -> where it is run (test file::function), scaled down if it needs hardware we lack.
+EXERCISED_BY = {
+    "make train": "test_train_modes.py::test_make_train_reaches_98_percent_on_the_default_config",
+    'make train ARGS="model=mlp"': "test_train_modes.py::test_make_train_reaches_98_percent_on_the_default_config",
+    "make test": ".ci/run",
+    "python benchmarks/run.py": "test_readme.py::test_the_benchmark_script_writes_its_table",
+    "python eval.py checkpoint=outputs/DATE/TIME/checkpoints/best.pt":
+        "test_eval_cli.py::test_eval_reproduces_the_training_runs_val_metrics",
+    "torchrun --nproc_per_node=2 eval.py checkpoint=PATH": "test_eval_cli.py::test_sharded_eval_equals_one_process",
+    "python train.py": "test_train_cli.py::test_single_process_run_dir_contract",
+    "python train.py --cfg job": "test_train_cli.py::test_help_lists_groups_and_cfg_job_skips_torch",
+    "python train.py --help": "test_train_cli.py::test_help_lists_groups_and_cfg_job_skips_torch",
+    "python train.py -m dist.nproc_per_node=2 optimizer=sgd,adam optimizer.lr=0.1,0.01":
+        "test_launch_cli.py::test_sweep_of_ddp_groups",
+    "python train.py -m hydra/launcher=local_ddp": "test_launch_cli.py::test_submitit_tasks_form_one_ddp_group",
+    "python train.py -m hydra/launcher=slurm hydra.launcher.partition=gpu optimizer.lr=0.1,0.01":
+        "test_launch.py::test_srun_tasks_export_the_torchrun_contract",
+    "python train.py debug=fast": "test_presets.py::test_debug_fast_is_a_two_step_smoke_run_kept_apart",
+    "python train.py debug=overfit": "test_presets.py::test_debug_overfit_drives_the_loss_to_zero",
+    "python train.py debug=profile": "test_presets.py::test_debug_profile_writes_a_trace_of_the_recorded_steps",
+    "python train.py dist.nproc_per_node=8": "test_launch_cli.py::test_self_launch_matches_torchrun",
+    "python train.py experiment=digits_cnn": "test_presets.py::test_digits_experiment_is_the_default_run",
+    "python train.py experiment=mnist_cnn": "test_presets.py::test_file_dataset_experiments_run_end_to_end",
+    "python train.py experiment=fashion_mnist_cnn": "test_presets.py::test_file_dataset_experiments_run_end_to_end",
+    "torchrun --nproc_per_node=8 train.py experiment=cifar10_resnet18":
+        "test_presets.py::test_file_dataset_experiments_run_end_to_end",
+    "python train.py model=mlp optimizer=sgd optimizer.lr=0.05": "test_train_modes.py::test_readme_mlp_command",
+    "python train.py model=mynet": "test_readme.py::test_fork_a_model_is_one_class_and_one_yaml",
+    "python train.py resume=auto hydra.run.dir=outputs/2026-11-22/10-00-00":
+        "test_fault_tolerance.py::test_a_step_checkpoint_resumes_mid_epoch_exactly",
+    "python train.py trainer.max_steps=10000":
+        "test_fault_tolerance.py::test_a_step_checkpoint_resumes_mid_epoch_exactly",
+    "tensorboard --logdir outputs": "test_train_cli.py::test_tensorboard_events_are_readable",
+    "torchrun --nnodes=2 --node_rank=K --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT train.py":
+        "test_launch_cli.py::test_two_torchrun_agents_train_as_one_group",
+    "torchrun --nproc_per_node=2 train.py -m optimizer.lr=0.1,0.01": "test_launch_cli.py::test_torchrun_runs_a_sweep",
+    "torchrun --nproc_per_node=8 --max-restarts=3 train.py trainer.checkpoint_every_steps=500":
+        "test_fault_tolerance.py::test_a_killed_worker_is_restarted_and_the_run_ends_as_if_never_interrupted",
+    "torchrun --nproc_per_node=8 train.py model=cnn": "test_train_cli.py::test_torchrun_two_workers_share_one_run_dir",
+}
+
+
+def readme_commands() -> set[str]:
+    """Commands in the README's bash blocks and inline code: make targets, tensorboard, and
+    python / torchrun commands that name a script (bare mentions such as `torchrun --standalone`
+    are prose, not commands)."""
+    candidates = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        candidates += [re.split(r"\s+#", line)[0].strip() for line in block.splitlines()]
+    candidates += [code.strip() for code in re.findall(r"`([^`\n]+)`", README)]
+    return {
+        command for command in candidates
+        if re.match(r"(make \w|tensorboard )", command)
+        or (re.match(r"(python|torchrun) ", command) and ".py" in command)
+    }
+
+
+def test_every_readme_command_is_listed_with_the_test_that_runs_it():
+    assert readme_commands() == set(EXERCISED_BY)
+
+
+@pytest.mark.parametrize("where", sorted(set(EXERCISED_BY.values())))
+def test_the_listed_tests_exist(where: str):
+    if where == ".ci/run":
+        assert "make test" in (REPO / ".ci" / "run").read_text()
+        return
+    file_name, function = where.split("::")
+    assert re.search(rf"^def {function}\(", (REPO / "tests" / file_name).read_text(), re.M), where
+
+
+def overrides_of(command: str) -> tuple[str, list[str]]:
+    """(config name, overrides) of a train.py / eval.py command; a sweep's first job."""
+    words = shlex.split(command)
+    script = next(word for word in words if word.endswith(".py"))
+    args = [word for word in words[words.index(script) + 1:] if word != "-m"]
+    first_job = [re.sub(r"=([^,\[]*),.*", r"=\1", arg) for arg in args]
+    return ("eval" if script == "eval.py" else "config"), first_job
+
+
+COMPOSABLE = sorted(
+    command for command in EXERCISED_BY
+    if re.search(r"\b(train|eval)\.py\b", command) and not re.search(r"--(help|cfg)|model=mynet", command)
+)
+
+
+@pytest.mark.parametrize("command", COMPOSABLE)
+def test_readme_commands_compose_and_pass_the_value_checks(command: str):
+    config_name, overrides = overrides_of(command)
+    if config_name == "eval":  # eval.py registers its `checkpoint` dataset option itself: ask it
+        composed = check(run([sys.executable, str(REPO / "eval.py"), *overrides, "--cfg", "job"], REPO)).stdout
+        assert f"checkpoint: {overrides[0].split('=', 1)[1]}" in composed
+        return
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+    if config_name == "config":
+        config_schema.check_train_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]))
+    choices = cfg.hydra.runtime.choices
+    for key, value in (override.split("=", 1) for override in overrides):
+        if key in choices:  # a group option: model=mlp, hydra/launcher=slurm
+            assert choices[key] == value
+        elif not key.startswith("hydra."):
+            assert OmegaConf.select(cfg, key) == OmegaConf.create(f"v: {value}").v, key
+
+
+MYNET = """
+from torch import nn
+
+
+class MyNet(nn.Module):
+    def __init__(self, in_channels, image_size, num_classes, width=64):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size[0] * image_size[1], width),
+                                 nn.ReLU(), nn.Linear(width, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def my_data(num_train=256, num_val=64):
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from src.datasets import DataSplits
+
+    images = torch.randn(num_train + num_val, 3, 6, 6, generator=torch.Generator().manual_seed(0))
+    labels = (images.mean(dim=(1, 2, 3)) > 0).long()
+    return DataSplits(train=TensorDataset(images[:num_train], labels[:num_train]),
+                      val=TensorDataset(images[num_train:], labels[num_train:]),
+                      num_classes=2, in_channels=3, image_size=(6, 6))
+"""
+
+
+def test_fork_a_model_is_one_class_and_one_yaml(workdir: Path):
+    """The README's "Fork it": a model class and a dataset builder in a module of your own, one
+    YAML each, found through Hydra's search path; nothing else changes."""
+    (workdir / "mine.py").write_text(MYNET)
+    (workdir / "conf" / "model").mkdir(parents=True)
+    (workdir / "conf" / "dataset").mkdir()
+    (workdir / "conf" / "model" / "mynet.yaml").write_text("_target_: mine.MyNet\nwidth: 16\n")
+    (workdir / "conf" / "dataset" / "my_data.yaml").write_text(
+        "_target_: mine.my_data\nbatch_size: 32\nnum_workers: 0\nnum_train: 256\n")
+    args = ["model=mynet", "dataset=my_data", f"hydra.searchpath=[file://{workdir / 'conf'}]", "trainer.epochs=10",
+            "hydra.run.dir=run"]
+    check(train(args, workdir, env={"PYTHONPATH": str(workdir)}))
+    result = metrics(workdir / "run")
+    assert (result["step"], result["val/num_samples"]) == (10 * 256 // 32, 64)
+    assert result["val/acc"] > 0.8  # the sign of the mean pixel is easy to learn
+    assert set(weights(workdir / "run")) == {"net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"}
+
+
+def test_the_benchmark_script_writes_its_table(tmp_path: Path):
+    """A smoke run of `python benchmarks/run.py` (the real numbers come from a full run: RESULTS.md)."""
+    output = tmp_path / "RESULTS.md"
+    check(run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--repeats", "1", "--epochs", "1",
+               "--cases", "digits", "--output", str(output)], tmp_path))
+    rows = [line.split("|")[1:-1] for line in output.read_text().splitlines() if line.startswith("| digits")]
+    assert [row[0].strip() for row in rows] == [
+        "digits + cnn, 1 process: training samples/s",
+        "digits + cnn, 1 process: whole process, s",
+        "digits + cnn, 1 process: start to first step, s",
+    ]
+    for _, ours, bare, ratio in rows:
+        assert float(ours) > 0 and float(bare) > 0
+        assert abs(float(ratio) - float(ours) / float(bare)) < 0.01

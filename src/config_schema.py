@@ -201,8 +201,9 @@ class CheckBeforeWriting(Callback):
         # Hydra turns a callback's exception into a warning and goes on; SystemExit it lets through.
         with exit_on_usage_error(launch.is_main_rank()):
             check_train_config(OmegaConf.masked_copy(config, [key for key in config if key != "hydra"]))
-            checkpoints = Path(config.hydra.run.dir) / "checkpoints"
-            Checkpointer(checkpoints, is_main_process=False).resume_path(launch.resume_setting(config.resume))
+            if launch.is_main_rank():  # a late rank could see the checkpoint rank 0 has just written
+                checkpoints = Path(config.hydra.run.dir) / "checkpoints"
+                Checkpointer(checkpoints, is_main_process=False).resume_path(launch.resume_setting(config.resume))
 
 
 # -- layer 2: Hydra's compose errors --------------------------------------------------------------

@@ -139,15 +139,15 @@ def _at_least(minimum: int, or_null: bool = False) -> Rule:
     return rule
 
 
-def _non_negative_or_null(value: Any) -> str | None:
-    # Also a type check: optimizer.lr lives in an open group, so `optimizer.lr=abc` gets this far.
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return None if value is None or (is_number and value >= 0) else "must be a number >= 0"
+def _number_or_null(zero_allowed: bool) -> Rule:
+    def rule(value: Any) -> str | None:
+        # Also a type check: optimizer.lr lives in an open group, so `optimizer.lr=abc` gets this far.
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is None or (is_number and (value >= 0 if zero_allowed else value > 0)):
+            return None
+        return "must be a number >= 0" if zero_allowed else "must be a positive number"
 
-
-def _positive_or_null(value: Any) -> str | None:
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return None if value is None or (is_number and value > 0) else "must be a positive number"
+    return rule
 
 
 def _port_or_null(value: Any) -> str | None:
@@ -158,7 +158,7 @@ VALUE_RULES: dict[str, Rule] = {
     "trainer.epochs": _at_least(1),
     "trainer.precision": _one_of("32", "bf16", "16"),
     "trainer.grad_accum": _at_least(1),
-    "trainer.grad_clip": _positive_or_null,
+    "trainer.grad_clip": _number_or_null(zero_allowed=False),
     "trainer.log_every_steps": _at_least(1),
     "trainer.device": _one_of("auto", "cpu", "cuda"),
     "trainer.monitor_mode": _one_of("max", "min"),
@@ -169,10 +169,10 @@ VALUE_RULES: dict[str, Rule] = {
     "trainer.limit_val_batches": _at_least(1, or_null=True),
     "trainer.overfit_batches": _at_least(0),
     "dist.backend": _one_of("auto", "nccl", "gloo"),
-    "dist.timeout_s": _positive_or_null,
+    "dist.timeout_s": _number_or_null(zero_allowed=False),
     "dist.nproc_per_node": _at_least(1),
     "dist.master_port": _port_or_null,
-    "optimizer.lr": _non_negative_or_null,  # lr=0 freezes the weights (a baseline); absent: no lr at all
+    "optimizer.lr": _number_or_null(zero_allowed=True),  # lr=0 freezes the weights; absent: the optimizer has none
 }
 
 

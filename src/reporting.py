@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, TypeVar
@@ -23,6 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
+from src.files import write_text_atomically
 from src.progress import NoProgress, ProgressBar, shows_progress, track
 
 _FORMAT = "[%(asctime)s][%(levelname)s] %(message)s"
@@ -223,7 +223,7 @@ class Reporter:
             return
         if self._writer is not None:
             self._writer.add_image("val/confusion_matrix", confusion_heatmap(counts), global_step=step)
-        _write_atomically(self.run_dir / "confusion_matrix.csv", confusion_csv(counts))
+        write_text_atomically(self.run_dir / "confusion_matrix.csv", confusion_csv(counts))
 
     def hparams(self, hparams: Mapping[str, Any], final_metrics: Mapping[str, float]) -> None:
         """Record the run's hyperparameters with its final metrics (TensorBoard's HParams tab).
@@ -245,14 +245,8 @@ class Reporter:
     def write_metrics(self, summary: Mapping[str, Any]) -> None:
         """Replace metrics.json atomically, so a reader never sees half a file."""
         if self.enabled:
-            _write_atomically(self.run_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
+            write_text_atomically(self.run_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -14,7 +14,6 @@ import csv
 import io
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from src.files import write_text_atomically
 from src.launch import is_main_rank
 
 log = logging.getLogger(__name__)
@@ -88,12 +88,6 @@ def _format(value: Any) -> str:
     return str(value)
 
 
-def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 class SweepSummary(Callback):
     """Writes `summary.csv` and `summary.md` into the sweep dir; prints the table at the end."""
 
@@ -104,8 +98,8 @@ class SweepSummary(Callback):
     def write(self, sweep_dir: Path) -> str:
         rows = collect(sweep_dir, self.metric, self.mode)
         table = to_markdown(rows)
-        _replace(sweep_dir / "summary.csv", to_csv(rows))
-        _replace(sweep_dir / "summary.md", table)
+        write_text_atomically(sweep_dir / "summary.csv", to_csv(rows))
+        write_text_atomically(sweep_dir / "summary.md", table)
         return table
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:

@@ -23,7 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from src import config_schema, launch
+from src import config_schema, heap, launch
 from src.errors import UsageError, exit_on_usage_error
 
 log = logging.getLogger("eval")
@@ -58,6 +58,7 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
     from src.evaluation import autocast_dtype, evaluate
     from src.models import build_model
 
+    heap.resume_collection()  # start-up's objects are frozen; what the evaluation builds is collected as usual
     if OmegaConf.is_missing(cfg, "checkpoint"):
         raise UsageError("name the checkpoint to evaluate: python eval.py checkpoint=PATH")
     path = Path(cfg.checkpoint)
@@ -102,6 +103,7 @@ def merge_dataset(saved_dataset: DictConfig, overrides: DictConfig, path: Path) 
 
 
 if __name__ == "__main__":
+    heap.pause_collection()  # resumed in evaluate_checkpoint(), once the imports are done
     launch.adopt_cluster_env()
     with config_schema.one_line_config_errors(launch.is_main_rank()):
         main()

@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src import config_schema, launch
+from src import config_schema, heap, launch
 from src.errors import exit_on_usage_error
 
 log = logging.getLogger("train")
@@ -42,6 +42,7 @@ def main(cfg: DictConfig) -> float:
     with exit_on_usage_error(launch.is_main_rank(), in_sweep=hydra_cfg.mode == RunMode.MULTIRUN):
         config_schema.check_train_config(cfg)  # values the schema's types cannot refuse, before any work
         if cfg.dist.nproc_per_node > 1 and not launch.is_worker():
+            heap.resume_collection()  # this process only waits on its workers, for as long as they run
             launch.launch_workers(__file__, cfg.dist.nproc_per_node, run_dir, hydra_cfg.overrides.task,
                                   cfg.dist.master_port, cfg.trainer.device, cfg.dist.backend)
             return json.loads((run_dir / "metrics.json").read_text())["val/acc"]
@@ -68,6 +69,7 @@ def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src
     from src.seeding import seed_everything
     from src.trainer import Trainer, TrainerOptions, TrainState
 
+    heap.resume_collection()  # start-up's objects are frozen; what the run builds is collected as usual
     reporting.setup_logging(run_dir, runtime.env.rank)
     checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", runtime.is_main_process, cfg.trainer.keep_last)
     # A restarted or requeued run picks up where it stopped; otherwise as configured.
@@ -121,6 +123,7 @@ def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src
 
 
 if __name__ == "__main__":
+    heap.pause_collection()  # resumed in run(), once the imports are done
     launch.adopt_cluster_env()
     with config_schema.one_line_config_errors(launch.is_main_rank()):
         main()

@@ -42,25 +42,24 @@ def test_self_launch_matches_torchrun(workdir: Path):
 
 
 def test_sweep_of_ddp_groups(workdir: Path):
-    args = ["-m", "dist.nproc_per_node=2", "optimizer=sgd,adam", "optimizer.lr=0.1,0.01",
-            "trainer.epochs=1", "hydra.sweep.dir=sweep"]
+    args = ["-m", "dist.nproc_per_node=2", "optimizer=sgd,adam", "trainer.epochs=1", "hydra.sweep.dir=sweep"]
     result = check(train(args, workdir, timeout=600))
     jobs = job_dirs(workdir / "sweep")
-    assert [p.name for p in jobs] == ["0", "1", "2", "3"]
+    assert [p.name for p in jobs] == ["0", "1"]
     for job in jobs:
         summary = metrics(job)
         assert summary["world_size"] == 2 and summary["epoch"] == 1
         assert (job / "checkpoints" / "last.pt").exists() and (job / "train.rank1.log").exists()
         assert len(list((job / "tb").glob("events.out.tfevents*"))) == 1
     rows = summary_rows(workdir / "sweep")
-    assert len(rows) == 4 and {r["status"] for r in rows} == {"completed"}
+    assert len(rows) == 2 and {r["status"] for r in rows} == {"completed"}
     accuracies = [float(r["val/acc"]) for r in rows]
     assert accuracies == sorted(accuracies, reverse=True)
     by_job = {r["job"]: r for r in rows}
-    assert by_job["3"]["overrides"] == "dist.nproc_per_node=2 optimizer=adam optimizer.lr=0.01 trainer.epochs=1"
-    assert float(by_job["3"]["val/acc"]) == metrics(jobs[3])["val/acc"]
+    assert by_job["1"]["overrides"] == "dist.nproc_per_node=2 optimizer=adam trainer.epochs=1"
+    assert float(by_job["1"]["val/acc"]) == metrics(jobs[1])["val/acc"]
     assert "Sweep summary (sorted by val/acc, max)" in result.stdout and "| job | status |" in result.stdout
-    assert (workdir / "sweep" / "summary.md").read_text().count("| completed |") == 4
+    assert (workdir / "sweep" / "summary.md").read_text().count("| completed |") == 2
 
 
 def test_torchrun_runs_a_sweep(workdir: Path):

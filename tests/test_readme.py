@@ -32,7 +32,7 @@ EXERCISED_BY = {
     "python train.py": "test_train_cli.py::test_single_process_run_dir_contract",
     "python train.py --cfg job": "test_train_cli.py::test_help_lists_groups_and_cfg_job_skips_torch",
     "python train.py --help": "test_train_cli.py::test_help_lists_groups_and_cfg_job_skips_torch",
-    "python train.py -m dist.nproc_per_node=2 optimizer=sgd,adam optimizer.lr=0.1,0.01":
+    "python train.py -m dist.nproc_per_node=2 optimizer=sgd,adam":
         "test_launch_cli.py::test_sweep_of_ddp_groups",
     "python train.py -m hydra/launcher=local_ddp": "test_launch_cli.py::test_submitit_tasks_form_one_ddp_group",
     "python train.py -m hydra/launcher=slurm hydra.launcher.partition=gpu optimizer.lr=0.1,0.01":

@@ -13,7 +13,7 @@ $(VENV)/.runtime: requirements.txt
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
+$(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt benchmarks/requirements-lightning.txt
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@
 

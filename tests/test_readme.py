@@ -6,6 +6,8 @@ processes, one epoch); SLURM runs through submitit's local executor, which share
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import re
 import shlex
 import sys
@@ -184,3 +186,25 @@ def test_the_benchmark_script_writes_its_table(tmp_path: Path):
     for _, ours, bare, ratio in rows:
         assert float(ours) > 0 and float(bare) > 0
         assert abs(float(ratio) - float(ours) / float(bare)) < 0.01
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                    reason="Lightning is not installed: pip install -r benchmarks/requirements-lightning.txt")
+def test_the_benchmark_compares_with_a_lightning_trainer(tmp_path: Path):
+    """A smoke run of `benchmarks/run.py --cases lightning`: template, bare loop and Lightning on the digits job."""
+    output = tmp_path / "RESULTS.md"
+    check(run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--repeats", "1", "--epochs", "1",
+               "--cases", "lightning", "--output", str(output)], tmp_path))
+    text = output.read_text()
+    assert "| case | template | Lightning | template / Lightning |" in text
+    rows = {row[0].strip(): [float(cell) for cell in row[1:]]
+            for row in (line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| digits"))}
+    assert set(rows) == {f"digits + cnn, 1 process: {measure}{versus}"
+                         for measure in ("training samples/s", "whole process, s", "start to first step, s")
+                         for versus in ("", " vs Lightning")}
+    ours, lightning, ratio = rows["digits + cnn, 1 process: training samples/s vs Lightning"]
+    assert ours > 0 and lightning > 0 and math.isfinite(ratio) and ratio > 0
+    assert abs(ratio - ours / lightning) < 0.01
+    assert ours == rows["digits + cnn, 1 process: training samples/s"][0]  # the same template runs as the bare case
+    ours_wall, lightning_wall, _ = rows["digits + cnn, 1 process: whole process, s vs Lightning"]
+    assert 0 < ours_wall and 0 < lightning_wall

@@ -9,6 +9,7 @@ options can be given in epochs whatever the dataset size, batch size or world si
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Iterable
 
 import torch
@@ -30,6 +31,15 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[torch.nn.Parameter]
     except ValueError as error:
         raise UsageError(
             f"{optimizer_cfg._target_} refused its settings ({error}): change the optimizer.* keys"
+        ) from error
+    except TypeError as error:  # a key the class does not take, e.g. `fused` copied to an RMSprop YAML
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+        if unknown is None:
+            raise
+        key = unknown.group(1)
+        raise UsageError(
+            f"{optimizer_cfg._target_} does not take {key}: remove it from the optimizer's YAML, or drop it for this "
+            f"run with ~optimizer.{key}"
         ) from error
 
 

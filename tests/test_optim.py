@@ -69,3 +69,12 @@ def test_build_optimizer_completes_the_partial_and_reports_torchs_refusals():
     cfg.betas = [1.5, 0.99]
     with pytest.raises(UsageError, match=r"torch.optim.AdamW refused its settings \(Invalid beta parameter at index 0"):
         build_optimizer(cfg, params)
+    cfg.betas = [0.9, 0.99]
+    cfg._target_ = "torch.optim.RMSprop"  # a YAML copied from adamw.yaml keeps `fused`, which RMSprop lacks
+    cfg.pop("betas")
+    cfg.fused = True
+    with pytest.raises(UsageError, match=r"^torch.optim.RMSprop does not take fused: remove it .* ~optimizer.fused$"):
+        build_optimizer(cfg, params)
+    cfg.fused = None  # torch's default is accepted by every class that has the key
+    cfg._target_ = "torch.optim.Adam"
+    assert build_optimizer(cfg, params).param_groups[0]["fused"] is None

@@ -172,39 +172,27 @@ def test_fork_a_model_is_one_class_and_one_yaml(workdir: Path):
     assert set(weights(workdir / "run")) == {"net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"}
 
 
+HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None  # `make test` installs it (requirements-dev.txt)
+
+
 def test_the_benchmark_script_writes_its_table(tmp_path: Path):
-    """A smoke run of `python benchmarks/run.py` (the real numbers come from a full run: RESULTS.md)."""
+    """A smoke run of `python benchmarks/run.py` (the real numbers come from a full run: RESULTS.md): the
+    template, the bare loop and, where installed, a Lightning Trainer on the digits job."""
     output = tmp_path / "RESULTS.md"
     check(run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--repeats", "1", "--epochs", "1",
-               "--cases", "digits", "--output", str(output)], tmp_path))
-    rows = [line.split("|")[1:-1] for line in output.read_text().splitlines() if line.startswith("| digits")]
-    assert [row[0].strip() for row in rows] == [
-        "digits + cnn, 1 process: training samples/s",
-        "digits + cnn, 1 process: whole process, s",
-        "digits + cnn, 1 process: start to first step, s",
-    ]
-    for _, ours, bare, ratio in rows:
-        assert float(ours) > 0 and float(bare) > 0
-        assert abs(float(ratio) - float(ours) / float(bare)) < 0.01
-
-
-@pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
-                    reason="Lightning is not installed: pip install -r benchmarks/requirements-lightning.txt")
-def test_the_benchmark_compares_with_a_lightning_trainer(tmp_path: Path):
-    """A smoke run of `benchmarks/run.py --cases lightning`: template, bare loop and Lightning on the digits job."""
-    output = tmp_path / "RESULTS.md"
-    check(run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--repeats", "1", "--epochs", "1",
-               "--cases", "lightning", "--output", str(output)], tmp_path))
+               "--cases", "lightning" if HAS_LIGHTNING else "digits", "--output", str(output)], tmp_path))
     text = output.read_text()
-    assert "| case | template | Lightning | template / Lightning |" in text
     rows = {row[0].strip(): [float(cell) for cell in row[1:]]
             for row in (line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| digits"))}
-    assert set(rows) == {f"digits + cnn, 1 process: {measure}{versus}"
+    versus = ("", " vs Lightning") if HAS_LIGHTNING else ("",)
+    assert set(rows) == {f"digits + cnn, 1 process: {measure}{against}"
                          for measure in ("training samples/s", "whole process, s", "start to first step, s")
-                         for versus in ("", " vs Lightning")}
-    ours, lightning, ratio = rows["digits + cnn, 1 process: training samples/s vs Lightning"]
-    assert ours > 0 and lightning > 0 and math.isfinite(ratio) and ratio > 0
-    assert abs(ratio - ours / lightning) < 0.01
-    assert ours == rows["digits + cnn, 1 process: training samples/s"][0]  # the same template runs as the bare case
-    ours_wall, lightning_wall, _ = rows["digits + cnn, 1 process: whole process, s vs Lightning"]
-    assert 0 < ours_wall and 0 < lightning_wall
+                         for against in versus}
+    for ours, other, ratio in rows.values():
+        assert ours > 0 and other > 0 and math.isfinite(ratio)
+        assert abs(ratio - ours / other) < 0.01
+    if HAS_LIGHTNING:
+        assert "| case | template | Lightning | template / Lightning |" in text
+        # The same template runs are compared with both baselines.
+        assert rows["digits + cnn, 1 process: training samples/s vs Lightning"][0] == \
+            rows["digits + cnn, 1 process: training samples/s"][0]

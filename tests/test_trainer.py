@@ -46,8 +46,9 @@ def tiny_data(grad_accum: int) -> Data:
                 val_loader=[], num_val_samples=0)
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2, 4])
-def test_gradients_are_all_reduced_on_the_last_micro_step_only(one_rank_group, tmp_path: Path, grad_accum: int):
+@pytest.mark.parametrize(("grad_accum", "compiled"), [(1, False), (2, False), (4, False), (2, True)])
+def test_gradients_are_all_reduced_on_the_last_micro_step_only(one_rank_group, tmp_path: Path, grad_accum: int,
+                                                               compiled: bool):
     model = nn.Linear(4, 3)  # one gradient bucket: one all-reduce per synchronised backward
     ddp = DistributedDataParallel(model)
     micro_steps = []  # one entry per forward pass
@@ -61,9 +62,13 @@ def test_gradients_are_all_reduced_on_the_last_micro_step_only(one_rank_group, t
     ddp.register_comm_hook(None, counting_allreduce)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     runtime = Runtime(DistEnv(), torch.device("cpu"), backend="gloo")
-    trainer = Trainer(TrainerOptions(epochs=1, grad_accum=grad_accum), runtime, model, ddp, optimizer,
+    # trainer.compile=true wraps the DDP model (train.py); no_sync must still reach the DDP inside.
+    # aot_eager: dynamo and autograd tracing as with inductor, without building C++ kernels.
+    train_model = torch.compile(ddp, backend="aot_eager") if compiled else ddp
+    trainer = Trainer(TrainerOptions(epochs=1, grad_accum=grad_accum), runtime, model, train_model, optimizer,
                       torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), tiny_data(grad_accum),
                       Checkpointer(tmp_path / "checkpoints", False), Reporter(tmp_path, False))
+    assert trainer.ddp is ddp
     state = TrainState()
     trainer.train_one_epoch(0, state)
     assert len(micro_steps) == STEPS * grad_accum and state.step == STEPS

@@ -40,7 +40,7 @@ ConfigStore.instance().store(group="dataset", name=FROM_CHECKPOINT, node=OmegaCo
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
 def main(cfg: DictConfig) -> float:
-    """Hydra's entry point; returns the val accuracy."""
+    """Hydra's entry point; returns the val value of the checkpoint's monitored metric."""
     # As in train.py, torch loads inside evaluate_checkpoint(), so `--help` stays fast.
     config_schema.config_composed()  # from here on, errors are the run's (Hydra reports them as usual)
     launch.adopt_cluster_env()  # submitit / SLURM tasks become torchrun-style workers
@@ -51,12 +51,16 @@ def main(cfg: DictConfig) -> float:
 
 
 def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> float:
-    """Evaluate `cfg.checkpoint` on this rank's shard of the val split; every rank returns the
-    val accuracy over all of it. `dataset_choice` is the `dataset` option Hydra composed."""
+    """Evaluate `cfg.checkpoint` on this rank's shard of the val split with the task it was trained
+    on; every rank returns the val value of its monitored metric over all of the split.
+    `dataset_choice` is the `dataset` option Hydra composed."""
+    from hydra.utils import instantiate
+
     from src import checkpoint, distributed, reporting
     from src.data import build_splits, make_val_loader
     from src.evaluation import autocast_dtype, evaluate
     from src.models import build_model
+    from src.task_setup import check_fit
 
     heap.resume_collection()  # start-up's objects are frozen; what the evaluation builds is collected as usual
     if OmegaConf.is_missing(cfg, "checkpoint"):
@@ -67,23 +71,33 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
     dataset_cfg = cfg.dataset if dataset_choice != FROM_CHECKPOINT else merge_dataset(saved.dataset, cfg.dataset, path)
     amp_dtype = autocast_dtype(saved.trainer.precision if cfg.trainer.precision is None else cfg.trainer.precision)
 
+    if "task" not in saved:
+        raise UsageError(f"{path} was saved before tasks existed (no task in its config): train it again")
+    task = instantiate(saved.task)
+    monitored = f"val/{saved.trainer.monitor.split('/', 1)[1]}"  # val/<name>: what this split can measure
+
     with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
         reporting.setup_logging(run_dir, runtime.env.rank, name="eval")
         splits = build_splits(dataset_cfg)
-        # The plain module, not DDP: evaluation syncs no gradients, only the metric totals.
-        module = build_model(saved.model, splits)
+        check_fit(task, splits.info, saved.task._target_, f"{dataset_choice} ({dataset_cfg._target_})")
+        # The plain module, not DDP: evaluation syncs no gradients, only the metric sums. Its config
+        # was saved resolved, with the shapes it was built with.
+        module = build_model(saved.model)
         checkpoint.load_model_state(module, payload["model"], path)
         module.to(runtime.device)
-        loader = make_val_loader(splits, dataset_cfg.batch_size, runtime.env.rank, runtime.world_size,
+        val_batch = dataset_cfg.get("val_batch_size") or dataset_cfg.batch_size
+        loader = make_val_loader(splits, val_batch, runtime.env.rank, runtime.world_size,
                                  runtime.device, dataset_cfg.num_workers, saved.seed)
-        val = evaluate(module, loader, runtime.device, amp_dtype)
+        val = evaluate(module, loader, task, splits.info, runtime.device, amp_dtype)
 
-        result = {"val/loss": val["loss"], "val/acc": val["acc"], "num_samples": val["count"],
-                  "world_size": runtime.world_size, "checkpoint": str(path.resolve()), "epoch": payload["epoch"]}
+        metrics = {f"val/{name}": value for name, value in val.items() if isinstance(value, float)}
+        result = {**metrics, "num_samples": val["count"], "world_size": runtime.world_size,
+                  "checkpoint": str(path.resolve()), "epoch": payload["epoch"]}
         reporting.Reporter(run_dir, runtime.is_main_process, tensorboard=False).write_metrics(result)
-        log.info("val/loss=%.6f  val/acc=%.6f  num_samples=%d  world_size=%d  checkpoint %s (epoch %d)  run dir: %s",
-                 val["loss"], val["acc"], val["count"], runtime.world_size, path, payload["epoch"], run_dir)
-        return val["acc"]
+        log.info("%s  num_samples=%d  world_size=%d  checkpoint %s (epoch %d)  run dir: %s",
+                 "  ".join(f"{k}={v:.6f}" for k, v in metrics.items()), val["count"], runtime.world_size, path,
+                 payload["epoch"], run_dir)
+        return result[monitored]
 
 
 def merge_dataset(saved_dataset: DictConfig, overrides: DictConfig, path: Path) -> DictConfig:

@@ -1,4 +1,4 @@
-"""Train a classifier, on one process or as one worker of a DDP group.
+"""Train a model on a task, on one process or as one worker of a DDP group.
 
     python train.py                                   # one process (CPU or one GPU)
     torchrun --nproc_per_node=2 train.py model=cnn    # a DDP group of 2 workers
@@ -6,8 +6,8 @@
     python train.py --help                            # config groups and options
 
 The story of a run: compose the config (Hydra), join the process group, build the
-data, model, optimizer and schedule, resume if asked, train, report. Each step is one
-call into `src/`.
+data, the task and the model, the optimizer and schedule, resume if asked, train, report.
+Each step is one call into `src/`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src import config_schema, heap, launch
+from src import config_schema, data_fields, heap, launch
 from src.errors import exit_on_usage_error
 
 log = logging.getLogger("train")
@@ -32,42 +32,39 @@ launch.register_resolvers()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
-    """Hydra's entry point; returns the final val accuracy (what sweepers optimise)."""
+    """Hydra's entry point; returns the final value of the monitored metric (what sweepers optimise)."""
     # torch and everything built on it load inside train(), not at the top: `--help` and
     # `--cfg job` answer without paying seconds for imports they do not use.
     config_schema.config_composed()  # from here on, errors are the run's (Hydra reports them as usual)
     launch.adopt_cluster_env()  # submitit / SLURM tasks become torchrun-style workers
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    with exit_on_usage_error(launch.is_main_rank(), in_sweep=hydra_cfg.mode == RunMode.MULTIRUN):
+    in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    with exit_on_usage_error(launch.is_main_rank(), in_sweep), launch.discard_unused_run_dir(run_dir, in_sweep):
         config_schema.check_train_config(cfg)  # values the schema's types cannot refuse, before any work
         if cfg.dist.nproc_per_node > 1 and not launch.is_worker():
             heap.resume_collection()  # this process only waits on its workers, for as long as they run
             launch.launch_workers(__file__, cfg.dist.nproc_per_node, run_dir, hydra_cfg.overrides.task,
                                   cfg.dist.master_port, cfg.trainer.device, cfg.dist.backend)
-            return json.loads((run_dir / "metrics.json").read_text())["val/acc"]
-        return launch.recording_errors(train)(cfg, run_dir)
+            return json.loads((run_dir / "metrics.json").read_text())[cfg.trainer.monitor]
+        return launch.recording_errors(train)(cfg, run_dir, hydra_cfg.runtime.choices)
 
 
-def train(cfg: DictConfig, run_dir: Path) -> float:
-    """Join the process group, run, leave it."""
+def train(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> float:
+    """Join the process group, run, leave it. `choices`: the option Hydra chose in each group."""
     from src import distributed
 
     with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
         # The run's objects (DDP's reducer among them) are freed when run() returns, before
         # the group they talk through is destroyed.
-        return run(cfg, run_dir, runtime)
+        return run(cfg, run_dir, runtime, choices)
 
 
-def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src.distributed.Runtime
-    import torch
-
-    from src import checkpoint, distributed, performance, reporting
+def run(cfg: DictConfig, run_dir: Path, runtime, choices: dict[str, str]) -> float:  # noqa: ANN001 - Runtime
+    from src import checkpoint, reporting
     from src.data import DataLimits, build_data
-    from src.models import build_model
-    from src.optim import build_optimizer
     from src.seeding import seed_everything
-    from src.trainer import Trainer, TrainerOptions, TrainState
+    from src.task_setup import build_task, model_fields
 
     heap.resume_collection()  # start-up's objects are frozen; what the run builds is collected as usual
     reporting.setup_logging(run_dir, runtime.env.rank)
@@ -78,8 +75,24 @@ def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src
     seed_everything(cfg.seed)  # the same initial weights on every rank
     data = build_data(cfg.dataset, runtime.env.rank, runtime.world_size, cfg.trainer.grad_accum,
                       runtime.device, cfg.seed, DataLimits.from_config(cfg.trainer))
+    # The task must fit the dataset, and produce the monitored metric; the model takes its
+    # shapes from what the dataset provides (`${data:FIELD}` in its YAML).
+    task = build_task(cfg.task, data.splits.info, choices, cfg.trainer.monitor)
+    with data_fields.providing(model_fields(task, data.splits.info), f"dataset={choices['dataset']}"):
+        return run_task(cfg, run_dir, runtime, data, task, resume_from, checkpointer)
+
+
+def run_task(cfg, run_dir, runtime, data, task, resume_from, checkpointer) -> float:  # noqa: ANN001
+    """The rest of the run, once the data and task are known: model, optimizer, train, report."""
+    import torch
+
+    from src import checkpoint, distributed, performance, reporting
+    from src.models import build_model
+    from src.optim import build_optimizer
+    from src.trainer import Trainer, TrainerOptions, TrainState
+
     performance.set_backend_flags(runtime.device, cfg.trainer.tf32, cfg.trainer.deterministic)
-    model = performance.with_memory_format(build_model(cfg.model, data.splits), cfg.trainer.channels_last)
+    model = performance.with_memory_format(build_model(cfg.model), cfg.trainer.channels_last)
     module, train_model = distributed.prepare_model(model, runtime, cfg.dist.sync_bn, cfg.dist.find_unused_parameters)
     if cfg.trainer.compile:
         train_model = torch.compile(train_model)
@@ -94,7 +107,7 @@ def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src
         from src.profiling import step_profiler
 
         profiler = step_profiler(run_dir / "tb" / "profile", runtime.env.rank)
-    trainer = Trainer(TrainerOptions.from_config(cfg.trainer, cfg.seed), runtime, module, train_model,
+    trainer = Trainer(TrainerOptions.from_config(cfg.trainer, cfg.seed), runtime, task, module, train_model,
                       optimizer, scheduler, data, checkpointer, reporter, profiler)
     state = TrainState()
     if resume_from is not None:
@@ -107,19 +120,21 @@ def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src
     config = OmegaConf.to_container(cfg, resolve=True)
     reporting.log_run_start(run_dir, runtime, module, data, cfg.trainer.grad_accum, config)
     reporter.model_summary(module)
-    reporter.input_images(data.splits.train, data.train_sampler)
+    reporter.input_images(data.splits, data.train_sampler, task)
     state = trainer.fit(state, config)
+    monitor = cfg.trainer.monitor
     if state.stopped_early:
         log.info("stopped at step %d with a checkpoint; continue with: resume=auto hydra.run.dir=%s",
                  state.step, run_dir)
-        return state.history[-1]["val/acc"] if state.history else float("nan")
+        return state.history[-1][monitor] if state.history else float("nan")
 
     summary = trainer.summary(state, data.num_val_samples)
-    reporter.hparams(reporting.flatten(config), {k: v for k, v in summary.items() if "/" in k})
+    final = {k: v for k, v in summary.items() if k.startswith(("train/", "val/")) and k != "val/num_samples"}
+    reporter.hparams(reporting.flatten(config), final)
     reporter.close()
-    log.info("final: %s", "  ".join(f"{k}={summary[k]:.4f}" for k in reporting.FINAL_METRICS))
+    log.info("final: %s", "  ".join(f"{k}={v:.4f}" for k, v in final.items()))
     log.info("run dir: %s", run_dir)
-    return summary["val/acc"]
+    return summary[monitor]
 
 
 if __name__ == "__main__":

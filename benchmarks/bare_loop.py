@@ -38,7 +38,7 @@ def main() -> None:
     torch.manual_seed(0)
     splits = digits() if args.dataset == "digits" else synthetic()
     images, labels = splits.train.tensors
-    model = SimpleCNN(splits.in_channels, splits.image_size, splits.num_classes)
+    model = SimpleCNN(splits.info["in_channels"], splits.info["image_size"], splits.info["num_classes"])
     if world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)

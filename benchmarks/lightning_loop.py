@@ -74,7 +74,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     splits = digits()
-    model = Classifier(SimpleCNN(splits.in_channels, splits.image_size, splits.num_classes))
+    model = Classifier(SimpleCNN(splits.info["in_channels"], splits.info["image_size"], splits.info["num_classes"]))
     loader = DataLoader(splits.train, batch_size=args.batch_size, shuffle=True, drop_last=True, num_workers=0,
                         generator=torch.Generator().manual_seed(0))
     timer = EpochTimer()

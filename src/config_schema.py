@@ -83,6 +83,7 @@ class DistSchema:
 class TrainSchema:
     """conf/config.yaml: train.py's config."""
 
+    task: Any
     model: Any
     dataset: Any
     optimizer: Any
@@ -189,6 +190,9 @@ def check_train_config(cfg: DictConfig) -> None:
         raise UsageError("; ".join(problems))
 
 
+created_run_dirs: set[Path] = set()  # run dirs that did not exist when this process's run started
+
+
 class CheckBeforeWriting(Callback):
     """Refuse a bad value, or a fresh run into a run dir that already holds one, before Hydra
     writes `.hydra/` into the run dir: Hydra does that before the task function starts, so a
@@ -198,6 +202,9 @@ class CheckBeforeWriting(Callback):
         from src import launch
         from src.checkpoint import Checkpointer
 
+        run_dir = Path(config.hydra.run.dir)
+        if not run_dir.exists():  # a refused run may remove it (launch.discard_unused_run_dir)
+            created_run_dirs.add(run_dir.resolve())
         # Hydra turns a callback's exception into a warning and goes on; SystemExit it lets through.
         with exit_on_usage_error(launch.is_main_rank()):
             check_train_config(OmegaConf.masked_copy(config, [key for key in config if key != "hydra"]))

@@ -23,6 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
+from src.batches import to_device
 from src.datasets import DataSplits
 from src.distributed import main_process_first
 from src.errors import UsageError
@@ -30,7 +31,7 @@ from src.image_tensors import ImageTensorDataset
 from src.seeding import epoch_seed
 
 # Keys of a `dataset` config read by the loaders; all others go to its `_target_` builder.
-LOADER_KEYS = ("batch_size", "num_workers")
+LOADER_KEYS = ("batch_size", "val_batch_size", "num_workers")
 
 
 class GlobalBatchSampler:
@@ -149,9 +150,10 @@ class TensorBatchLoader:
     """Batches of an in-memory TensorDataset, gathered by index on the training device.
 
     Same sampler semantics as a DataLoader, without its per-sample fetch and collate:
-    the whole dataset is copied to the device once. uint8 image datasets become normalised
-    float batches there; their training augmentation is left to `augment`, which
-    `train_batch_to_device` applies after the trainer has seeded the step.
+    the whole dataset is copied to the device once, and a batch is one tuple of tensors (the
+    dataset's tensors, in order, e.g. `(inputs, targets)` or `(rgb, mask, targets)`). uint8 image
+    datasets become normalised float batches there; their training augmentation is left to
+    `augment`, which `train_batch_to_device` applies after the trainer has seeded the step.
     """
 
     def __init__(self, dataset: TensorDataset, batch_sampler: Iterable[list[int]], device: torch.device) -> None:
@@ -165,30 +167,28 @@ class TensorBatchLoader:
     def __len__(self) -> int:
         return len(self.batch_sampler)  # type: ignore[arg-type]
 
-    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         for indices in self.batch_sampler:
             index = torch.tensor(indices, device=self.device)
-            images, *rest = (t.index_select(0, index) for t in self.tensors)
-            yield [images if self.images is None else self.images.normalize(images), *rest]
+            first, *rest = (t.index_select(0, index) for t in self.tensors)
+            yield (first if self.images is None else self.images.normalize(first), *rest)
 
-    def augment(self, images: torch.Tensor) -> torch.Tensor:
+    def augment(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """A training batch's on-device augmentation (none for datasets that have none)."""
-        return images if self.images is None else self.images.augment(images)
+        if self.images is None:
+            return batch
+        images, *rest = batch
+        return (self.images.augment(images), *rest)
 
 
-def train_batch_to_device(
-    loader: Iterable[Any], images: torch.Tensor, targets: torch.Tensor, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def train_batch_to_device(loader: Iterable[Any], batch: Any, device: torch.device) -> Any:
     """A training batch from `loader`, on `device` and augmented if its loader augments there.
 
     Call it after seeding the step: on-device augmentation draws from the device's default
     generator, so a run resumed at any step draws the same crops and flips.
     """
-    images = images.to(device, non_blocking=True)
-    targets = targets.to(device, non_blocking=True)
-    if isinstance(loader, TensorBatchLoader):
-        images = loader.augment(images)
-    return images, targets
+    batch = to_device(batch, device)
+    return loader.augment(batch) if isinstance(loader, TensorBatchLoader) else batch
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -267,17 +267,18 @@ def build_data(
         max_steps_per_epoch=limits.train_batches,
     )
     num_workers = int(dataset_cfg.num_workers)
+    global_val_batch = int(dataset_cfg.get("val_batch_size") or global_batch_size)
     worker_seed = epoch_seed(seed, rank, epoch=-1)  # per rank; the trainer reseeds it every epoch
     return Data(
         splits=splits,
         train_sampler=train_sampler,
         train_loader=make_loader(splits.train, train_sampler, device, num_workers, worker_seed),
         val_loader=make_val_loader(
-            splits, global_batch_size, rank, world_size, device, num_workers, worker_seed, limits.val_batches
+            splits, global_val_batch, rank, world_size, device, num_workers, worker_seed, limits.val_batches
         ),
         # What the val metrics cover: all of the val split unless limit_val_batches cuts it.
         num_val_samples=sum(
-            EvalShardSampler(len(splits.val), val_batch_size(global_batch_size, world_size), r, world_size,
+            EvalShardSampler(len(splits.val), val_batch_size(global_val_batch, world_size), r, world_size,
                              limits.val_batches).num_samples
             for r in range(world_size)
         ),
@@ -301,7 +302,7 @@ def build_splits(dataset_cfg: DictConfig) -> DataSplits:
     params = OmegaConf.to_container(dataset_cfg, resolve=True)
     assert isinstance(params, dict)
     for key in LOADER_KEYS:
-        params.pop(key)
+        params.pop(key, None)  # val_batch_size is optional
     with main_process_first():  # one download, not one per rank into the same folder
         return instantiate(params)
 

@@ -1,21 +1,27 @@
-"""Dataset builders: each returns the train and val splits plus the shape a model needs.
+"""Dataset builders: each returns the train and val splits plus what it provides to models and tasks.
 
 A builder is a plain function named by a YAML file's `_target_` (e.g. `conf/dataset/digits.yaml`
 has `_target_: src.datasets.digits`), so adding a dataset means one function here and one YAML.
-Every builder returns a `DataSplits` whose items are `(float32 image C x H x W, label)`.
+Every builder returns a `DataSplits`: two datasets whose items are tuples (or dicts) of tensors, and
+`info`, a free-form dict of what the data looks like (`num_classes`, `in_channels`, `image_size`,
+`num_features`, `num_targets`, ...). Model YAMLs take the fields they need as `${data:FIELD}`;
+tasks check the fields they need (`num_classes` for classification, `num_targets` for regression).
 
-`digits` (bundled with scikit-learn) and `synthetic` need no files, so they run anywhere. The
-others read the standard on-disk formats and fail with a `DatasetNotFoundError` naming the folder
-and the files to put there. torchvision and scikit-learn are imported inside the builders so that
-importing this module (and `python train.py --help`) stays fast.
+Image datasets give `(float32 image C x H x W, label)` items; `breast_cancer` and `diabetes` give
+`(float32 feature vector, target)`; `two_input_synthetic` gives `(rgb, mask, target)`.
+`digits`, `breast_cancer`, `diabetes` (bundled with scikit-learn) and the synthetic ones need no
+files, so they run anywhere. The others read the standard on-disk formats and fail with a
+`DatasetNotFoundError` naming the folder and the files to put there. torchvision is imported inside
+the builders, and scikit-learn's bundled files are read without importing it, so that importing
+this module (and `python train.py --help`) stays fast.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
@@ -43,13 +49,18 @@ CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 
 @dataclass(frozen=True)
 class DataSplits:
-    """A dataset's train and val splits and the input/output shape a model is built for."""
+    """A dataset's train and val splits and what it provides (`info`: shapes, class count, ...)."""
 
     train: Dataset
     val: Dataset
-    num_classes: int
-    in_channels: int
-    image_size: tuple[int, int]  # (H, W)
+    info: Mapping[str, Any]
+
+
+def image_info(num_classes: int, channels: int, height: int, width: int) -> dict[str, Any]:
+    """What an image classification dataset provides: the image shape, its size flattened (for MLPs)
+    and the class count."""
+    return {"num_classes": num_classes, "in_channels": channels, "image_size": [height, width],
+            "num_features": channels * height * width}
 
 
 class DatasetNotFoundError(UsageError, RuntimeError):
@@ -78,9 +89,7 @@ def digits(val_size: int = 360, split_seed: int = 0) -> DataSplits:
     return DataSplits(
         train=TensorDataset((train_images - mean) / std, labels[train_index]),
         val=TensorDataset((images[val_index] - mean) / std, labels[val_index]),
-        num_classes=10,
-        in_channels=1,
-        image_size=(8, 8),
+        info=image_info(10, 1, 8, 8),
     )
 
 
@@ -91,16 +100,116 @@ def _bundled_digits_table() -> "np.ndarray":
     process the 1-2 s that importing scikit-learn takes.
     """
     import gzip
-    import importlib.util
 
     import numpy as np
 
+    with gzip.open(_bundled_file("digits.csv.gz"), "rt") as file:
+        return np.loadtxt(file, delimiter=",", dtype=np.int64)
+
+
+def _bundled_file(name: str) -> Path:
+    """A data file shipped inside scikit-learn (sklearn/datasets/data/), found without importing it."""
+    import importlib.util
+
     spec = importlib.util.find_spec("sklearn")  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:
-        raise DatasetNotFoundError("dataset=digits needs scikit-learn: pip install scikit-learn")
-    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
-    with gzip.open(path, "rt") as file:
-        return np.loadtxt(file, delimiter=",", dtype=np.int64)
+        raise DatasetNotFoundError("this dataset is read from scikit-learn's bundled files: pip install scikit-learn")
+    return Path(spec.submodule_search_locations[0]) / "datasets" / "data" / name
+
+
+def breast_cancer(val_size: int = 114, split_seed: int = 0) -> DataSplits:
+    """scikit-learn's bundled Wisconsin breast cancer table: 569 samples of 30 features, label 0
+    (malignant) or 1 (benign), as in `sklearn.datasets.load_breast_cancer`.
+
+    Items are `(float32 features (30,), int64 label)`; the features are standardised with the train
+    split's per-feature mean and std (val statistics never leak into training).
+    """
+    import numpy as np
+
+    table = np.loadtxt(_bundled_file("breast_cancer.csv"), delimiter=",", skiprows=1)  # row 1: counts, names
+    features = torch.tensor(table[:, :-1], dtype=torch.float32)
+    labels = torch.tensor(table[:, -1], dtype=torch.int64)
+    (train_x, train_y), (val_x, val_y) = _standardised_split(features, labels, val_size, split_seed, "breast_cancer")
+    return DataSplits(train=TensorDataset(train_x, train_y), val=TensorDataset(val_x, val_y),
+                      info={"num_classes": 2, "num_features": features.shape[1]})
+
+
+def diabetes(val_size: int = 88, split_seed: int = 0) -> DataSplits:
+    """scikit-learn's bundled diabetes table: 442 patients, 10 features (age, sex, BMI, blood
+    pressure, six blood serum measurements), target: disease progression one year later.
+
+    Items are `(float32 features (10,), float32 target (1,))`. Features AND the target are
+    standardised with train-split statistics, so mae and rmse are in units of the target's std
+    (`info["target_std"]`, about 77 in the original units; r2 does not depend on the scale).
+    """
+    import gzip
+
+    import numpy as np
+
+    with gzip.open(_bundled_file("diabetes_data_raw.csv.gz"), "rt") as file:
+        features = torch.tensor(np.loadtxt(file), dtype=torch.float32)
+    with gzip.open(_bundled_file("diabetes_target.csv.gz"), "rt") as file:
+        target = torch.tensor(np.loadtxt(file), dtype=torch.float32).view(-1, 1)
+    (train_x, train_t), (val_x, val_t) = _standardised_split(features, target, val_size, split_seed, "diabetes")
+    mean, std = train_t.mean(), train_t.std()
+    return DataSplits(
+        train=TensorDataset(train_x, (train_t - mean) / std), val=TensorDataset(val_x, (val_t - mean) / std),
+        info={"num_features": features.shape[1], "num_targets": 1, "target_mean": mean.item(),
+              "target_std": std.item()},
+    )
+
+
+def _standardised_split(
+    features: torch.Tensor, targets: torch.Tensor, val_size: int, split_seed: int, name: str
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """((train features, targets), (val features, targets)): the first `val_size` samples of a
+    permutation drawn from `split_seed` are val; features are standardised per column with the
+    train split's mean and std."""
+    if not 0 < val_size < len(targets):
+        raise ValueError(f"{name}: val_size must be between 1 and {len(targets) - 1}, got {val_size}")
+    order = torch.randperm(len(targets), generator=torch.Generator().manual_seed(split_seed))
+    val_index, train_index = order[:val_size], order[val_size:]
+    mean, std = features[train_index].mean(dim=0), features[train_index].std(dim=0).clamp(min=1e-12)
+    standardise = lambda index: (features[index] - mean) / std  # noqa: E731 - a one-line helper
+    return (standardise(train_index), targets[train_index]), (standardise(val_index), targets[val_index])
+
+
+def two_input_synthetic(
+    num_train: int = 1200, num_val: int = 240, image_size: Sequence[int] = (16, 16), seed: int = 0
+) -> DataSplits:
+    """RGB images and masks with a real target from a fixed, learnable function: a two-input problem
+    that runs anywhere (the shape of `model(rgb_images, masks)` regression).
+
+    Images are smooth random colour fields (4x upsampled noise); a mask is a random rectangle
+    covering 1/16 to 1/2 of the image. The target is the mean, over the mask's pixels, of a fixed
+    random colour projection of the image, scaled to unit variance on the train split: the model must
+    use both inputs. Items are `(float32 rgb (3, H, W), float32 mask (1, H, W), float32 target (1,))`.
+    """
+    height, width = (int(x) for x in image_size)
+    generator = torch.Generator().manual_seed(seed)
+    count = num_train + num_val
+    coarse = torch.randn(count, 3, max(1, height // 4), max(1, width // 4), generator=generator)
+    rgb = torch.nn.functional.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)
+    masks = _random_rectangles(count, height, width, generator)
+    colour = torch.randn(3, generator=generator)
+    projected = (rgb * colour.view(1, 3, 1, 1)).sum(dim=1, keepdim=True)
+    target = ((projected * masks).sum(dim=(1, 2, 3)) / masks.sum(dim=(1, 2, 3))).view(-1, 1)
+    target = target / target[:num_train].std()
+    train = TensorDataset(rgb[:num_train], masks[:num_train], target[:num_train])
+    val = TensorDataset(rgb[num_train:], masks[num_train:], target[num_train:])
+    return DataSplits(train=train, val=val, info={"in_channels": 3, "image_size": [height, width], "num_targets": 1})
+
+
+def _random_rectangles(count: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
+    """`count` float 0/1 masks (count, 1, H, W), each one rectangle of 1/4 to 1/sqrt(2) of each side."""
+    sides = torch.tensor([height, width], dtype=torch.float32)
+    size = (sides * (0.25 + (0.5 ** 0.5 - 0.25) * torch.rand(count, 2, generator=generator))).long().clamp(min=1)
+    corner = (torch.rand(count, 2, generator=generator) * (sides - size + 1)).long()
+    rows = torch.arange(height).view(1, height, 1)
+    cols = torch.arange(width).view(1, 1, width)
+    inside_rows = (rows >= corner[:, 0, None, None]) & (rows < (corner[:, 0] + size[:, 0])[:, None, None])
+    inside_cols = (cols >= corner[:, 1, None, None]) & (cols < (corner[:, 1] + size[:, 1])[:, None, None])
+    return (inside_rows & inside_cols).float().unsqueeze(1)
 
 
 def synthetic(
@@ -124,9 +233,7 @@ def synthetic(
     return DataSplits(
         train=TensorDataset(images[:num_train], labels[:num_train]),
         val=TensorDataset(images[num_train:], labels[num_train:]),
-        num_classes=num_classes,
-        in_channels=channels,
-        image_size=(height, width),
+        info=image_info(num_classes, channels, height, width),
     )
 
 
@@ -171,9 +278,7 @@ def _mnist_format(
     return DataSplits(
         train=train,
         val=val,
-        num_classes=10,
-        in_channels=1,
-        image_size=(28, 28),
+        info=image_info(10, 1, 28, 28),
     )
 
 
@@ -209,9 +314,7 @@ def cifar10(
     return DataSplits(
         train=train,
         val=val,
-        num_classes=10,
-        in_channels=3,
-        image_size=(32, 32),
+        info=image_info(10, 3, 32, 32),
     )
 
 
@@ -263,9 +366,7 @@ def image_folder(
             f"only in train {sorted(set(train.classes) - set(val.classes))}, "
             f"only in val {sorted(set(val.classes) - set(train.classes))}"
         )
-    return DataSplits(
-        train=train, val=val, num_classes=len(train.classes), in_channels=channels, image_size=(height, width)
-    )
+    return DataSplits(train=train, val=val, info=image_info(len(train.classes), channels, height, width))
 
 
 def _class_folders(folder: Path, transform: Callable) -> ImageFolder:

@@ -1,16 +1,18 @@
-"""Evaluation: a model's loss and accuracy over a split, every sample counted exactly once."""
+"""Evaluation: a model's loss and metrics over a split, every sample counted exactly once."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, ContextManager, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from src.batches import to_device
 from src.errors import UsageError
-from src.metrics import ClassificationMetrics
+from src.metrics import MetricSums
+from src.tasks import Task
 
 PRECISIONS = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
 
@@ -34,25 +36,31 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> ContextManager[
 def evaluate(
     module: nn.Module,
     loader: Iterable[Any],
+    task: Task,
+    info: Mapping[str, Any],
     device: torch.device,
     amp_dtype: torch.dtype | None = None,
-    num_classes: int | None = None,
 ) -> dict[str, Any]:
-    """`loss`, `acc` and `count` of `module` over this rank's batches, summed over all ranks;
-    with `num_classes`, also `confusion`, the C x C matrix of counts (rows: true class).
+    """The task's metrics of `module` over this rank's batches, summed over all ranks, with `count`
+    (samples) and the task's val-only tables (e.g. `confusion`).
 
     Pass the unwrapped module: evaluation needs no gradient sync, and ranks may run a
     different number of batches, which DDP's per-forward collectives would not allow.
     A collective: every rank must call it.
     """
-    metrics = ClassificationMetrics(device, num_classes)
+    sums = MetricSums({**task.sum_shapes(info), **task.val_sum_shapes(info)}, device)
     was_training = module.training
     module.eval()
-    for images, targets in loader:
-        images = images.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
+    for batch in loader:
+        args, kwargs, target = task.split(to_device(batch, device))
         with autocast(device, amp_dtype):
-            logits = module(images)
-        metrics.update(logits, targets, F.cross_entropy(logits.float(), targets, reduction="sum"))
+            outputs = module(*args, **kwargs)
+        loss_sum, count = task.loss(outputs, target)
+        sums.add({"loss": loss_sum, "count": count, **task.sums(outputs, target), **task.val_sums(outputs, target)})
     module.train(was_training)
-    return metrics.compute()
+    return metrics_of(task, sums.reduce())
+
+
+def metrics_of(task: Task, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The task's metrics from all-reduced sums, with the sample `count`."""
+    return {**task.compute(sums), "count": int(sums["count"])}

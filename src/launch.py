@@ -14,14 +14,16 @@ Nothing here imports torch unless the run has several processes: `python train.p
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import os
+import shutil
 import socket
 import sys
 import uuid
 from pathlib import Path
-from typing import Callable, Mapping, Sequence, TypeVar
+from typing import Callable, Iterator, Mapping, Sequence, TypeVar
 
 from omegaconf import OmegaConf
 
@@ -60,11 +62,15 @@ def _agree_on_start_time() -> datetime.datetime:
 
 
 def register_resolvers() -> None:
-    """The config's `${run_timestamp:FORMAT}` and `${main_rank_only:VALUE}` (conf/config.yaml)."""
+    """The config's `${run_timestamp:FORMAT}` and `${main_rank_only:VALUE}` (conf/config.yaml), and
+    `${data:FIELD}` (src/data_fields.py)."""
     OmegaConf.register_new_resolver("run_timestamp", lambda fmt: run_started_at().strftime(fmt), replace=True)
     # Hydra writes `.hydra/` before our code runs, in every process of a group; this
     # makes `hydra.output_subdir` null on the other ranks whichever launcher started them.
     OmegaConf.register_new_resolver("main_rank_only", lambda value: value if is_main_rank() else None, replace=True)
+    from src import data_fields
+
+    data_fields.register_resolver()  # ${data:FIELD} in model YAMLs
 
 
 def is_main_rank() -> bool:
@@ -108,6 +114,41 @@ def resume_setting(resume: str | None) -> str | None:
     """What `resume=` means for this process: a restart continues its run dir's last checkpoint
     even when the command line (the same on every restart) asked for a fresh run."""
     return "auto" if resume is None and restarted_by_launcher() else resume
+
+
+@contextlib.contextmanager
+def discard_unused_run_dir(run_dir: Path, in_sweep: bool) -> Iterator[None]:
+    """If the block fails with a usage error before the run has written anything of its own, remove
+    the run dir this run created (Hydra's `.hydra/` copy and the log files are all it holds), so a
+    refused run leaves no directory behind. A dir that held anything before, a sweep's job dir,
+    and a dir with checkpoints, metrics or TensorBoard events are never touched."""
+    try:
+        yield
+    except Exception as error:
+        from src.errors import find_usage_error
+
+        if find_usage_error(error) is not None and not in_sweep and is_main_rank() and _holds_nothing_of_a_run(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            _remove_empty_parents(run_dir)
+        raise
+
+
+def _remove_empty_parents(path: Path) -> None:
+    """Remove the folders above `path` (outputs/DATE/...) that are left empty, up to the working directory."""
+    stop = Path.cwd().resolve()
+    for parent in path.resolve().parents:
+        if parent == stop or stop not in parent.parents or any(parent.iterdir()):
+            return
+        parent.rmdir()
+
+
+def _holds_nothing_of_a_run(run_dir: Path) -> bool:
+    """Whether `run_dir` was created by this run and holds only its config copy and logs."""
+    from src.config_schema import created_run_dirs
+
+    if run_dir.resolve() not in created_run_dirs:
+        return False
+    return all(path.name == ".hydra" or path.suffix == ".log" for path in run_dir.iterdir())
 
 
 def is_worker(environ: Mapping[str, str] = os.environ) -> bool:

@@ -1,89 +1,81 @@
-"""Classification metrics that are exact under DDP.
+"""Metric sums that are exact under DDP.
 
-Each rank accumulates sums on its device (summed loss, correct predictions) and a
-sample count, with no host sync per step. `compute()` all-reduces the three totals in
-one collective, so the result is the sample-weighted mean over every rank's samples:
-not a mean of per-rank means, not rank 0's value. Given the number of classes, it also
-counts a confusion matrix, all-reduced in that same collective.
+A task (src/tasks.py) names the sums its metrics are made of: every task has `loss` (summed
+per-sample losses) and `count` (samples); classification adds `correct`, regression absolute and
+squared errors, and so on. Each rank adds its batches' sums on its device, with no host sync per
+step. `reduce()` all-reduces every sum in ONE collective (they are slices of one float64
+vector), so a metric computed from the result is the exact value over every rank's samples: not a
+mean of per-rank means, not rank 0's value. Sums are saved and restored by name, so a checkpoint
+taken mid-epoch resumes the epoch's metrics on any world size.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Mapping
 
 import torch
 
 from src.distributed import all_reduce_sum
+from src.errors import UsageError
+
+BASE_SHAPES: dict[str, tuple[int, ...]] = {"loss": (), "count": ()}
 
 
-class ClassificationMetrics:
-    """Running loss and accuracy over the samples seen since the last `reset()`; with
-    `num_classes`, also the confusion matrix (rows: true class, columns: predicted)."""
+class MetricSums:
+    """Running sums, by name, over the batches seen since the last `reset()`.
 
-    def __init__(self, device: torch.device, num_classes: int | None = None) -> None:
-        # float64 keeps sums of thousands of per-sample losses exact enough to compare
-        # runs of different world sizes to 1e-6; correct counts stay exact integers.
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self._correct = torch.zeros((), dtype=torch.int64, device=device)
-        self._count = 0
-        self._confusion = None if num_classes is None else torch.zeros(
-            num_classes, num_classes, dtype=torch.int64, device=device
-        )
+    float64 keeps sums of thousands of per-sample losses exact enough to compare runs of different
+    world sizes to 1e-6, and holds integer counts exactly up to 2**53.
+    """
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], device: torch.device) -> None:
+        self.shapes = {**BASE_SHAPES, **shapes}
+        self._offsets: dict[str, slice] = {}
+        start = 0
+        for name, shape in self.shapes.items():
+            size = math.prod(shape)
+            self._offsets[name] = slice(start, start + size)
+            start += size
+        self._vector = torch.zeros(start, dtype=torch.float64, device=device)
+        # Views into the one vector: adding to a view adds to the vector.
+        self._views = {name: self._vector[where].view(self.shapes[name]) for name, where in self._offsets.items()}
 
     def reset(self) -> None:
-        self._loss_sum.zero_()
-        self._correct.zero_()
-        self._count = 0
-        if self._confusion is not None:
-            self._confusion.zero_()
+        self._vector.zero_()
 
     @torch.no_grad()
-    def update(self, logits: torch.Tensor, targets: torch.Tensor, loss_sum: torch.Tensor) -> None:
-        """Add a batch: `loss_sum` is the batch's summed (not mean) per-sample loss."""
-        predictions = logits.argmax(dim=1)
-        self._loss_sum += loss_sum.detach()
-        self._correct += (predictions == targets).sum()
-        self._count += targets.shape[0]
-        if self._confusion is not None:
-            # Cell (true, predicted) is bin true * C + predicted: one bincount per batch, on the device.
-            classes = self._confusion.shape[0]
-            cells = torch.bincount(targets * classes + predictions, minlength=classes * classes)
-            self._confusion += cells.view(classes, classes)
+    def add(self, sums: Mapping[str, torch.Tensor | float]) -> None:
+        """Add a batch's sums (device tensors or numbers); names this accumulator does not track are ignored."""
+        for name, value in sums.items():
+            view = self._views.get(name)
+            if view is not None:
+                view += value.detach() if isinstance(value, torch.Tensor) else value
 
     def totals(self) -> torch.Tensor:
-        """This rank's (loss sum, correct, count) so far, then the confusion counts row by row if
-        counted: one vector, so one all-reduce carries them all. Also the baseline of a window."""
-        totals = torch.stack([self._loss_sum, self._correct.double(), self._loss_sum.new_tensor(self._count)])
-        if self._confusion is None:
-            return totals
-        # float64 holds integer counts exactly up to 2**53.
-        return torch.cat([totals, self._confusion.flatten().double()])
+        """This rank's sums as one vector (a copy): a window's baseline, or what `reduce` all-reduces."""
+        return self._vector.clone()
 
-    def compute_totals(self) -> list[float]:
-        """(loss sum, correct, count) over all ranks: what a checkpoint keeps of an unfinished epoch.
-        A collective."""
-        return all_reduce_sum(self.totals()).tolist()
-
-    def add_totals(self, totals: list[float]) -> None:
-        """Add totals saved by `compute_totals` (on one rank only, or they count twice)."""
-        loss_sum, correct, count = totals
-        self._loss_sum += loss_sum
-        self._correct += int(correct)
-        self._count += int(count)
-
-    def compute(self, baseline: torch.Tensor | None = None) -> dict[str, Any]:
-        """`loss`, `acc` and `count` over all ranks' samples (since `baseline`, if given), and
-        `confusion` (a C x C int64 CPU tensor of counts) when the classes are counted.
+    def reduce(self, baseline: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Every sum over all ranks (since `baseline`, if given), as float64 CPU tensors by name.
 
         A collective: call it on every rank.
         """
-        totals = self.totals() if baseline is None else self.totals() - baseline
-        reduced = all_reduce_sum(totals).cpu()
-        loss_sum, correct, count = reduced[:3].tolist()
-        result: dict[str, Any] = {"loss": float("nan"), "acc": float("nan"), "count": 0}
-        if count > 0:
-            result = {"loss": loss_sum / count, "acc": correct / count, "count": int(count)}
-        if self._confusion is not None:
-            # Sliced, not "the rest": a metric added later appends its sums after these.
-            result["confusion"] = reduced[3 : 3 + self._confusion.numel()].view(self._confusion.shape).long()
-        return result
+        vector = self.totals() if baseline is None else self._vector - baseline
+        reduced = all_reduce_sum(vector).cpu()
+        return {name: reduced[where].view(self.shapes[name]) for name, where in self._offsets.items()}
+
+    def state_dict(self) -> dict[str, list[float]]:
+        """All ranks' sums by name (a collective): what a checkpoint keeps of an unfinished epoch."""
+        return {name: value.flatten().tolist() for name, value in self.reduce().items()}
+
+    def load_state_dict(self, saved: Mapping[str, list[float]]) -> None:
+        """Add sums saved by `state_dict` (on one rank only, or they count twice)."""
+        if set(saved) != set(self.shapes):
+            raise UsageError(
+                f"the checkpoint's metric sums ({', '.join(saved)}) are not this task's ({', '.join(self.shapes)}): "
+                "resume with the task it was saved with"
+            )
+        for name, values in saved.items():
+            saved_sum = torch.tensor(values, dtype=torch.float64).view(self.shapes[name])
+            self._views[name] += saved_sum.to(self._vector.device)

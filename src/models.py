@@ -1,11 +1,10 @@
-"""Models. Each takes the dataset's shape as keyword arguments, so one class works on
-any dataset:
+"""Models: plain `nn.Module`s whose constructors take the shapes they need as keyword arguments.
 
-    Model(in_channels: int, image_size: tuple[int, int], num_classes: int, **options)
-
-`conf/model/<name>.yaml` names the class in `_target_` and sets the options; the shape
-arguments are filled in at run time from the dataset. Adding a model is one class here
-(or anywhere importable) plus one YAML file.
+`conf/model/<name>.yaml` names the class in `_target_`, sets the options, and takes the shapes from
+the dataset and task as `${data:FIELD}` (src/data_fields.py), e.g. `num_outputs: ${data:num_outputs}`.
+A model's `forward` takes the batch parts the task names as inputs: one image batch for the
+classifiers here, `(rgb, mask)` for `TwoInputCNN`. Adding a model is one class here (or anywhere
+importable) plus one YAML file.
 """
 
 from __future__ import annotations
@@ -16,14 +15,10 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from src.datasets import DataSplits
 
-
-def build_model(model_cfg: Any, splits: DataSplits) -> nn.Module:
-    """The model `model_cfg` names (`_target_` and options), built for the dataset's shape."""
-    return instantiate(
-        model_cfg, in_channels=splits.in_channels, image_size=splits.image_size, num_classes=splits.num_classes
-    )
+def build_model(model_cfg: Any) -> nn.Module:
+    """The model `model_cfg` names (`_target_` and options; `${data:...}` fields resolved from the dataset)."""
+    return instantiate(model_cfg)
 
 
 class SimpleCNN(nn.Module):
@@ -36,7 +31,7 @@ class SimpleCNN(nn.Module):
         self,
         in_channels: int,
         image_size: Sequence[int],
-        num_classes: int,
+        num_outputs: int,
         channels: Sequence[int] = (32, 64),
         hidden: int = 128,
         dropout: float = 0.0,
@@ -59,7 +54,7 @@ class SimpleCNN(nn.Module):
             nn.Linear(c2 * (height // 2) * (width // 2), hidden),
             nn.ReLU(inplace=True),
             nn.Dropout(dropout),
-            nn.Linear(hidden, num_classes),
+            nn.Linear(hidden, num_outputs),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,30 +62,29 @@ class SimpleCNN(nn.Module):
 
 
 class MLP(nn.Module):
-    """A multi-layer perceptron on the flattened image."""
+    """A multi-layer perceptron on feature vectors, or on images flattened to vectors."""
 
     def __init__(
         self,
-        in_channels: int,
-        image_size: Sequence[int],
-        num_classes: int,
+        in_features: int,
+        num_outputs: int,
         hidden_sizes: Sequence[int] = (256, 256),
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        width = in_channels * image_size[0] * image_size[1]
+        width = in_features
         layers: list[nn.Module] = [nn.Flatten()]
         for hidden in hidden_sizes:
             layers += [nn.Linear(width, hidden), nn.ReLU(inplace=True), nn.Dropout(dropout)]
             width = hidden
-        layers.append(nn.Linear(width, num_classes))
+        layers.append(nn.Linear(width, num_outputs))
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
 
-def resnet18(in_channels: int, image_size: Sequence[int], num_classes: int, small_images: bool = True) -> nn.Module:
+def resnet18(in_channels: int, num_outputs: int, small_images: bool = True) -> nn.Module:
     """torchvision's ResNet-18, randomly initialised.
 
     With `small_images` (for 8x8 to 64x64 inputs) the 7x7 stride-2 stem and its max-pool,
@@ -99,11 +93,32 @@ def resnet18(in_channels: int, image_size: Sequence[int], num_classes: int, smal
     """
     from torchvision.models import resnet18 as torchvision_resnet18
 
-    del image_size  # global average pooling makes the network size-agnostic
-    model = torchvision_resnet18(weights=None, num_classes=num_classes)
+    # Global average pooling makes the network size-agnostic: it needs no image size.
+    model = torchvision_resnet18(weights=None, num_classes=num_outputs)
     if small_images:
         model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
     elif in_channels != 3:
         model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
     return model
+
+
+class TwoInputCNN(nn.Module):
+    """`model(rgb, mask)`: conv + BatchNorm features of the image, averaged over the mask's pixels
+    (masked average pooling), then a linear head. The mask chooses where the network looks, so the
+    output depends on both inputs; BatchNorm makes sync-BN matter under DDP."""
+
+    def __init__(self, in_channels: int, num_outputs: int, channels: Sequence[int] = (16, 32)) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = in_channels
+        for out in channels:
+            layers += [nn.Conv2d(width, out, 3, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU(inplace=True)]
+            width = out
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(width, num_outputs)
+
+    def forward(self, rgb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        weights = mask / mask.sum(dim=(2, 3), keepdim=True).clamp(min=1e-6)  # each mask's pixels sum to 1
+        pooled = (self.features(rgb) * weights).sum(dim=(2, 3))
+        return self.head(pooled)

@@ -65,8 +65,9 @@ def with_memory_format(model: nn.Module, channels_last: bool) -> nn.Module:
 
 
 def _channels_last_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    images, *rest = args
-    return (images.contiguous(memory_format=torch.channels_last), *rest)
+    """Every 4-D (N, C, H, W) positional input in NHWC; other inputs as they are."""
+    return tuple(arg.contiguous(memory_format=torch.channels_last) if isinstance(arg, torch.Tensor) and arg.dim() == 4
+                 else arg for arg in args)
 
 
 def peak_flops(device_name: str, precision: str, tf32: bool) -> float | None:
@@ -82,8 +83,10 @@ def peak_flops(device_name: str, precision: str, tf32: bool) -> float | None:
     return None
 
 
-def training_flops_per_sample(model: nn.Module, input_shape: tuple[int, ...], batch_size: int) -> float:
-    """FLOPs of one training sample: one forward and backward of a `batch_size` batch, divided.
+def training_flops_per_sample(model: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]],
+                              batch_size: int) -> float:
+    """FLOPs of one training sample: one forward and backward of a `batch_size` micro-batch whose model
+    inputs are `inputs` (positional, keyword; meta tensors of the real batch's shapes), divided.
 
     Counted by torch's FlopCounterMode (matmuls and convolutions; normalisation, activations and
     the optimizer are not counted) on a copy of `model` on the meta device: shapes only, so no
@@ -99,8 +102,9 @@ def training_flops_per_sample(model: nn.Module, input_shape: tuple[int, ...], ba
     meta.update({id(t): torch.empty_like(t, device="meta") for t in model.buffers()})
     copy = deepcopy(model, meta).eval()
     counter = FlopCounterMode(display=False)
+    args, kwargs = inputs
     with counter:
-        copy(torch.empty(batch_size, *input_shape, device="meta")).float().sum().backward()
+        copy(*args, **kwargs).float().sum().backward()
     return counter.get_total_flops() / batch_size
 
 
@@ -125,7 +129,7 @@ class Utilization:
         device: torch.device,
         precision: str,
         world_size: int,
-        input_shape: tuple[int, ...],
+        example_inputs: tuple[tuple[Any, ...], dict[str, Any]] | None,
         micro_batch_size: int,
     ) -> None:
         self.device = device
@@ -135,7 +139,8 @@ class Utilization:
             tf32 = torch.backends.cuda.matmul.allow_tf32
             self.peak = peak_flops(torch.cuda.get_device_name(device), str(precision), tf32)
         self.flops_per_sample = (
-            training_flops_per_sample(model, input_shape, micro_batch_size) if self.peak is not None else 0.0
+            training_flops_per_sample(model, example_inputs, micro_batch_size)
+            if self.peak is not None and example_inputs is not None else 0.0
         )
 
     def scalars(self, samples_per_s: float) -> dict[str, float]:

@@ -19,14 +19,12 @@ from typing import Any, Iterable, Mapping, Sequence, TypeVar
 import torch
 from omegaconf import OmegaConf
 from torch import nn
-from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from src.files import write_text_atomically
 from src.progress import NoProgress, ProgressBar, shows_progress, track
 
 _FORMAT = "[%(asctime)s][%(levelname)s] %(message)s"
-FINAL_METRICS = ("train/loss", "train/acc", "val/loss", "val/acc")
 # Colour of a confusion-matrix cell: white for none of a true class's samples, dark blue for all of them.
 EMPTY_CELL_RGB = (1.0, 1.0, 1.0)
 FULL_CELL_RGB = (0.03, 0.19, 0.42)
@@ -165,6 +163,12 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _first_input(task: Any, sample: Any) -> Any:
+    """The first model input of one sample (its first positional input, else its first keyword one)."""
+    args, kwargs, _ = task.split(sample)
+    return args[0] if args else next(iter(kwargs.values()), None)
+
+
 class Reporter:
     """Progress bars, TensorBoard events, metrics.json and confusion_matrix.csv, from the main
     process only: on other ranks every method does nothing.
@@ -207,14 +211,17 @@ class Reporter:
         if self._writer is not None:
             self._writer.add_text("model/summary", model_summary(module))
 
-    def input_images(self, dataset: Dataset, batches: Iterable[Sequence[int]], count: int = 16) -> None:
-        """The first `count` inputs of the first of `batches` (a sampler's lists of sample indices),
-        as the model receives them, as a grid under `inputs/train_batch`."""
-        if self._writer is None:
+    def input_images(self, splits: Any, batches: Iterable[Sequence[int]], task: Any, count: int = 16) -> None:
+        """The first `count` samples of the first of `batches` (a sampler's lists of sample indices),
+        their first model input as the model receives it, as a grid under `inputs/train_batch`;
+        only for datasets of images (`image_size` in their info) whose input is a C x H x W image."""
+        if self._writer is None or "image_size" not in splits.info:
             return
         indices = next(iter(batches))[:count]
-        images = torch.stack([dataset[i][0] for i in indices])
-        self._writer.add_image("inputs/train_batch", image_grid(images), global_step=0)
+        inputs = [_first_input(task, splits.train[i]) for i in indices]
+        if not all(isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] in (1, 3) for x in inputs):
+            return
+        self._writer.add_image("inputs/train_batch", image_grid(torch.stack(inputs)), global_step=0)
 
     def confusion_matrix(self, counts: torch.Tensor, step: int) -> None:
         """A confusion matrix of counts (rows: true class): a heatmap under `val/confusion_matrix`

@@ -27,7 +27,7 @@ from src.launch import is_main_rank
 
 log = logging.getLogger(__name__)
 
-METRICS = ("val/acc", "val/loss", "train/acc", "train/loss", "epoch", "samples_per_s")
+RUN_COLUMNS = ("epoch", "samples_per_s")  # after the metrics, which the jobs' task names
 FAILED_MARKER = "FAILED"
 
 
@@ -44,9 +44,21 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     else:
         status = "incomplete"
     row: dict[str, Any] = {"job": job_dir.name, "status": status, "overrides": " ".join(overrides)}
-    row.update({name: metrics.get(name) for name in METRICS})
+    row.update({name: value for name, value in metrics.items() if _is_column(name)})
     row["job_dir"] = str(job_dir)
     return row
+
+
+def _is_column(name: str) -> bool:
+    return name in RUN_COLUMNS or (name.startswith(("val/", "train/")) and name != "val/num_samples")
+
+
+def metric_columns(rows: list[dict[str, Any]], metric: str) -> list[str]:
+    """The monitored metric, the other val/ then train/ metrics the jobs' task computes, then epoch and
+    throughput."""
+    seen = [name for row in rows for name in row if name.startswith(("val/", "train/"))]
+    ordered = [metric, *(n for n in seen if n.startswith("val/")), *(n for n in seen if n.startswith("train/"))]
+    return [*dict.fromkeys(ordered), *RUN_COLUMNS]
 
 
 def collect(sweep_dir: Path, metric: str, mode: str) -> list[dict[str, Any]]:
@@ -63,18 +75,18 @@ def collect(sweep_dir: Path, metric: str, mode: str) -> list[dict[str, Any]]:
     return sorted(rows, key=order)
 
 
-def to_markdown(rows: list[dict[str, Any]]) -> str:
-    columns = ["job", "status", *METRICS, "overrides"]
+def to_markdown(rows: list[dict[str, Any]], metrics: list[str]) -> str:
+    columns = ["job", "status", *metrics, "overrides"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        cells = [_format(row[column]) for column in columns]
+        cells = [_format(row.get(column)) for column in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def to_csv(rows: list[dict[str, Any]]) -> str:
+def to_csv(rows: list[dict[str, Any]], metrics: list[str]) -> str:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=["job", "status", "overrides", *METRICS, "job_dir"])
+    writer = csv.DictWriter(buffer, fieldnames=["job", "status", "overrides", *metrics, "job_dir"], restval="")
     writer.writeheader()
     writer.writerows(rows)
     return buffer.getvalue()
@@ -91,14 +103,15 @@ def _format(value: Any) -> str:
 class SweepSummary(Callback):
     """Writes `summary.csv` and `summary.md` into the sweep dir; prints the table at the end."""
 
-    def __init__(self, metric: str = "val/acc", mode: str = "max") -> None:
-        self.metric = metric
+    def __init__(self, metric: str, mode: str) -> None:
+        self.metric = metric  # the task's monitored metric (trainer.monitor), unless overridden
         self.mode = mode
 
     def write(self, sweep_dir: Path) -> str:
         rows = collect(sweep_dir, self.metric, self.mode)
-        table = to_markdown(rows)
-        write_text_atomically(sweep_dir / "summary.csv", to_csv(rows))
+        columns = metric_columns(rows, self.metric)
+        table = to_markdown(rows, columns)
+        write_text_atomically(sweep_dir / "summary.csv", to_csv(rows, columns))
         write_text_atomically(sweep_dir / "summary.md", table)
         return table
 

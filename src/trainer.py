@@ -16,19 +16,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ContextManager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from src.batches import tree_map
 from src.checkpoint import Checkpointer
 from src.data import Data, train_batch_to_device
 from src.distributed import Runtime, all_reduce_sum
 from src.divergence import NonFiniteLossWatch, TrainingDiverged, diverged_message
-from src.evaluation import autocast, autocast_dtype, evaluate
-from src.metrics import ClassificationMetrics
+from src.evaluation import autocast, autocast_dtype, evaluate, metrics_of
+from src.metrics import MetricSums
 from src.performance import Utilization
 from src.reporting import Reporter
 from src.seeding import epoch_seed, seed_step
+from src.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class TrainState:
     train_seconds: float = 0.0  # wall time spent in training epochs
     history: list[dict[str, float]] = field(default_factory=list)
     step_in_epoch: int = 0  # optimizer steps already taken in the unfinished epoch `epoch`
-    epoch_totals: list[float] | None = None  # its train metric totals, summed over all ranks
+    epoch_totals: dict[str, list[float]] | None = None  # its train metric sums by name, over all ranks
     stopped_early: bool = False  # the run stopped before its last epoch (max_steps, SIGTERM)
 
 
@@ -104,6 +105,7 @@ class Trainer:
         self,
         options: TrainerOptions,
         runtime: Runtime,
+        task: Task,
         module: nn.Module,
         train_model: nn.Module,
         optimizer: torch.optim.Optimizer,
@@ -115,6 +117,7 @@ class Trainer:
     ) -> None:
         self.options = options
         self.runtime = runtime
+        self.task = task
         self.module = module  # unwrapped: evaluated and saved
         self.train_model = train_model  # DDP and/or compiled wrapper of `module`
         self.ddp = _find_ddp(train_model)
@@ -130,8 +133,9 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=self.amp_dtype == torch.float16)
         self.preemption = PreemptionFlag(runtime.device)  # armed while fit() runs
         self.run_config: dict[str, Any] = {}  # the resolved config, saved in checkpoints
-        self.epoch_metrics = ClassificationMetrics(runtime.device)
+        self.epoch_metrics = MetricSums(task.sum_shapes(data.splits.info), runtime.device)
         self.window_start = self.epoch_metrics.totals()  # the epoch totals when the log window began
+        self.example_inputs: tuple[Any, ...] | None = None  # the first micro-batch's inputs, on the meta device
 
     # -- state -------------------------------------------------------------------------
 
@@ -176,7 +180,7 @@ class Trainer:
                 record = {
                     "epoch": state.epoch,
                     "step": state.step,
-                    **metric_values("train", train),  # train/loss, train/acc, and any metric added
+                    **metric_values("train", train),  # train/loss and the task's metrics
                     **metric_values("val", val),
                     "lr": self.optimizer.param_groups[0]["lr"],
                     "epoch_time_s": time.perf_counter() - started,
@@ -189,7 +193,8 @@ class Trainer:
                     self.checkpointer.save(self.state_dict(state, config), is_best)
                 # After the checkpoint: metrics.json never reports an epoch a restart would lose.
                 self.reporter.write_metrics(self.summary(state, val["count"]))
-                self.reporter.confusion_matrix(val["confusion"], state.step)
+                if "confusion" in val:
+                    self.reporter.confusion_matrix(val["confusion"], state.step)
         return state
 
     def train_one_epoch(self, epoch: int, state: TrainState) -> dict[str, float]:
@@ -202,23 +207,23 @@ class Trainer:
             generator.manual_seed(epoch_seed(self.options.seed, self.runtime.env.rank, epoch))
         self.train_model.train()
         self.epoch_metrics.reset()
-        restored = state.epoch_totals  # the totals of a resumed epoch's first steps
+        restored = _named_totals(state.epoch_totals)  # the sums of a resumed epoch's first steps
         if restored is not None and self.runtime.is_main_process:
-            self.epoch_metrics.add_totals(restored)  # all ranks' sums: added once, on rank 0
+            self.epoch_metrics.load_state_dict(restored)  # all ranks' sums: added once, on rank 0
         state.epoch_totals = None
         self.window_start = self.epoch_metrics.totals()
         window_started = time.perf_counter()
         progress = self.reporter.progress(f"epoch {epoch + 1}/{self.options.epochs}", sampler.steps_per_epoch,
                                           done=state.step_in_epoch)
         accum = self.options.grad_accum
-        for micro_step, (images, targets) in enumerate(self.data.train_loader):
+        for micro_step, batch in enumerate(self.data.train_loader):
             if micro_step % accum == 0:
                 # Seeded per optimizer step (differently per rank): dropout and augmentation
                 # draw the same after a resume at any step, and independently across ranks.
                 seed_step(epoch_seed(self.options.seed, self.runtime.env.rank, state.step), self.runtime.device)
-            images, targets = train_batch_to_device(self.data.train_loader, images, targets, self.runtime.device)
+            batch = train_batch_to_device(self.data.train_loader, batch, self.runtime.device)
             is_step_end = (micro_step + 1) % accum == 0
-            self._forward_backward(images, targets, accum, sync=is_step_end, step=state.step + 1)
+            self._forward_backward(batch, accum, sync=is_step_end, step=state.step + 1)
             if not is_step_end:
                 continue
             self._optimizer_step()
@@ -242,10 +247,10 @@ class Trainer:
                 self._save_mid_epoch(state)
         state.step_in_epoch = 0
         progress.close()
-        metrics = self.epoch_metrics.compute()
+        metrics = metrics_of(self.task, self.epoch_metrics.reduce())
         self.loss_watch.check(metrics["loss"])
         # Samples trained (and timed) by this run, not those restored from a checkpoint.
-        metrics["timed_count"] = metrics["count"] - (int(restored[2]) if restored is not None else 0)
+        metrics["timed_count"] = metrics["count"] - (int(restored["count"][0]) if restored is not None else 0)
         return metrics
 
     def _should_stop(self, state: TrainState) -> bool:
@@ -259,28 +264,29 @@ class Trainer:
 
     def _save_mid_epoch(self, state: TrainState) -> None:
         """A step checkpoint: the model and everything needed to go on from this very step."""
-        state.epoch_totals = self.epoch_metrics.compute_totals()
-        self.loss_watch.check(state.epoch_totals[0])  # never checkpoint a diverged model
+        state.epoch_totals = self.epoch_metrics.state_dict()
+        self.loss_watch.check(state.epoch_totals["loss"][0])  # never checkpoint a diverged model
         if self.options.save_checkpoints:
             self.checkpointer.save(self.state_dict(state, self.run_config), is_best=False, step=state.step)
         state.epoch_totals = None
         log.info("checkpoint at step %d (epoch %d, step %d of %d)", state.step, state.epoch + 1,
                  state.step_in_epoch, self.data.train_sampler.steps_per_epoch)
 
-    def _forward_backward(
-        self, images: torch.Tensor, targets: torch.Tensor, accum: int, sync: bool, step: int
-    ) -> None:
+    def _forward_backward(self, batch: Any, accum: int, sync: bool, step: int) -> None:
+        args, kwargs, target = self.task.split(batch)
+        if self.example_inputs is None:  # shapes for counting FLOPs (src/performance.py), no memory
+            self.example_inputs = tree_map(lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
         # On micro-steps before the last one, DDP must not all-reduce gradients yet.
         sync_context: ContextManager[Any] = contextlib.nullcontext()
         if self.ddp is not None and not sync:
             sync_context = self.ddp.no_sync()
         with sync_context:
             with autocast(self.runtime.device, self.amp_dtype):
-                logits = self.train_model(images)
-            loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum")
+                outputs = self.train_model(*args, **kwargs)
+            loss_sum, count = self.task.loss(outputs, target)
             # Each micro-batch holds 1/accum of the rank's samples; DDP averages over ranks,
             # so the gradient is the mean over the global batch.
-            loss = loss_sum / (targets.shape[0] * accum)
+            loss = loss_sum / (count * accum)
             self.loss_watch.observe(loss_sum, step)
             try:
                 self.scaler.scale(loss).backward()
@@ -289,7 +295,8 @@ class Trainer:
                     raise
                 what = str(error).splitlines()[0].rstrip(".")
                 raise TrainingDiverged(diverged_message(step, what, names_the_op=True)) from None
-        self.epoch_metrics.update(logits, targets, loss_sum)
+        with torch.no_grad():
+            self.epoch_metrics.add({"loss": loss_sum, "count": count, **self.task.sums(outputs.detach(), target)})
 
     def _optimizer_step(self) -> None:
         if self.options.grad_clip is not None:
@@ -301,9 +308,9 @@ class Trainer:
         self.scheduler.step()
 
     def evaluate(self) -> dict[str, Any]:
-        """Loss, accuracy and confusion matrix over the whole val split, each sample counted once."""
-        return evaluate(self.module, self.reporter.track(self.data.val_loader, "val"), self.runtime.device,
-                        self.amp_dtype, self.data.splits.num_classes)
+        """The task's metrics (and val tables) over the whole val split, each sample counted once."""
+        return evaluate(self.module, self.reporter.track(self.data.val_loader, "val"), self.task,
+                        self.data.splits.info, self.runtime.device, self.amp_dtype)
 
     def summary(self, state: TrainState, num_val_samples: int) -> dict[str, Any]:
         """The run so far, as written to metrics.json: the last epoch's metrics and the history."""
@@ -330,7 +337,7 @@ class Trainer:
         return better
 
     def _report_window(self, step: int, seconds: float) -> None:
-        window = self.epoch_metrics.compute(baseline=self.window_start)
+        window = metrics_of(self.task, self.epoch_metrics.reduce(baseline=self.window_start))
         self.loss_watch.check(window["loss"])
         self.window_start = self.epoch_metrics.totals()
         samples_per_s = window["count"] / seconds
@@ -348,8 +355,7 @@ class Trainer:
     def _utilization(self) -> Utilization:
         """Built at the first log window (a GPU counts the model's FLOPs then; the CPU nothing, ever)."""
         return Utilization(self.module, self.runtime.device, self.options.precision, self.runtime.world_size,
-                           (self.data.splits.in_channels, *self.data.splits.image_size),
-                           self.data.train_sampler.micro_batch_size)
+                           self.example_inputs, self.data.train_sampler.micro_batch_size)
 
     def _report_epoch(self, record: dict[str, float], num_val: int) -> None:
         self.reporter.scalars(
@@ -361,21 +367,34 @@ class Trainer:
             },
             record["step"],
         )
-        log.info(
-            "epoch %d/%d  step %d  train loss %.4f acc %.4f  val loss %.4f acc %.4f (%d samples)  "
-            "%.0f samples/s",
-            record["epoch"], self.options.epochs, record["step"], record["train/loss"], record["train/acc"],
-            record["val/loss"], record["val/acc"], num_val, record["samples_per_s"],
-        )
+        log.info("epoch %d/%d  step %d  %s  %s (%d samples)  %.0f samples/s", record["epoch"], self.options.epochs,
+                 record["step"], format_metrics(record, "train"), format_metrics(record, "val"), num_val,
+                 record["samples_per_s"])
 
 
 def metric_values(split: str, metrics: dict[str, Any]) -> dict[str, float]:
-    """`split/<name>` for each value a metrics `compute()` returned; counts and the confusion
-    matrix are reported on their own."""
-    return {f"{split}/{name}": value for name, value in metrics.items() if name not in _NOT_METRICS}
+    """`split/<name>` for each metric the task computed; counts and tables (e.g. the confusion
+    matrix) are reported on their own."""
+    return {f"{split}/{name}": value for name, value in metrics.items()
+            if name not in _NOT_METRICS and isinstance(value, float)}
 
 
-_NOT_METRICS = ("count", "timed_count", "confusion")
+_NOT_METRICS = ("count", "timed_count")
+
+
+def format_metrics(record: dict[str, Any], split: str) -> str:
+    """`train loss 0.1234 acc 0.9876`: a split's metrics of an epoch record, for the log."""
+    values = [f"{key.split('/', 1)[1]} {value:.4f}" for key, value in record.items() if key.startswith(f"{split}/")]
+    return f"{split} {' '.join(values)}"
+
+
+def _named_totals(saved: Any) -> dict[str, list[float]] | None:
+    """Epoch sums saved by name; a checkpoint of a version that kept them as (loss, correct, count)
+    is read as classification's sums."""
+    if isinstance(saved, (list, tuple)):
+        loss, correct, count = saved[:3]
+        return {"loss": [loss], "count": [count], "correct": [correct]}
+    return saved
 
 
 def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from src import datasets
 from src.data import EvalShardSampler, TensorBatchLoader
-from src.datasets import DatasetNotFoundError
+from src.datasets import DatasetNotFoundError, image_info
 from src.image_tensors import ImageTensorDataset
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def test_mnist_format_round_trip(tmp_path, builder, folder_name, mean_std):
     write_mnist(tmp_path, folder_name)
     splits = builder(str(tmp_path), download=False)
     assert (len(splits.train), len(splits.val)) == (30, 12)
-    assert (splits.num_classes, splits.in_channels, splits.image_size) == (10, 1, (28, 28))
+    assert splits.info == image_info(10, 1, 28, 28)
     (mean,), (std,) = mean_std
     image, label = splits.val[7]
     assert image.shape == (1, 28, 28) and image.dtype == torch.float32
@@ -87,7 +87,7 @@ def test_cifar10_format_round_trip(tmp_path):
     batches = write_cifar10(tmp_path)
     splits = datasets.cifar10(str(tmp_path), download=False, augment=False, verify_checksums=False)
     assert (len(splits.train), len(splits.val)) == (10, 2)
-    assert (splits.num_classes, splits.in_channels, splits.image_size) == (10, 3, (32, 32))
+    assert splits.info == image_info(10, 3, 32, 32)
     image, label = splits.train[3]  # second sample of data_batch_2
     data, labels = batches["data_batch_2"]
     assert image.shape == (3, 32, 32) and image.dtype == torch.float32
@@ -190,9 +190,10 @@ def crop_and_flip(image: np.ndarray, padded_pixels: np.ndarray) -> tuple[int, in
 
 def test_cifar10_device_augmentation_is_a_crop_of_the_zero_padded_image_and_a_flip(tmp_path):
     loader, pixels = cifar10_augmented(tmp_path)
-    ((images, _),) = list(loader)
+    ((images, labels),) = list(loader)
     torch.manual_seed(0)
-    augmented = loader.augment(images)
+    augmented, same_labels = loader.augment((images, labels))  # the batch's first part: its images
+    assert same_labels is labels
     mean, std = (torch.tensor(values).view(1, 3, 1, 1) for values in datasets.CIFAR10_MEAN_STD)
     recovered = ((augmented * std + mean) * 255).round().clamp(0, 255).to(torch.uint8).numpy()
     padded = np.pad(pixels, ((0, 0), (0, 0), (4, 4), (4, 4)))  # zeros: black borders
@@ -209,7 +210,7 @@ def test_cifar10_device_augmentation_is_reproducible_under_the_same_seed(tmp_pat
     draws = []
     for seed in (1, 1, 2):
         torch.manual_seed(seed)
-        draws.append(loader.augment(images))
+        draws.append(loader.augment((images,))[0])
     assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
 
 
@@ -222,7 +223,7 @@ def test_cifar10_val_split_and_its_loader_are_never_augmented(tmp_path):
     data, expected_labels = batches["test_batch"]
     expected = torch.stack([cifar10_normalised(row) for row in data])
     torch.testing.assert_close(images, expected, rtol=0, atol=1e-6)
-    assert torch.equal(loader.augment(images), images) and labels.tolist() == expected_labels
+    assert torch.equal(loader.augment((images, labels))[0], images) and labels.tolist() == expected_labels
 
 
 # ---- both paths through train.py -----------------------------------------------------------------
@@ -277,7 +278,7 @@ def test_image_folder_rgb(tmp_path):
     write_image_folder(tmp_path, {"blue": BLUE, "red": RED})
     splits = datasets.image_folder(str(tmp_path), image_size=OmegaConf.create([16, 20]), channels=3)
     assert (len(splits.train), len(splits.val)) == (4, 4)
-    assert (splits.num_classes, splits.in_channels, splits.image_size) == (2, 3, (16, 20))
+    assert splits.info == image_info(2, 3, 16, 20)
     image, label = splits.val[2]  # classes are sorted: blue 0, red 1
     assert image.shape == (3, 16, 20) and label == 1
     torch.testing.assert_close(image[:, 0, 0], torch.tensor([1.0, -1.0, -1.0]))
@@ -324,7 +325,7 @@ def test_image_folder_class_mismatch_is_reported(tmp_path):
 def test_digits_splits_normalised_and_labelled():
     splits = datasets.digits(val_size=300)
     assert (len(splits.train), len(splits.val)) == (1497, 300)
-    assert (splits.num_classes, splits.in_channels, splits.image_size) == (10, 1, (8, 8))
+    assert splits.info == image_info(10, 1, 8, 8)
     images, labels = splits.train.tensors
     assert images.shape == (1497, 1, 8, 8) and images.dtype == torch.float32
     assert labels.dtype == torch.int64
@@ -360,7 +361,7 @@ def test_digits_rejects_impossible_val_size(val_size):
 
 def test_synthetic_shapes_labels_and_determinism():
     splits = datasets.synthetic(num_train=256, num_val=64, num_classes=5, channels=3, image_size=[6, 4], seed=3)
-    assert (splits.num_classes, splits.in_channels, splits.image_size) == (5, 3, (6, 4))
+    assert splits.info == image_info(5, 3, 6, 4)
     images, labels = splits.train.tensors
     assert images.shape == (256, 3, 6, 4) and images.dtype == torch.float32
     assert len(splits.val) == 64
@@ -376,7 +377,7 @@ def test_builders_instantiate_from_yaml():
         "_target_: src.datasets.synthetic\nnum_train: 32\nnum_val: 8\nchannels: 1\nimage_size: [5, 7]\n"
     )
     splits = instantiate(config)
-    assert splits.image_size == (5, 7) and splits.train[0][0].shape == (1, 5, 7)
+    assert splits.info["image_size"] == [5, 7] and splits.train[0][0].shape == (1, 5, 7)
 
 
 def test_import_does_not_load_torchvision_or_sklearn():

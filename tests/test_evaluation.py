@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from src.errors import UsageError
 from src.evaluation import autocast_dtype, evaluate
 from src.seeding import epoch_seed, seed_everything
+from src.tasks import Classification, Regression
 
 
 def test_precision_names():
@@ -22,7 +23,7 @@ def test_evaluate_matches_a_direct_computation_and_restores_train_mode():
     model.train()
     x, y = torch.randn(23, 4), torch.randint(0, 3, (23,))
     batches = [(x[:10], y[:10]), (x[10:], y[10:])]
-    result = evaluate(model, batches, torch.device("cpu"))
+    result = evaluate(model, batches, Classification(), {"num_classes": 3}, torch.device("cpu"))
     assert model.training  # left as it was
     model.eval()
     with torch.no_grad():
@@ -60,15 +61,17 @@ def test_step_seeding_repeats_torch_numpy_and_python_draws():
     assert draw() != first
 
 
-def test_evaluate_counts_a_confusion_matrix_when_given_the_classes():
+def test_evaluate_counts_a_confusion_matrix_for_classification():
     seed_everything(0)
     model = torch.nn.Linear(4, 3)
     x, y = torch.randn(23, 4), torch.randint(0, 3, (23,))
-    result = evaluate(model, [(x[:10], y[:10]), (x[10:], y[10:])], torch.device("cpu"), num_classes=3)
+    info = {"num_classes": 3}
+    result = evaluate(model, [(x[:10], y[:10]), (x[10:], y[10:])], Classification(), info, torch.device("cpu"))
     with torch.no_grad():
         predicted = model(x).argmax(1)
     expected = torch.zeros(3, 3, dtype=torch.int64)
     for true, guess in zip(y.tolist(), predicted.tolist()):
         expected[true, guess] += 1
     assert torch.equal(result["confusion"], expected)
-    assert "confusion" not in evaluate(model, [(x, y)], torch.device("cpu"))  # only when asked
+    regression = evaluate(model, [(x, torch.randn(23, 3))], Regression(), {"num_targets": 3}, torch.device("cpu"))
+    assert "confusion" not in regression and regression["count"] == 23  # a table only where it makes sense

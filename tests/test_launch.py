@@ -152,12 +152,24 @@ def test_sweep_summary_sorts_completed_jobs_by_the_metric(tmp_path: Path):
         ("1", "completed"), ("0", "completed"), ("2", "failed"), ("10", "incomplete")]
     by_loss = sweep_summary.collect(tmp_path, "val/loss", "min")
     assert [r["job"] for r in by_loss][:2] == ["1", "0"]
-    table = sweep_summary.SweepSummary().write(tmp_path)
+    table = sweep_summary.SweepSummary("val/acc", "max").write(tmp_path)
     assert table.splitlines()[2].startswith("| 1 | completed | 0.9500 | 0.2000 |")
     assert (tmp_path / "summary.md").read_text() == table
     csv_lines = (tmp_path / "summary.csv").read_text().splitlines()
-    assert csv_lines[0] == "job,status,overrides,val/acc,val/loss,train/acc,train/loss,epoch,samples_per_s,job_dir"
+    # The columns are the metrics the jobs' task wrote: the monitored one first.
+    assert csv_lines[0] == "job,status,overrides,val/acc,val/loss,epoch,samples_per_s,job_dir"
     assert csv_lines[1].startswith("1,completed,optimizer.lr=0.01,0.95,0.2,")
+
+
+def test_sweep_summary_columns_are_the_tasks_metrics(tmp_path: Path):
+    make_job(tmp_path, 0, ["optimizer.lr=0.1"], 1, {"epoch": 1, "val/loss": 0.4, "val/mae": 0.5, "val/r2": 0.4,
+                                                   "train/mae": 0.3, "val/num_samples": 88})
+    make_job(tmp_path, 1, ["optimizer.lr=0.01"], 1, {"epoch": 1, "val/loss": 0.3, "val/mae": 0.4, "val/r2": 0.5,
+                                                    "train/mae": 0.2, "val/num_samples": 88})
+    table = sweep_summary.SweepSummary("val/mae", "min").write(tmp_path)
+    assert table.splitlines()[0] == ("| job | status | val/mae | val/loss | val/r2 | train/mae | epoch | samples_per_s "
+                                     "| overrides |")
+    assert table.splitlines()[2].startswith("| 1 | completed | 0.4000 | 0.3000 | 0.5000 | 0.2000 | 1 | - |")
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["--cfg", "job"]])

@@ -1,4 +1,5 @@
-"""Metric accumulation, on one process and summed over a group of two gloo processes."""
+"""Metric sums (src/metrics.py) with the classification task's metrics, on one process and summed
+over a group of two gloo processes."""
 
 import datetime
 from pathlib import Path
@@ -10,39 +11,71 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from src import metrics as metrics_module
-from src.metrics import ClassificationMetrics
+from src.errors import UsageError
+from src.evaluation import metrics_of
+from src.metrics import MetricSums
+from src.tasks import Classification
+
+TASK = Classification()
+INFO = {"num_classes": 3}
+
+
+def classification_sums(val: bool = False) -> MetricSums:
+    shapes = {**TASK.sum_shapes(INFO), **(TASK.val_sum_shapes(INFO) if val else {})}
+    return MetricSums(shapes, torch.device("cpu"))
+
+
+def add_batch(sums: MetricSums, logits: torch.Tensor, targets: torch.Tensor, loss_sum=None, val=False) -> None:
+    loss_sum = F.cross_entropy(logits, targets, reduction="sum") if loss_sum is None else loss_sum
+    extra = TASK.val_sums(logits, targets) if val else {}
+    sums.add({"loss": loss_sum, "count": targets.shape[0], **TASK.sums(logits, targets), **extra})
+
+
+def compute(sums: MetricSums, baseline=None) -> dict:
+    return metrics_of(TASK, sums.reduce(baseline))
 
 
 def test_metrics_are_sample_weighted_over_batches_of_any_size():
     torch.manual_seed(0)
-    logits = torch.randn(37, 5)
-    targets = torch.randint(0, 5, (37,))
-    metrics = ClassificationMetrics(torch.device("cpu"))
+    logits = torch.randn(37, 3)
+    targets = torch.randint(0, 3, (37,))
+    sums = classification_sums()
     for start, stop in [(0, 3), (3, 30), (30, 37)]:
-        batch_logits, batch_targets = logits[start:stop], targets[start:stop]
-        metrics.update(batch_logits, batch_targets, F.cross_entropy(batch_logits, batch_targets, reduction="sum"))
-    result = metrics.compute()
+        add_batch(sums, logits[start:stop], targets[start:stop])
+    result = compute(sums)
     assert result["count"] == 37
     assert result["loss"] == pytest.approx(F.cross_entropy(logits, targets).item(), abs=1e-6)
     assert result["acc"] == (logits.argmax(1) == targets).sum().item() / 37
 
 
 def test_reset_and_empty():
-    metrics = ClassificationMetrics(torch.device("cpu"))
-    metrics.update(torch.eye(3), torch.tensor([0, 1, 0]), torch.tensor(1.5))
-    assert metrics.compute() == {"loss": 0.5, "acc": 2 / 3, "count": 3}
-    metrics.reset()
-    empty = metrics.compute()
+    sums = classification_sums()
+    add_batch(sums, torch.eye(3), torch.tensor([0, 1, 0]), torch.tensor(1.5))
+    assert compute(sums) == {"loss": 0.5, "acc": 2 / 3, "count": 3}
+    sums.reset()
+    empty = compute(sums)
     assert empty["count"] == 0 and empty["loss"] != empty["loss"]
 
 
 def test_a_window_is_the_difference_from_its_baseline():
-    metrics = ClassificationMetrics(torch.device("cpu"))
-    metrics.update(torch.eye(2), torch.tensor([0, 1]), torch.tensor(4.0))
-    baseline = metrics.totals()
-    metrics.update(torch.eye(3), torch.tensor([0, 0, 0]), torch.tensor(3.0))
-    assert metrics.compute(baseline=baseline) == {"loss": 1.0, "acc": 1 / 3, "count": 3}
-    assert metrics.compute() == {"loss": 7 / 5, "acc": 3 / 5, "count": 5}
+    sums = classification_sums()
+    add_batch(sums, torch.eye(2, 3), torch.tensor([0, 1]), torch.tensor(4.0))
+    baseline = sums.totals()
+    add_batch(sums, torch.eye(3), torch.tensor([0, 0, 0]), torch.tensor(3.0))
+    assert compute(sums, baseline=baseline) == {"loss": 1.0, "acc": 1 / 3, "count": 3}
+    assert compute(sums) == {"loss": 7 / 5, "acc": 3 / 5, "count": 5}
+
+
+def test_sums_are_saved_and_restored_by_name():
+    sums = classification_sums()
+    add_batch(sums, torch.eye(3), torch.tensor([0, 1, 0]), torch.tensor(1.5))
+    saved = sums.state_dict()
+    assert saved == {"loss": [1.5], "count": [3.0], "correct": [2.0]}
+    restored = classification_sums()
+    restored.load_state_dict(dict(reversed(list(saved.items()))))  # by name, whatever the order
+    assert compute(restored) == compute(sums)
+    with pytest.raises(UsageError, match="not this task's"):
+        restored.load_state_dict({"loss": [1.0], "count": [2.0], "abs_error": [0.5]})
 
 
 # Predictions (argmax of one-hot logits) and true classes of 7 samples over 3 classes.
@@ -53,25 +86,26 @@ CONFUSION = torch.tensor([[1, 0, 1],  # row: true class; column: predicted class
                           [0, 1, 2]])
 
 
-def confusion_metrics(samples: slice, batch_size: int) -> ClassificationMetrics:
-    """Metrics over PREDICTED/TRUE[samples], fed in batches of `batch_size`."""
-    metrics = ClassificationMetrics(torch.device("cpu"), num_classes=3)
+def confusion_sums(samples: slice, batch_size: int) -> MetricSums:
+    """Val sums over PREDICTED/TRUE[samples], fed in batches of `batch_size`."""
+    sums = classification_sums(val=True)
     logits, targets = F.one_hot(PREDICTED[samples], 3).float(), TRUE[samples]
     for start in range(0, len(targets), batch_size):
-        metrics.update(logits[start:start + batch_size], targets[start:start + batch_size], torch.tensor(0.0))
-    return metrics
+        add_batch(sums, logits[start:start + batch_size], targets[start:start + batch_size], torch.tensor(0.0),
+                  val=True)
+    return sums
 
 
 def test_confusion_matrix_counts_true_against_predicted_classes():
-    metrics = confusion_metrics(slice(None), batch_size=3)
-    result = metrics.compute()
+    sums = confusion_sums(slice(None), batch_size=3)
+    result = compute(sums)
     assert torch.equal(result["confusion"], CONFUSION) and result["confusion"].dtype == torch.int64
     assert result["acc"] == CONFUSION.trace().item() / CONFUSION.sum().item() and result["count"] == 7
-    metrics.reset()
-    assert not metrics.compute()["confusion"].any()
+    sums.reset()
+    assert not compute(sums)["confusion"].any()
 
 
-def test_totals_and_confusion_are_summed_in_one_collective(monkeypatch):
+def test_all_sums_and_the_confusion_matrix_ride_one_collective(monkeypatch):
     calls = []
 
     def counting_all_reduce(tensor):
@@ -79,8 +113,8 @@ def test_totals_and_confusion_are_summed_in_one_collective(monkeypatch):
         return tensor
 
     monkeypatch.setattr(metrics_module, "all_reduce_sum", counting_all_reduce)
-    confusion_metrics(slice(None), batch_size=7).compute()
-    assert calls == [3 + 3 * 3]
+    compute(confusion_sums(slice(None), batch_size=7))
+    assert calls == [3 + 3 * 3]  # loss, count, correct, then the 3 x 3 matrix
 
 
 def _confusion_worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -88,7 +122,7 @@ def _confusion_worker(rank: int, init_file: str, out_dir: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
     # Shards of different sizes (4 and 3 samples) and batch sizes, as EvalShardSampler gives.
     shard, batch_size = [(slice(0, 4), 3), (slice(4, 7), 2)][rank]
-    torch.save(confusion_metrics(shard, batch_size).compute(), Path(out_dir) / f"rank{rank}.pt")
+    torch.save(compute(confusion_sums(shard, batch_size)), Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 

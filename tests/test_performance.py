@@ -43,7 +43,7 @@ def test_backend_flags(restore_backend_flags, device, tf32, deterministic, bench
 
 def cnn(seed: int = 0) -> SimpleCNN:
     torch.manual_seed(seed)
-    return SimpleCNN(in_channels=3, image_size=(8, 8), num_classes=10)
+    return SimpleCNN(in_channels=3, image_size=(8, 8), num_outputs=10)
 
 
 def test_channels_last_model_takes_weights_and_inputs_in_nhwc():
@@ -104,23 +104,43 @@ def test_linear_flops_forward_is_2_in_out_and_backward_twice_that_except_for_the
     # Training: 3x forward for every layer (weight and input gradients), except the first layer,
     # whose input (the images) needs no gradient: 2x there.
     mlp = nn.Sequential(nn.Linear(20, 30), nn.ReLU(), nn.Linear(30, 5))
-    assert training_flops_per_sample(mlp, (20,), batch_size=8) == 2 * 2 * 20 * 30 + 3 * 2 * 30 * 5
+    assert training_flops_per_sample(mlp, meta_batch(8, 20), batch_size=8) == 2 * 2 * 20 * 30 + 3 * 2 * 30 * 5
+
+
+def meta_batch(batch_size: int, *shape: int) -> tuple[tuple[torch.Tensor], dict]:
+    """Model inputs (positional, keyword) of one micro-batch of `shape` samples, on the meta device."""
+    return (torch.empty(batch_size, *shape, device="meta"),), {}
+
+
+class TwoInputs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(20, 5), torch.nn.Linear(7, 5)
+
+    def forward(self, x: torch.Tensor, *, extra: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(extra)
+
+
+def test_flops_are_counted_on_the_batch_structure_the_model_takes():
+    inputs = ((torch.empty(4, 20, device="meta"),), {"extra": torch.empty(4, 7, device="meta")})
+    # Forward 2*in*out per layer; backward adds the weight gradients (another 2*in*out), no input gradients.
+    assert training_flops_per_sample(TwoInputs(), inputs, batch_size=4) == 2 * 2 * 20 * 5 + 2 * 2 * 7 * 5
 
 
 def test_cnn_training_flops_per_sample_match_the_layer_shapes():
-    model = SimpleCNN(in_channels=1, image_size=(8, 8), num_classes=10)
+    model = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
     conv1 = 2 * (1 * 9) * 32 * 64  # 2 x (inputs per output) x outputs, 8x8 positions
     conv2 = 2 * (32 * 9) * 64 * 64
     fc1, fc2 = 2 * 64 * 4 * 4 * 128, 2 * 128 * 10
     expected = 2 * conv1 + 3 * (conv2 + fc1 + fc2)
-    assert training_flops_per_sample(model, (1, 8, 8), batch_size=16) == expected == 7_945_728
+    assert training_flops_per_sample(model, meta_batch(16, 1, 8, 8), batch_size=16) == expected == 7_945_728
 
 
 def test_flop_counting_leaves_the_model_untouched():
     model = cnn()
     model.train()
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    training_flops_per_sample(model, (3, 8, 8), batch_size=4)
+    training_flops_per_sample(model, meta_batch(4, 3, 8, 8), batch_size=4)
     assert model.training
     assert all(p.grad is None and p.device.type == "cpu" for p in model.parameters())
     for name, tensor in model.state_dict().items():
@@ -165,13 +185,13 @@ def test_mfu_is_model_flops_rate_over_the_groups_peak():
 
 def test_utilization_on_the_cpu_counts_and_reports_nothing(monkeypatch):
     monkeypatch.setattr(performance, "training_flops_per_sample", lambda *args: pytest.fail("counted FLOPs"))
-    utilization = Utilization(cnn(), torch.device("cpu"), "32", 1, (3, 8, 8), micro_batch_size=32)
+    utilization = Utilization(cnn(), torch.device("cpu"), "32", 1, meta_batch(32, 3, 8, 8), micro_batch_size=32)
     assert utilization.scalars(samples_per_s=1000.0) == {}
 
 
 def test_utilization_on_an_unknown_gpu_reports_nothing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
-    utilization = Utilization(cnn(), torch.device("cuda", 0), "bf16", 1, (3, 8, 8), micro_batch_size=32)
+    utilization = Utilization(cnn(), torch.device("cuda", 0), "bf16", 1, meta_batch(32, 3, 8, 8), micro_batch_size=32)
     assert utilization.scalars(samples_per_s=1000.0) == {}
 
 
@@ -179,7 +199,7 @@ def test_utilization_on_a_known_gpu_reports_mfu_and_peak_memory(monkeypatch, res
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * GIB)
     performance.set_backend_flags(torch.device("cuda"), tf32=True, deterministic=False)
-    model = SimpleCNN(in_channels=1, image_size=(8, 8), num_classes=10)
-    utilization = Utilization(model, torch.device("cuda", 0), "32", 2, (1, 8, 8), micro_batch_size=32)
+    model = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
+    utilization = Utilization(model, torch.device("cuda", 0), "32", 2, meta_batch(32, 1, 8, 8), micro_batch_size=32)
     scalars = utilization.scalars(samples_per_s=10_000.0)
     assert scalars == {"perf/mfu": pytest.approx(7_945_728 * 10_000 / (156e12 * 2)), "memory/peak_allocated_gib": 3.0}

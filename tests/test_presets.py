@@ -60,13 +60,42 @@ def composed(overrides: list[str]):
         return compose("config", overrides=overrides)
 
 
+# Each preset's (task, dataset, model) targets.
+PRESET_TARGETS = {
+    "digits_cnn": ("Classification", "digits", "src.models.SimpleCNN"),
+    "mnist_cnn": ("Classification", "mnist", "src.models.SimpleCNN"),
+    "fashion_mnist_cnn": ("Classification", "fashion_mnist", "src.models.SimpleCNN"),
+    "cifar10_resnet18": ("Classification", "cifar10", "src.models.resnet18"),
+    "seed_tabular_binary": ("Binary", "breast_cancer", "torch.nn.Linear"),
+    "seed_two_input_l1": ("Regression", "two_input_synthetic", "src.models.TwoInputCNN"),
+}
+
+
+def test_every_experiment_is_listed():
+    assert sorted(EXPERIMENTS) == sorted(PRESET_TARGETS)
+
+
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_composes_with_its_groups(name: str):
     cfg = composed([f"experiment={name}"])
-    *dataset, model = name.split("_")
-    assert cfg.dataset._target_ == f"src.datasets.{'_'.join(dataset)}"
-    assert cfg.model._target_ == {"cnn": "src.models.SimpleCNN", "resnet18": "src.models.resnet18"}[model]
+    task, dataset, model = PRESET_TARGETS[name]
+    assert cfg.task._target_ == f"src.tasks.{task}"
+    assert cfg.dataset._target_ == f"src.datasets.{dataset}"
+    assert cfg.model._target_ == model
     config_schema.check_train_config(cfg)
+
+
+def test_seed_presets_carry_the_seed_hyperparameters():
+    two_input = composed(["experiment=seed_two_input_l1"])
+    assert (two_input.task.loss, list(two_input.task.inputs), two_input.task.target) == ("l1", [0, 1], 2)
+    assert two_input.optimizer._target_ == "torch.optim.Adam" and two_input.optimizer.lr == 1e-4
+    assert list(two_input.optimizer.betas) == [0.9, 0.95]
+    assert two_input.scheduler.min_lr_ratio * two_input.optimizer.lr == pytest.approx(1e-6)  # eta_min
+    assert (two_input.dataset.batch_size, two_input.dataset.val_batch_size) == (6, 1)
+    assert two_input.trainer.tf32 and not two_input.trainer.deterministic  # TF32 + cudnn.benchmark
+    tabular = composed(["experiment=seed_tabular_binary"])
+    assert tabular.optimizer._target_ == "torch.optim.SGD" and tabular.optimizer.lr == 0.01
+    assert tabular.optimizer.momentum == 0.0 and tabular.dataset.batch_size == 10
 
 
 def test_digits_experiment_is_the_default_run():

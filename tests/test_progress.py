@@ -22,6 +22,7 @@ from src.datasets import DataSplits
 from src.distributed import DistEnv, Runtime
 from src.progress import NoProgress, shows_progress
 from src.reporting import Reporter, setup_logging
+from src.tasks import Classification
 from src.trainer import Trainer, TrainerOptions, TrainState
 
 
@@ -94,14 +95,15 @@ def test_a_training_epoch_bar_ends_at_its_steps_also_when_resumed(terminal, monk
     steps, batch = 5, 4
     dataset = TensorDataset(torch.randn(steps * batch, 3), torch.randint(0, 2, (steps * batch,)))
     sampler = GlobalBatchSampler(len(dataset), batch, rank=0, world_size=1)
-    splits = DataSplits(train=dataset, val=dataset, num_classes=2, in_channels=1, image_size=(1, 3))
+    splits = DataSplits(train=dataset, val=dataset, info={"num_classes": 2, "num_features": 3})
     cpu = torch.device("cpu")
     data = Data(splits=splits, train_sampler=sampler, train_loader=TensorBatchLoader(dataset, sampler, cpu),
                 val_loader=[], num_val_samples=0)
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reporter = Reporter(tmp_path, is_main_process=True, tensorboard=False, progress=True)
-    trainer = Trainer(TrainerOptions(epochs=1), Runtime(DistEnv(), cpu, backend=None), model, model, optimizer,
+    trainer = Trainer(TrainerOptions(epochs=1), Runtime(DistEnv(), cpu, backend=None), Classification(), model, model,
+                      optimizer,
                       torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
                       Checkpointer(tmp_path / "checkpoints", False), reporter)
     trainer.train_one_epoch(0, TrainState(step=step_in_epoch, step_in_epoch=step_in_epoch))

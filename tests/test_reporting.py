@@ -16,6 +16,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from src import reporting
+from src.datasets import DataSplits
+from src.tasks import Classification
 
 
 def test_flatten_turns_nested_config_into_dotted_scalars():
@@ -62,10 +64,27 @@ def test_each_rank_logs_to_its_own_file(tmp_path: Path, capsys):
     assert "[rank 1]" in captured.err and "careful" in captured.err
 
 
+def image_splits(dataset: TensorDataset) -> DataSplits:
+    return DataSplits(train=dataset, val=dataset, info={"num_classes": 2, "in_channels": 1, "image_size": [8, 8]})
+
+
+def test_no_input_grid_where_inputs_are_not_images(tmp_path: Path):
+    reporter = reporting.Reporter(tmp_path, is_main_process=True)
+    vectors = TensorDataset(torch.randn(8, 30), torch.zeros(8))
+    reporter.input_images(DataSplits(vectors, vectors, {"num_classes": 2, "num_features": 30}), [[0, 1]],
+                          Classification())
+    masks = TensorDataset(torch.randn(8, 5, 8, 8), torch.zeros(8))  # 5 channels: not an image to show
+    reporter.input_images(image_splits(masks), [[0, 1]], Classification())
+    reporter.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert events.Tags()["images"] == []
+
+
 def test_other_ranks_draw_no_images_and_write_no_confusion_matrix(tmp_path: Path):
     reporter = reporting.Reporter(tmp_path, is_main_process=False)
     reporter.model_summary(nn.Linear(2, 2))
-    reporter.input_images(TensorDataset(torch.zeros(4, 1, 8, 8)), [[0, 1]])
+    reporter.input_images(image_splits(TensorDataset(torch.zeros(4, 1, 8, 8))), [[0, 1]], Classification())
     reporter.confusion_matrix(torch.eye(3, dtype=torch.int64), step=1)
     reporter.close()
     assert list(tmp_path.iterdir()) == []
@@ -132,7 +151,7 @@ def test_main_process_writes_images_text_and_confusion_csv(tmp_path: Path):
     reporter = reporting.Reporter(tmp_path, is_main_process=True)
     reporter.model_summary(nn.Linear(4, 2))
     dataset = TensorDataset(torch.randn(40, 1, 8, 8), torch.zeros(40))
-    reporter.input_images(dataset, [list(range(10, 30)), list(range(10))])
+    reporter.input_images(image_splits(dataset), [list(range(10, 30)), list(range(10))], Classification())
     counts = torch.tensor([[4, 0], [1, 3]])
     reporter.confusion_matrix(counts, step=7)
     reporter.close()

@@ -21,8 +21,8 @@ from src.checkpoint import Checkpointer
 from src.data import Data, GlobalBatchSampler, TensorBatchLoader
 from src.datasets import DataSplits
 from src.distributed import DistEnv, Runtime
-from src.metrics import ClassificationMetrics
 from src.reporting import Reporter
+from src.tasks import Classification
 from src.trainer import Trainer, TrainerOptions, TrainState
 
 GLOBAL_BATCH = 8
@@ -40,7 +40,7 @@ def tiny_data(grad_accum: int) -> Data:
     torch.manual_seed(0)
     dataset = TensorDataset(torch.randn(GLOBAL_BATCH * STEPS, 4), torch.randint(0, 3, (GLOBAL_BATCH * STEPS,)))
     sampler = GlobalBatchSampler(len(dataset), GLOBAL_BATCH, rank=0, world_size=1, grad_accum=grad_accum)
-    splits = DataSplits(train=dataset, val=dataset, num_classes=3, in_channels=1, image_size=(1, 4))
+    splits = DataSplits(train=dataset, val=dataset, info={"num_classes": 3, "num_features": 4})
     cpu = torch.device("cpu")
     return Data(splits=splits, train_sampler=sampler, train_loader=TensorBatchLoader(dataset, sampler, cpu),
                 val_loader=[], num_val_samples=0)
@@ -65,8 +65,8 @@ def test_gradients_are_all_reduced_on_the_last_micro_step_only(one_rank_group, t
     # trainer.compile=true wraps the DDP model (train.py); no_sync must still reach the DDP inside.
     # aot_eager: dynamo and autograd tracing as with inductor, without building C++ kernels.
     train_model = torch.compile(ddp, backend="aot_eager") if compiled else ddp
-    trainer = Trainer(TrainerOptions(epochs=1, grad_accum=grad_accum), runtime, model, train_model, optimizer,
-                      torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), tiny_data(grad_accum),
+    trainer = Trainer(TrainerOptions(epochs=1, grad_accum=grad_accum), runtime, Classification(), model, train_model,
+                      optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), tiny_data(grad_accum),
                       Checkpointer(tmp_path / "checkpoints", False), Reporter(tmp_path, False))
     assert trainer.ddp is ddp
     state = TrainState()
@@ -76,34 +76,23 @@ def test_gradients_are_all_reduced_on_the_last_micro_step_only(one_rank_group, t
     assert reduced_on == [grad_accum * (step + 1) for step in range(STEPS)]
 
 
-class WithTop2(ClassificationMetrics):
-    """The README's "add a metric": one more sum in the all-reduced vector, one more value."""
+class WithTop2(Classification):
+    """The README's "add a metric": one more named sum in the all-reduced vector, one more value."""
 
-    def __init__(self, device, num_classes=None):
-        super().__init__(device, num_classes)
-        self._top2 = torch.zeros((), dtype=torch.float64, device=device)
+    metric_names = (*Classification.metric_names, "top2")
 
-    def reset(self):
-        super().reset()
-        self._top2.zero_()
+    def sum_shapes(self, info):
+        return {**super().sum_shapes(info), "top2": ()}
 
-    def update(self, logits, targets, loss_sum):
-        super().update(logits, targets, loss_sum)
-        self._top2 += (logits.topk(2, dim=1).indices == targets[:, None]).any(dim=1).sum()
+    def sums(self, outputs, target):
+        top2 = (outputs.topk(2, dim=1).indices == target[:, None]).any(dim=1).sum()
+        return {**super().sums(outputs, target), "top2": top2}
 
-    def totals(self):
-        return torch.cat([super().totals(), self._top2.view(1)])
-
-    def compute(self, baseline=None):
-        result = super().compute(baseline)  # reduces the whole vector, top2 sum included
-        totals = self.totals() if baseline is None else self.totals() - baseline
-        result["top2"] = float(totals[-1]) / result["count"]  # one rank: the local sum is the total
-        return result
+    def compute(self, sums):
+        return {**super().compute(sums), "top2": float(sums["top2"]) / float(sums["count"])}
 
 
-def test_an_added_metric_is_reported_for_train_and_val(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr("src.trainer.ClassificationMetrics", WithTop2)
-    monkeypatch.setattr("src.evaluation.ClassificationMetrics", WithTop2)
+def test_an_added_metric_is_reported_for_train_and_val(tmp_path: Path):
     model = nn.Linear(4, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = tiny_data(grad_accum=1)
@@ -111,8 +100,8 @@ def test_an_added_metric_is_reported_for_train_and_val(tmp_path: Path, monkeypat
                 val_loader=TensorBatchLoader(data.splits.val, [list(range(GLOBAL_BATCH * STEPS))], torch.device("cpu")),
                 num_val_samples=GLOBAL_BATCH * STEPS)
     runtime = Runtime(DistEnv(), torch.device("cpu"), backend=None)
-    trainer = Trainer(TrainerOptions(epochs=1, save_checkpoints=False, monitor="val/top2"), runtime, model, model,
-                      optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
+    trainer = Trainer(TrainerOptions(epochs=1, save_checkpoints=False, monitor="val/top2"), runtime, WithTop2(),
+                      model, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
                       Checkpointer(tmp_path / "checkpoints", True), Reporter(tmp_path, True, tensorboard=False))
     state = trainer.fit(TrainState(), config={})
     record = state.history[-1]

@@ -1,0 +1,55 @@
+"""`${data:FIELD}` in a model YAML: a field of what the dataset provides, filled in at run time.
+
+A dataset builder returns `info` (src/datasets.py: `num_classes`, `in_channels`, `image_size`,
+`num_features`, `num_targets`, ...), and the task adds `num_outputs`, the width of the output it
+needs (classes for classification, 1 for binary, the target's values for regression). A model YAML
+names the fields its class takes, e.g. `in_features: ${data:num_features}`; nothing is guessed from
+signatures. A field the dataset does not provide is one error line naming both sides. Overriding
+the key with a value (`model.num_outputs=4`) takes the value instead.
+
+The fields are known once the dataset is built: `providing()` makes them available to the rest of
+the run. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from src.errors import UsageError
+
+_fields: Mapping[str, Any] | None = None
+_dataset_name = "the dataset"
+
+
+def register_resolver() -> None:
+    OmegaConf.register_new_resolver("data", _field, replace=True)
+
+
+def _field(name: str, _node_: Any) -> Any:
+    where = _node_._get_full_key(None)
+    if _fields is None:  # before the dataset is built, e.g. `--cfg job --resolve`: say where it comes from
+        return f"<the dataset's {name}>"
+    if name not in _fields:
+        provided = ", ".join(f"{key}={value}" for key, value in _fields.items()) or "nothing"
+        raise UsageError(
+            f"{where} asks for the dataset's {name}, which {_dataset_name} does not provide (it provides {provided}); "
+            f"choose a model that fits this dataset, or set {where}=VALUE"
+        )
+    value = _fields[name]
+    return list(value) if isinstance(value, tuple) else value
+
+
+@contextlib.contextmanager
+def providing(fields: Mapping[str, Any], dataset_name: str) -> Iterator[None]:
+    """`${data:FIELD}` resolves to `fields[FIELD]` inside the block (the rest of a run)."""
+    global _fields, _dataset_name
+    previous = _fields, _dataset_name
+    _fields, _dataset_name = dict(fields), dataset_name
+    try:
+        yield
+    finally:
+        _fields, _dataset_name = previous

@@ -1,0 +1,64 @@
+"""A fork, as the README's "Fork it" shows it: a task, a model and a dataset in a module of the user's own
+(dict batches, keyword inputs, a metric of its own), YAMLs in a config folder of the user's own found through
+`hydra.searchpath`, trained on 2 ranks and evaluated by eval.py, with no file of the template changed.
+
+The code and YAMLs are taken from the README's blocks, so the README shows what runs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, check, metrics, run, torchrun, weights
+
+pytestmark = pytest.mark.slow
+
+
+def readme_files() -> dict[str, str]:
+    """The README's fenced blocks whose first line is `# <path>` for mine.py and conf/ YAMLs: path -> text."""
+    readme = (REPO / "README.md").read_text()
+    files = {}
+    for block in re.findall(r"```(?:python|yaml)\n(.*?)```", readme, re.S):
+        first, _, rest = block.partition("\n")
+        path = first.removeprefix("# ").strip()
+        if path == "mine.py" or (path.startswith("conf/") and first.startswith("# conf/")):
+            files[path] = rest if path.endswith(".yaml") else block
+    return files
+
+
+def git_status() -> str:
+    return subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
+
+
+def test_the_readme_example_is_whole():
+    assert set(readme_files()) >= {"mine.py", "conf/task/tolerance.yaml", "conf/model/masked_net.yaml",
+                                   "conf/dataset/masked_scenes.yaml"}
+
+
+def test_a_forked_task_model_and_dataset_train_on_two_ranks_and_evaluate(tmp_path: Path):
+    template_before = git_status()
+    for path, text in readme_files().items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    env = {"PYTHONPATH": str(tmp_path)}
+    args = ["task=tolerance", "model=masked_net", "dataset=masked_scenes", "optimizer=adam", "optimizer.lr=1e-2",
+            "trainer.epochs=8",
+            f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "hydra.run.dir=run"]
+    check(torchrun(2, args, tmp_path, env=env))
+    trained = metrics(tmp_path / "run")
+    assert trained["world_size"] == 2 and trained["val/num_samples"] == 128
+    assert trained["step"] == 8 * 512 // 32
+    assert trained["val/within"] >= 0.9  # predicting the mean target is within 0.05 for about a quarter
+    assert trained["history"][0]["val/within"] < trained["val/within"]
+    assert {"features.1.running_mean", "head.weight"} <= set(weights(tmp_path / "run"))  # BatchNorm: sync-BN ran
+
+    evaluated = check(run([sys.executable, str(REPO / "eval.py"), "checkpoint=run/checkpoints/last.pt",
+                           "hydra.run.dir=eval"], tmp_path, env=env))
+    assert "val/within=" in evaluated.stdout
+    result = metrics(tmp_path / "eval")
+    assert result["val/within"] == trained["val/within"] and result["num_samples"] == 128
+    assert result["val/loss"] == pytest.approx(trained["val/loss"], abs=1e-6)
+    assert git_status() == template_before  # no file of the template was written

@@ -23,7 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from src import config_schema, heap, launch
+from src import config_schema, data_fields, heap, launch
 from src.errors import UsageError, exit_on_usage_error
 
 log = logging.getLogger("eval")
@@ -60,7 +60,7 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
     from src.data import build_splits, make_val_loader
     from src.evaluation import autocast_dtype, evaluate
     from src.models import build_model
-    from src.task_setup import check_fit
+    from src.task_setup import check_fit, model_fields
 
     heap.resume_collection()  # start-up's objects are frozen; what the evaluation builds is collected as usual
     if OmegaConf.is_missing(cfg, "checkpoint"):
@@ -80,6 +80,8 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
         reporting.setup_logging(run_dir, runtime.env.rank, name="eval")
         splits = build_splits(dataset_cfg)
         check_fit(task, splits.info, saved.task._target_, f"{dataset_choice} ({dataset_cfg._target_})")
+        data_fields.check_same(payload["config"].get("data_fields"), model_fields(task, splits.info),
+                               f"checkpoint {path}", f"dataset={dataset_choice}")
         # The plain module, not DDP: evaluation syncs no gradients, only the metric sums. Its config
         # was saved resolved, with the shapes it was built with.
         module = build_model(saved.model)

@@ -117,7 +117,7 @@ def run_task(cfg, run_dir, runtime, data, task, resume_from, checkpointer) -> fl
         log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", resume_from, state.epoch,
                  state.step, state.step_in_epoch, state.epoch + 1)
 
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = {**OmegaConf.to_container(cfg, resolve=True), "data_fields": data_fields.used_by(cfg.model)}
     reporting.log_run_start(run_dir, runtime, module, data, cfg.trainer.grad_accum, config)
     reporter.model_summary(module)
     reporter.input_images(data.splits, data.train_sampler, task)

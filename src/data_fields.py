@@ -14,10 +14,11 @@ the run. Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from src.errors import UsageError
 
@@ -53,3 +54,23 @@ def providing(fields: Mapping[str, Any], dataset_name: str) -> Iterator[None]:
         yield
     finally:
         _fields, _dataset_name = previous
+
+
+def used_by(model_cfg: DictConfig) -> dict[str, Any]:
+    """The fields `model_cfg` takes as `${data:FIELD}`, with the values they have now: saved with a
+    checkpoint, so eval.py can refuse data of another shape in one line instead of a shape error."""
+    text = OmegaConf.to_yaml(model_cfg)  # unresolved: the interpolations as written
+    names = sorted(set(re.findall(r"\$\{data:(\w+)\}", text)))
+    return {name: _fields[name] for name in names if _fields is not None and name in _fields}
+
+
+def check_same(saved: Mapping[str, Any] | None, fields: Mapping[str, Any], what: str, dataset: str) -> None:
+    """Refuse evaluating a model built for `saved` fields on data whose `fields` differ."""
+    differing = {name: value for name, value in (saved or {}).items() if fields.get(name, value) != value}
+    if differing:
+        built = ", ".join(f"{name}={value}" for name, value in differing.items())
+        given = ", ".join(f"{name}={fields[name]}" for name in differing)
+        raise UsageError(
+            f"{what} does not fit this model: it was built for {built}, but {dataset} provides {given}; "
+            "evaluate it on data of the same shape"
+        )

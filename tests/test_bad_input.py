@@ -31,7 +31,7 @@ def row(script: str, args: list[str], message: str, id: str, marks=()):  # noqa:
 ROWS = [
     # Hydra's composition: the command line against conf/ and the schema's types.
     row(TRAIN, ["model=cnnn"], "model=cnnn is not an option of model (did you mean model=cnn?); "
-        "choose one of cnn, mlp, resnet18", "unknown-option"),
+        "choose one of cnn, linear, mlp, resnet18, two_input_cnn", "unknown-option"),
     row(TRAIN, ["modell=mlp"], "modell is not a config key (did you mean model?)", "typo-in-group"),
     row(TRAIN, ["trainer.epoch=3"], "trainer.epoch is not a config key (did you mean trainer.epochs?); "
         "to add a new key, use +trainer.epoch=3", "typo-in-key"),

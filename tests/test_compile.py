@@ -32,8 +32,14 @@ def test_a_compiled_run_trains_like_the_eager_model_and_saves_plain_weights(tmp_
     assert compiled["val/acc"] == eager["val/acc"]
     saved, reference = weights(tmp_path / "compiled"), weights(tmp_path / "eager")
     assert list(saved) == list(SimpleCNN(1, (8, 8), 10).state_dict())  # no `_orig_mod.` prefixes
+    # Per tensor, not per element: Inductor's vectorised kernels (AVX-512 on some machines of this kind) sum in
+    # another order, and 5 SGD steps at lr 0.1 grow that to 2e-4 on single near-zero weights (measured on the
+    # unchanged template too). Relative to each tensor's norm it stays below 1.1e-3; a wrong kernel is off by far more.
     for name, tensor in saved.items():
-        assert torch.allclose(tensor, reference[name], rtol=1e-4, atol=1e-6), name
+        if tensor.is_floating_point():
+            assert (tensor - reference[name]).norm() <= 2e-3 * reference[name].norm() + 1e-7, name
+        else:
+            assert torch.equal(tensor, reference[name]), name
 
     # The compiled run's checkpoint goes on in eager mode.
     check(train([*SHORT, "trainer.epochs=2", "resume=auto", "hydra.run.dir=compiled"], tmp_path))

@@ -108,7 +108,7 @@ def test_a_step_checkpoint_resumes_mid_epoch_exactly(workdir: Path, straight: Pa
     assert checkpoints == ["best.pt", "last.pt", "step_000000025.pt", "step_000000027.pt"]  # keep_last=2
     saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert (saved["epoch"], saved["step"], saved["step_in_epoch"]) == (1, 27, 5)
-    assert saved["epoch_totals"][2] == 5 * 64  # the unfinished epoch's samples so far
+    assert saved["epoch_totals"]["count"] == [5 * 64]  # the unfinished epoch's samples so far, by name
     second = check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))
     assert "after epoch 1, step 27 (5 steps into epoch 2)" in second.stdout
     assert_same_run(workdir / "run", straight)

@@ -46,6 +46,11 @@ EXERCISED_BY = {
     "python train.py debug=profile": "test_presets.py::test_debug_profile_writes_a_trace_of_the_recorded_steps",
     "python train.py dist.nproc_per_node=8": "test_launch_cli.py::test_self_launch_matches_torchrun",
     "python train.py experiment=digits_cnn": "test_presets.py::test_digits_experiment_is_the_default_run",
+    "python train.py experiment=seed_tabular_binary": "test_tasks_cli.py::test_seed_tabular_binary_reaches_95_percent",
+    "python train.py task=regression dataset=diabetes model=mlp":
+        "test_tasks_cli.py::test_diabetes_regression_reaches_r2_035",
+    "python train.py experiment=seed_two_input_l1":
+        "test_tasks_cli.py::test_seed_two_input_beats_the_mean_predictor_four_times",
     "python train.py experiment=mnist_cnn": "test_presets.py::test_file_dataset_experiments_run_end_to_end",
     "python train.py experiment=fashion_mnist_cnn": "test_presets.py::test_file_dataset_experiments_run_end_to_end",
     "torchrun --nproc_per_node=8 train.py experiment=cifar10_resnet18":

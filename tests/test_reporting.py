@@ -175,15 +175,18 @@ def test_run_start_logs_the_resolved_config_then_one_summary_line(tmp_path: Path
     sampler = SimpleNamespace(global_batch_size=64, micro_batch_size=16, steps_per_epoch=22)
     splits = SimpleNamespace(train=range(1437), val=range(360))
     data = SimpleNamespace(train_sampler=sampler, splits=splits)
-    config = {"model": {"_target_": "src.models.MLP", "hidden_sizes": [8]}, "trainer": {"epochs": 3}}
+    config = {"model": {"_target_": "src.models.MLP", "hidden_sizes": [8]}, "task": {"_target_": "src.tasks.Binary"},
+              "trainer": {"epochs": 3, "monitor": "val/f1", "monitor_mode": "max"}}
     with caplog.at_level(logging.INFO, logger="train"):
         reporting.log_run_start(tmp_path, runtime, nn.Linear(4, 2), data, 2, config)
     config_record, summary_record = caplog.records
     assert config_record.getMessage() == (
-        "config:\nmodel:\n  _target_: src.models.MLP\n  hidden_sizes:\n  - 8\ntrainer:\n  epochs: 3"
+        "config:\nmodel:\n  _target_: src.models.MLP\n  hidden_sizes:\n  - 8\ntask:\n  _target_: src.tasks.Binary\n"
+        "trainer:\n  epochs: 3\n  monitor: val/f1\n  monitor_mode: max"
     )
     line = summary_record.getMessage()
-    for part in ("world size 2", "device cpu", "backend gloo", "Linear (10 parameters, 10 trainable)",
+    for part in ("world size 2", "device cpu", "backend gloo", "task Binary (best.pt by val/f1, max)",
+                 "Linear (10 parameters, 10 trainable)",
                  "1437 train / 360 val samples", "global batch 64 = 2 ranks x 16 per rank x 2 accum", "22 steps/epoch"):
         assert part in line, line
 

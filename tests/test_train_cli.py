@@ -54,7 +54,7 @@ def test_single_process_run_dir_contract(default_run):
     assert {"model", "optimizer", "scheduler", "epoch", "step", "config"} <= saved.keys()
     assert saved["epoch"] == 2 and saved["step"] == summary["step"]
     assert saved["config"]["trainer"]["epochs"] == 2
-    plain = SimpleCNN(in_channels=1, image_size=(8, 8), num_classes=10)
+    plain = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
     plain.load_state_dict(saved["model"])  # unwrapped: no DDP or compile prefixes
     best = torch.load(run_dir / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
     assert best["epoch"] == max(summary["history"], key=lambda h: h["val/acc"])["epoch"]
@@ -94,7 +94,7 @@ def test_torchrun_two_workers_share_one_run_dir(workdir: Path):
     assert summary["world_size"] == 2 and summary["val/num_samples"] == 360
     assert summary["step"] == 1437 // 64
     assert "world size 2" in result.stdout and "backend gloo" in result.stdout
-    SimpleCNN(in_channels=1, image_size=(8, 8), num_classes=10).load_state_dict(weights(run_dir))
+    SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10).load_state_dict(weights(run_dir))
 
 
 def test_multirun_writes_one_dir_per_job(workdir: Path):
@@ -112,8 +112,10 @@ def test_multirun_writes_one_dir_per_job(workdir: Path):
 
 def test_help_lists_groups_and_cfg_job_skips_torch(workdir: Path):
     help_text = check(train(["--help"], workdir)).stdout
-    assert "model: cnn, mlp, resnet18" in help_text
-    assert "dataset: cifar10, digits, fashion_mnist, image_folder, mnist, synthetic" in help_text
+    assert "model: cnn, linear, mlp, resnet18, two_input_cnn" in help_text
+    assert ("dataset: breast_cancer, cifar10, diabetes, digits, fashion_mnist, image_folder, mnist, synthetic, "
+            "two_input_synthetic") in help_text
+    assert "task: binary, classification, regression" in help_text
     assert "optimizer: adam, adamw, sgd" in help_text and "scheduler: constant, cosine, step" in help_text
     result = check(run([sys.executable, "-X", "importtime", str(REPO / "train.py"), "--cfg", "job"], workdir))
     assert "batch_size: 64" in result.stdout and "sync_bn: true" in result.stdout

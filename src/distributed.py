@@ -111,10 +111,11 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
     """
     env = read_env()
     device = select_device(requested_device, env)
+    # Checked alone too: dist.backend=nccl on a CPU is a mistake whatever the world size.
+    backend = select_backend(requested_backend, device)
     if not env.is_distributed:
         yield Runtime(env, device, backend=None)
         return
-    backend = select_backend(requested_backend, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     global _groups_started

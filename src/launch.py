@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import datetime
 import errno
+import functools
 import os
 import socket
 import sys
 import uuid
 from pathlib import Path
-from typing import Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from omegaconf import OmegaConf
 
@@ -190,12 +191,43 @@ def port_is_free(port: int) -> bool:
 def recording_errors(function: Callable[..., T]) -> Callable[..., T]:
     """`function`, wrapped in torch's @record when this process is a launcher's worker:
     an exception's traceback then goes to the error file torchrun reads, and torchrun
-    shows it in its failure summary instead of "To enable traceback see ..."."""
+    shows it in its failure summary instead of "To enable traceback see ...".
+
+    A usage error is the exception: its one `error:` line is the whole report, so it passes
+    @record unrecorded (a torchrun summary would otherwise show ~40 lines of traceback under it).
+    """
     if not is_worker():
         return function
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(function)
+    from src.errors import find_usage_error
+
+    def raising_usage_errors_past_record(*args: Any, **kwargs: Any) -> T:
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            if find_usage_error(error) is None:
+                raise
+            raise _UnrecordedError(error) from None  # @record catches Exception, not BaseException
+
+    recorded = record(raising_usage_errors_past_record)
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return recorded(*args, **kwargs)  # type: ignore[return-value]
+        except _UnrecordedError as carrier:
+            raise carrier.error from None
+
+    return wrapper
+
+
+class _UnrecordedError(BaseException):
+    """Carries a usage error past torch's @record, which records every Exception."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _quote(value: str) -> str:

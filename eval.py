@@ -53,7 +53,7 @@ def main(cfg: DictConfig) -> float:
 def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> float:
     """Evaluate `cfg.checkpoint` on this rank's shard of the val split; every rank returns the
     val accuracy over all of it. `dataset_choice` is the `dataset` option Hydra composed."""
-    from src import checkpoint, distributed, reporting
+    from src import checkpoint, distributed, reporting, trusted_targets
     from src.data import build_splits, make_val_loader
     from src.evaluation import autocast_dtype, evaluate
     from src.models import build_model
@@ -63,6 +63,8 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
         raise UsageError("name the checkpoint to evaluate: python eval.py checkpoint=PATH")
     path = Path(cfg.checkpoint)
     payload = checkpoint.load(path)  # refuse a wrong file before any work is done
+    # Checkpoints are data: the callables its saved config names must be ones the user trusts.
+    trusted_targets.check_saved_config(payload.get("config"), path, trusted_targets.trusted(cfg.trusted_targets, cfg))
     saved = OmegaConf.create(payload["config"])  # the resolved config of the run that saved it
     dataset_cfg = cfg.dataset if dataset_choice != FROM_CHECKPOINT else merge_dataset(saved.dataset, cfg.dataset, path)
     amp_dtype = autocast_dtype(saved.trainer.precision if cfg.trainer.precision is None else cfg.trainer.precision)

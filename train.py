@@ -62,7 +62,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
 def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src.distributed.Runtime
     import torch
 
-    from src import checkpoint, distributed, performance, reporting
+    from src import checkpoint, distributed, performance, reporting, trusted_targets
     from src.data import DataLimits, build_data
     from src.models import build_model
     from src.optim import build_optimizer
@@ -99,6 +99,8 @@ def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src
     state = TrainState()
     if resume_from is not None:
         payload = checkpoint.load(resume_from)
+        trusted_targets.check_saved_config(payload.get("config"), resume_from,
+                                           trusted_targets.trusted(cfg.trusted_targets, cfg))
         checkpoint.load_model_state(module, payload["model"], resume_from)
         state = trainer.load_state_dict(payload)
         log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", resume_from, state.epoch,

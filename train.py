@@ -62,7 +62,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
 def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src.distributed.Runtime
     import torch
 
-    from src import checkpoint, distributed, performance, reporting, trusted_targets
+    from src import checkpoint, distributed, performance, reporting, resume, trusted_targets
     from src.data import DataLimits, build_data
     from src.models import build_model
     from src.optim import build_optimizer
@@ -72,8 +72,10 @@ def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src
     heap.resume_collection()  # start-up's objects are frozen; what the run builds is collected as usual
     reporting.setup_logging(run_dir, runtime.env.rank)
     checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", runtime.is_main_process, cfg.trainer.keep_last)
-    # A restarted or requeued run picks up where it stopped; otherwise as configured.
-    resume_from = checkpointer.resume_path(launch.resume_setting(cfg.resume))  # refuse before any work is done
+    # A restarted or requeued run picks up where it stopped; otherwise as configured. Every rank gets
+    # the same checkpoint (with auto: the newest that loads), or the run stops here, before any work.
+    resumed = resume.load_resume_checkpoint(checkpointer, launch.resume_setting(cfg.resume),
+                                            trusted_targets.trusted(cfg.trusted_targets, cfg))
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
     data = build_data(cfg.dataset, runtime.env.rank, runtime.world_size, cfg.trainer.grad_accum,
@@ -97,10 +99,8 @@ def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src
     trainer = Trainer(TrainerOptions.from_config(cfg.trainer, cfg.seed), runtime, module, train_model,
                       optimizer, scheduler, data, checkpointer, reporter, profiler)
     state = TrainState()
-    if resume_from is not None:
-        payload = checkpoint.load(resume_from)
-        trusted_targets.check_saved_config(payload.get("config"), resume_from,
-                                           trusted_targets.trusted(cfg.trusted_targets, cfg))
+    if resumed is not None:
+        resume_from, payload = resumed
         checkpoint.load_model_state(module, payload["model"], resume_from)
         state = trainer.load_state_dict(payload)
         log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", resume_from, state.epoch,

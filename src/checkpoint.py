@@ -167,6 +167,12 @@ class Checkpointer:
             for old in sorted(self.directory.glob("step_*.pt"))[: -self.keep_last or None]:
                 old.unlink()
 
+    def newest_first(self) -> list[Path]:
+        """The files holding the newest training state, newest first: `last.pt`, then the
+        step checkpoints from the highest step down (zero-padded names sort by step)."""
+        steps = sorted(self.directory.glob("step_*.pt"), reverse=True)
+        return [path for path in [self.last_path, *steps] if path.is_file()]
+
     def resume_path(self, resume: str | None) -> Path | None:
         """The checkpoint to resume from: None (fresh start), `auto` or an explicit path.
 

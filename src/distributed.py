@@ -188,6 +188,15 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     return holder[0]
 
 
+def gather_objects(obj: object) -> list[object]:
+    """Every rank's `obj`, in rank order, on every rank (`[obj]` in a single process)."""
+    if not is_initialized():
+        return [obj]
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def barrier() -> None:
     if is_initialized():
         dist.barrier()

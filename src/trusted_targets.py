@@ -14,7 +14,9 @@ would run that pickle (hydra-core's blocklist of os.system & co. is no boundary)
 - for a resumed training run, named by the run's own composed config.
 
 Anything else ends the run with one line naming the target and how to allow it, before
-anything is built.
+anything is built. So does an interpolation in a saved config (`${oc.create:{_target_: ...}}`
+builds a node with a target when resolved; train.py saves its config resolved). Config folders
+of `hydra.searchpath` given as `pkg://` are not read: list their targets in `trusted_targets`.
 
 Nothing here imports torch.
 """
@@ -77,8 +79,29 @@ def trusted(listed: Iterable[str], own_config: Any = None) -> set[str]:
     }
 
 
+def interpolations_in(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """Every `(key, value)` of a string holding `${`: an interpolation once in OmegaConf's hands."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from interpolations_in(value, f"{prefix}{key}.")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from interpolations_in(value, f"{prefix}{index}.")
+    elif isinstance(node, str) and "${" in node:
+        yield prefix.rstrip("."), node
+
+
 def check_saved_config(saved: Any, path: Path, allowed: set[str]) -> None:
-    """Refuse a config read from `path` if it names a `_target_` outside `allowed`."""
+    """Refuse a config read from `path` if it names a `_target_` outside `allowed`, or could
+    build one when resolved: train.py saves its config resolved, so an interpolation
+    (`${oc.create:{_target_: ...}}` makes a node with a target) means another writer."""
+    if not isinstance(saved, dict):
+        raise UsageError(f"checkpoint {path} holds no saved config (a dict); it was not written by train.py")
+    for key, value in interpolations_in(saved):
+        raise UsageError(
+            f"checkpoint {path} holds the interpolation {key}={value!r}; train.py saves configs resolved, so this "
+            "file was not written by it: nothing was built"
+        )
     unknown = [(key, target) for key, target in targets_in(saved) if str(target) not in allowed]
     if not unknown:
         return

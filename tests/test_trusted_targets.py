@@ -58,6 +58,14 @@ def test_an_untrusted_target_is_one_line_naming_it_and_the_way_to_allow_it(tmp_p
     trusted_targets.check_saved_config(saved, tmp_path / "a.pt", trusted_targets.trusted(["torch.load"]))
 
 
+def test_an_interpolation_that_would_build_a_target_is_refused(tmp_path: Path):
+    saved = {"model": "${oc.create:{_target_: builtins.print, _args_: [pwned]}}"}
+    with pytest.raises(UsageError, match="holds the interpolation model="):
+        trusted_targets.check_saved_config(saved, tmp_path / "a.pt", trusted_targets.trusted(["builtins.print"]))
+    with pytest.raises(UsageError, match="holds no saved config"):  # OmegaConf.create would parse a YAML string
+        trusted_targets.check_saved_config("model: {_target_: builtins.print}", tmp_path / "a.pt", set())
+
+
 # -- the real command line ----------------------------------------------------------------------
 
 
@@ -94,6 +102,18 @@ def test_eval_refuses_a_checkpoint_naming_an_untrusted_target(trained: Path):
     sentinel = trained / "eval_sentinel"
     evil = crafted_checkpoint(trained, "evil_eval.pt", sentinel)
     assert_refused(run([sys.executable, EVAL, f"checkpoint={evil}"], trained), sentinel)
+
+
+@pytest.mark.slow
+def test_eval_refuses_a_target_hidden_in_an_interpolation(trained: Path):
+    sentinel = trained / "interpolated_sentinel"
+    payload = torch.load(trained / "run" / "checkpoints" / "last.pt", weights_only=True)
+    # logging.basicConfig(filename=..., force=True) creates the file before refusing the model's shape arguments.
+    payload["config"]["model"] = f"${{oc.create:{{_target_: logging.basicConfig, filename: {sentinel}, force: true}}}}"
+    torch.save(payload, trained / "interpolated.pt")
+    result = run([sys.executable, EVAL, f"checkpoint={trained / 'interpolated.pt'}"], trained)
+    assert not sentinel.exists()
+    assert result.returncode == 2 and "holds the interpolation model=" in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.slow

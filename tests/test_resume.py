@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAIN, check, metrics, torchrun, train, weights
+from conftest import REPO, TRAIN, check, metrics, run, torchrun, train, weights
 
 from src import checkpoint, resume
 from src.checkpoint import Checkpointer
@@ -114,15 +114,39 @@ def test_a_damaged_last_checkpoint_resumes_from_the_newest_that_loads_exactly(tm
     assert_bitwise_equal(tmp_path / "run", tmp_path / "straight")
 
 
+@pytest.fixture(scope="module")
+def straight_two_ranks(tmp_path_factory) -> Path:
+    """Two ranks, two epochs, never interrupted."""
+    workdir = tmp_path_factory.mktemp("straight2")
+    check(torchrun(2, [*TWO_EPOCHS, "hydra.run.dir=run"], workdir))
+    return workdir / "run"
+
+
 @pytest.mark.slow
-def test_two_ranks_resume_from_the_file_rank_0_chose(tmp_path: Path):
-    check(torchrun(2, [*TWO_EPOCHS, "hydra.run.dir=straight"], tmp_path))
+def test_two_ranks_resume_from_the_file_rank_0_chose(tmp_path: Path, straight_two_ranks: Path):
     check(torchrun(2, [*STOPPED, "hydra.run.dir=run"], tmp_path))
     damage(tmp_path / "run" / "checkpoints")
     check(torchrun(2, [*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], tmp_path))
     log = (tmp_path / "run" / "train.log").read_text()
     assert f"continuing from {tmp_path / 'run' / 'checkpoints' / 'step_000000025.pt'}" in log
-    assert_bitwise_equal(tmp_path / "run", tmp_path / "straight")
+    assert_bitwise_equal(tmp_path / "run", straight_two_ranks)
+
+
+@pytest.mark.slow
+def test_a_torchrun_restart_after_a_damaged_last_checkpoint_ends_as_if_never_interrupted(
+        tmp_path: Path, straight_two_ranks: Path):
+    """No resume= anywhere: rank 1 damages last.pt and step 25 and dies at step 28; torchrun
+    restarts the group, which goes on from step 20 by itself."""
+    damaging = str(REPO / "tests" / "damaging_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+               damaging, *TWO_EPOCHS, "trainer.checkpoint_every_steps=5", "hydra.run.dir=run"]
+    check(run(command, tmp_path))
+    log = (tmp_path / "run" / "train.log").read_text()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert f"resume: skipping a damaged checkpoint: checkpoint {checkpoints / 'last.pt'} cannot be read" in log
+    assert f"checkpoint {checkpoints / 'step_000000025.pt'} cannot be read" in log
+    assert f"resumed from {checkpoints / 'step_000000020.pt'} after epoch 0, step 20" in log
+    assert_bitwise_equal(tmp_path / "run", straight_two_ranks)
 
 
 def free_port() -> int:

@@ -180,9 +180,10 @@ def test_a_rank_that_cannot_see_the_chosen_checkpoint_stops_every_rank_before_an
     assert [process.returncode for process in ranks] == [2, 2], outputs
     errors = [[line for line in err.splitlines() if line.startswith("error:")] for _, err in outputs]
     (error,) = errors[0]
-    assert error.startswith(f"error: rank 1 cannot load {node_a / 'run' / 'checkpoints' / 'last.pt'}, the checkpoint "
-                            f"rank 0 resumes from (checkpoint {node_b / 'run' / 'checkpoints' / 'last.pt'} does not "
-                            "exist); every rank must see the run dir: put hydra.run.dir on a filesystem all nodes share")
+    last_a, last_b = (node / "run" / "checkpoints" / "last.pt" for node in (node_a, node_b))
+    assert error == (f"error: rank 1 cannot load {last_a}, the checkpoint rank 0 resumes from (checkpoint {last_b} "
+                     "does not exist); every rank must see the run dir: put hydra.run.dir on a filesystem all "
+                     "nodes share")
     assert errors[1] == [] and not any("Traceback" in err for _, err in outputs)
     assert digests(node_a / "run" / "checkpoints") == before
     assert "resumed from" not in (node_a / "run" / "train.log").read_text()  # stopped before any step

@@ -1,10 +1,11 @@
-"""Checkpoints: a plain dict of state_dicts, written atomically by rank 0, loaded safely.
+"""Checkpoints: a plain dict of state_dicts, written atomically and durably by rank 0, loaded safely.
 
 A checkpoint holds `model` (the unwrapped module's state_dict: no `module.` or
 `_orig_mod.` prefixes, loadable without DDP or torch.compile), `optimizer`, `scheduler`,
 `scaler`, `epoch` (epochs completed), `step` (optimizer steps taken), `config` (the
 run's resolved config), `best` (the best monitored value so far), `history` and
-`format`. Files are loaded with `weights_only=True`, so opening one never runs code.
+`format`. Files are loaded with `weights_only=True`, so opening one never runs code, and
+the config saved in one never chooses code either (src/trusted_targets.py).
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
     `dataset_choice` is the `dataset` option Hydra composed."""
     from hydra.utils import instantiate
 
-    from src import checkpoint, distributed, reporting
+    from src import checkpoint, distributed, reporting, trusted_targets
     from src.data import build_splits, make_val_loader
     from src.evaluation import autocast_dtype, evaluate
     from src.models import build_model
@@ -67,6 +67,8 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
         raise UsageError("name the checkpoint to evaluate: python eval.py checkpoint=PATH")
     path = Path(cfg.checkpoint)
     payload = checkpoint.load(path)  # refuse a wrong file before any work is done
+    # Checkpoints are data: the callables its saved config names must be ones the user trusts.
+    trusted_targets.check_saved_config(payload.get("config"), path, trusted_targets.trusted(cfg.trusted_targets, cfg))
     saved = OmegaConf.create(payload["config"])  # the resolved config of the run that saved it
     dataset_cfg = cfg.dataset if dataset_choice != FROM_CHECKPOINT else merge_dataset(saved.dataset, cfg.dataset, path)
     amp_dtype = autocast_dtype(saved.trainer.precision if cfg.trainer.precision is None else cfg.trainer.precision)

@@ -61,7 +61,7 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> float:
 
 
 def run(cfg: DictConfig, run_dir: Path, runtime, choices: dict[str, str]) -> float:  # noqa: ANN001 - Runtime
-    from src import checkpoint, reporting
+    from src import checkpoint, reporting, resume, trusted_targets
     from src.data import DataLimits, build_data
     from src.seeding import seed_everything
     from src.task_setup import build_task, model_fields
@@ -69,8 +69,10 @@ def run(cfg: DictConfig, run_dir: Path, runtime, choices: dict[str, str]) -> flo
     heap.resume_collection()  # start-up's objects are frozen; what the run builds is collected as usual
     reporting.setup_logging(run_dir, runtime.env.rank)
     checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", runtime.is_main_process, cfg.trainer.keep_last)
-    # A restarted or requeued run picks up where it stopped; otherwise as configured.
-    resume_from = checkpointer.resume_path(launch.resume_setting(cfg.resume))  # refuse before any work is done
+    # A restarted or requeued run picks up where it stopped; otherwise as configured. Every rank gets
+    # the same checkpoint (with auto: the newest that loads), or the run stops here, before any work.
+    resumed = resume.load_resume_checkpoint(checkpointer, launch.resume_setting(cfg.resume),
+                                            trusted_targets.trusted(cfg.trusted_targets, cfg))
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
     data = build_data(cfg.dataset, runtime.env.rank, runtime.world_size, cfg.trainer.grad_accum,
@@ -79,10 +81,10 @@ def run(cfg: DictConfig, run_dir: Path, runtime, choices: dict[str, str]) -> flo
     # shapes from what the dataset provides (`${data:FIELD}` in its YAML).
     task = build_task(cfg.task, data.splits.info, choices, cfg.trainer.monitor)
     with data_fields.providing(model_fields(task, data.splits.info), f"dataset={choices['dataset']}"):
-        return run_task(cfg, run_dir, runtime, data, task, resume_from, checkpointer)
+        return run_task(cfg, run_dir, runtime, data, task, resumed, checkpointer)
 
 
-def run_task(cfg, run_dir, runtime, data, task, resume_from, checkpointer) -> float:  # noqa: ANN001
+def run_task(cfg, run_dir, runtime, data, task, resumed, checkpointer) -> float:  # noqa: ANN001
     """The rest of the run, once the data and task are known: model, optimizer, train, report."""
     import torch
 
@@ -110,8 +112,8 @@ def run_task(cfg, run_dir, runtime, data, task, resume_from, checkpointer) -> fl
     trainer = Trainer(TrainerOptions.from_config(cfg.trainer, cfg.seed), runtime, task, module, train_model,
                       optimizer, scheduler, data, checkpointer, reporter, profiler)
     state = TrainState()
-    if resume_from is not None:
-        payload = checkpoint.load(resume_from)
+    if resumed is not None:
+        resume_from, payload = resumed
         checkpoint.load_model_state(module, payload["model"], resume_from)
         state = trainer.load_state_dict(payload)
         log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", resume_from, state.epoch,

@@ -1,22 +1,24 @@
-"""Checkpoints: a plain dict of state_dicts, written atomically by rank 0, loaded safely.
+"""Checkpoints: a plain dict of state_dicts, written atomically and durably by rank 0, loaded safely.
 
 A checkpoint holds `model` (the unwrapped module's state_dict: no `module.` or
 `_orig_mod.` prefixes, loadable without DDP or torch.compile), `optimizer`, `scheduler`,
 `scaler`, `epoch` (epochs completed), `step` (optimizer steps taken), `config` (the
 run's resolved config), `best` (the best monitored value so far), `history` and
-`format`. Files are loaded with `weights_only=True`, so opening one never runs code.
+`format`. Files are loaded with `weights_only=True`, so opening one never runs code, and
+the config saved in one never chooses code either (src/trusted_targets.py).
 """
 
 from __future__ import annotations
 
-import os
 import re
+import resource
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from src import distributed, files
 from src.errors import UsageError
 
 FORMAT = "ddp-template-checkpoint/1"
@@ -25,10 +27,59 @@ BEST = "best.pt"
 
 
 def save_atomic(payload: dict[str, Any], path: Path) -> None:
-    """Write `payload` to `path` so that a crash mid-write leaves the old file intact."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    """Write `payload` to `path` durably, so that a crash mid-write leaves the old file intact.
+
+    A disk with no room for it (full, over quota, over the file-size limit) is one line
+    saying how many bytes the checkpoint needs; the old file is left as it was.
+    """
+    try:
+        with files.atomic_file(path) as file:
+            torch.save(payload, file)
+    except Exception as error:
+        raise _no_room(error, path, lambda: serialized_size(payload)) or error
+
+
+def copy_atomic(source: Path, target: Path) -> None:
+    """Copy `source` to `target` durably (best.pt, step_<N>.pt), as `save_atomic` writes."""
+    try:
+        with files.atomic_file(target) as file, open(source, "rb") as original:
+            shutil.copyfileobj(original, file)
+    except Exception as error:
+        raise _no_room(error, target, lambda: source.stat().st_size) or error
+
+
+def serialized_size(payload: dict[str, Any]) -> int:
+    """The bytes `torch.save(payload)` writes, counted without keeping them."""
+    counter = _ByteCounter()
+    torch.save(payload, counter)
+    return counter.count
+
+
+class _ByteCounter:
+    """A write-only file that only counts what is written to it."""
+
+    count = 0
+
+    def write(self, data: bytes) -> int:
+        self.count += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def _no_room(error: BaseException, path: Path, size: Callable[[], int]) -> UsageError | None:
+    """A one-line error for a write of `path` that found no room (None for any other failure)."""
+    cause = files.no_room_error(error)
+    if cause is None:
+        return None
+    free = shutil.disk_usage(path.parent).free
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    limit_note = "" if limit == resource.RLIM_INFINITY else f", and files may hold at most {limit:,} bytes (ulimit -f)"
+    return UsageError(
+        f"cannot write checkpoint {path} ({cause.strerror}): it needs {size():,} bytes, {free:,} are free "
+        f"there{limit_note}; the previous checkpoint is unchanged: make room, then continue with resume=auto"
+    )
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -89,23 +140,39 @@ class Checkpointer:
 
     def save(self, payload: dict[str, Any], is_best: bool, step: int | None = None) -> None:
         """Write `last.pt` (and `best.pt` if `is_best`). A mid-epoch checkpoint (`step` given)
-        is also kept as `step_<step>.pt`, the newest `keep_last` of them."""
-        if not self.is_main_process:
-            return
+        is also kept as `step_<step>.pt`, the newest `keep_last` of them.
+
+        Called on every rank: rank 0 writes, then tells the others whether it could, so a
+        failed write (a full disk) stops every rank at once with one line, not rank 0 alone
+        while the others wait for it in their next collective.
+        """
+        failure: Exception | None = None
+        if self.is_main_process:
+            try:
+                self._write(payload, is_best, step)
+            except Exception as error:
+                failure = error
+        reported = distributed.broadcast_object(None if failure is None else str(failure))
+        if failure is not None:
+            raise failure
+        if reported is not None:
+            raise UsageError(reported)  # rank 0 reports it; the others stop quietly (exit code 2)
+
+    def _write(self, payload: dict[str, Any], is_best: bool, step: int | None) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         save_atomic({"format": FORMAT, **payload}, self.last_path)
         if is_best:
-            self._copy_atomic(self.last_path, self.best_path)
+            copy_atomic(self.last_path, self.best_path)
         if step is not None:
-            self._copy_atomic(self.last_path, self.directory / f"step_{step:09d}.pt")
+            copy_atomic(self.last_path, self.directory / f"step_{step:09d}.pt")
             for old in sorted(self.directory.glob("step_*.pt"))[: -self.keep_last or None]:
                 old.unlink()
 
-    @staticmethod
-    def _copy_atomic(source: Path, target: Path) -> None:
-        tmp = target.with_name(target.name + ".tmp")
-        shutil.copyfile(source, tmp)
-        os.replace(tmp, target)
+    def newest_first(self) -> list[Path]:
+        """The files holding the newest training state, newest first: `last.pt`, then the
+        step checkpoints from the highest step down (zero-padded names sort by step)."""
+        steps = sorted(self.directory.glob("step_*.pt"), reverse=True)
+        return [path for path in [self.last_path, *steps] if path.is_file()]
 
     def resume_path(self, resume: str | None) -> Path | None:
         """The checkpoint to resume from: None (fresh start), `auto` or an explicit path.

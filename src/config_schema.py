@@ -91,6 +91,7 @@ class TrainSchema:
     dist: DistSchema
     seed: int
     resume: str | None
+    trusted_targets: list[str]
     trainer: TrainerSchema
 
 
@@ -111,6 +112,7 @@ class EvalSchema:
     """conf/eval.yaml: eval.py's config."""
 
     checkpoint: str
+    trusted_targets: list[str]
     dataset: Any
     trainer: EvalTrainerSchema
     dist: EvalDistSchema

@@ -111,10 +111,11 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
     """
     env = read_env()
     device = select_device(requested_device, env)
+    # Checked alone too: dist.backend=nccl on a CPU is a mistake whatever the world size.
+    backend = select_backend(requested_backend, device)
     if not env.is_distributed:
         yield Runtime(env, device, backend=None)
         return
-    backend = select_backend(requested_backend, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     global _groups_started
@@ -185,6 +186,15 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     holder = [obj]
     dist.broadcast_object_list(holder, src=src)
     return holder[0]
+
+
+def gather_objects(obj: object) -> list[object]:
+    """Every rank's `obj`, in rank order, on every rank (`[obj]` in a single process)."""
+    if not is_initialized():
+        return [obj]
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def barrier() -> None:

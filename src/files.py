@@ -1,13 +1,60 @@
-"""Writing files that readers may open at any moment (metrics.json, summaries): never half-written."""
+"""Writing files that readers may open at any moment (checkpoints, metrics.json, summaries):
+never half-written, and durable once written.
+
+A file is written to a temp file beside it, fsync'ed, renamed over the target, and the directory
+is fsync'ed: after a crash, power loss included, the target holds the old bytes or the new ones.
+A write that fails (a full disk) removes its temp file and leaves the target as it was.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 from pathlib import Path
+from typing import BinaryIO, Iterator
+
+# The errors that mean "no room for these bytes": a full disk, a full quota, a file-size limit.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A binary file to write `path`'s new content into; it replaces `path` when the block ends."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as file:
+            yield file
+            file.flush()
+            os.fsync(file.fileno())  # the bytes on disk before the rename makes them `path`
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)  # the rename itself on disk
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make the directory's entries (a rename into it) durable."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def write_text_atomically(path: Path, text: str) -> None:
-    """Write `text` to a temp file beside `path`, then rename it over `path` (atomic on POSIX)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write `text` (UTF-8) to `path` atomically and durably."""
+    with atomic_file(path) as file:
+        file.write(text.encode("utf-8"))
+
+
+def no_room_error(error: BaseException) -> OSError | None:
+    """The OSError saying the disk (quota, file-size limit) had no room, behind `error` if any:
+    torch.save reports a failed write as a RuntimeError whose context is that OSError."""
+    current: BaseException | None = error
+    while current is not None:
+        if isinstance(current, OSError) and current.errno in NO_ROOM:
+            return current
+        current = current.__cause__ or current.__context__
+    return None

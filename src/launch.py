@@ -17,13 +17,16 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import functools
 import os
 import shutil
+import signal
 import socket
 import sys
+import threading
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from omegaconf import OmegaConf
 
@@ -231,12 +234,61 @@ def port_is_free(port: int) -> bool:
 def recording_errors(function: Callable[..., T]) -> Callable[..., T]:
     """`function`, wrapped in torch's @record when this process is a launcher's worker:
     an exception's traceback then goes to the error file torchrun reads, and torchrun
-    shows it in its failure summary instead of "To enable traceback see ..."."""
+    shows it in its failure summary instead of "To enable traceback see ...".
+
+    A usage error is the exception: its one `error:` line is the whole report, so it passes
+    @record unrecorded (a torchrun summary would otherwise show ~40 lines of traceback under it).
+    """
     if not is_worker():
         return function
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(function)
+    from src.errors import find_usage_error
+
+    def raising_usage_errors_past_record(*args: Any, **kwargs: Any) -> T:
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            if find_usage_error(error) is None:
+                _ignore_sigterm()  # until @record has written the error file (see below)
+                raise
+            raise _UnrecordedError(error) from None  # @record catches Exception, not BaseException
+
+    recorded = record(raising_usage_errors_past_record)
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        handler = signal.getsignal(signal.SIGTERM) if _is_main_thread() else None
+        try:
+            return recorded(*args, **kwargs)  # type: ignore[return-value]
+        except _UnrecordedError as carrier:
+            raise carrier.error from None
+        finally:
+            if handler is not None:  # a sweep under torchrun goes on to its next job
+                signal.signal(signal.SIGTERM, handler)
+
+    return wrapper
+
+
+def _ignore_sigterm() -> None:
+    """A failing worker finishes its error file before SIGTERM can end it. When a peer dies,
+    torchrun's agent SIGTERMs the survivors; one cut short while @record writes leaves an empty
+    error file, on which the agent itself crashes (JSONDecodeError) instead of restarting the
+    group. The agent still SIGKILLs a worker that does not exit in time."""
+    if _is_main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _is_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+class _UnrecordedError(BaseException):
+    """Carries a usage error past torch's @record, which records every Exception."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _quote(value: str) -> str:

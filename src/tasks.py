@@ -41,15 +41,17 @@ class Task:
     """
 
     metric_names: tuple[str, ...] = ("loss",)  # what compute() returns (besides "count")
+    monitor = "val/loss"  # the default monitored metric and mode, unless the YAML names others
+    mode = "min"
 
     def __init__(
-        self, inputs: Sequence[Key] | Mapping[str, Key] = (0,), target: Key = 1, monitor: str = "val/loss",
-        mode: str = "min",
+        self, inputs: Sequence[Key] | Mapping[str, Key] = (0,), target: Key = 1, monitor: str | None = None,
+        mode: str | None = None,
     ) -> None:
         self.inputs = inputs
         self.target = target
-        self.monitor = monitor
-        self.mode = mode
+        self.monitor = monitor or type(self).monitor
+        self.mode = mode or type(self).mode
 
     # -- batches --------------------------------------------------------------------------------
 
@@ -61,13 +63,20 @@ class Task:
 
     # -- what the task needs of the dataset --------------------------------------------------------
 
+    # The info field the task learns from, and what it means: its value is the model's output width.
+    needs: tuple[str, str] | None = None
+
     def check(self, info: Mapping[str, Any]) -> str | None:
         """What makes a dataset with this `info` unfit for the task (None: it fits)."""
+        if self.needs is not None and self.needs[0] not in info:
+            return f"needs {self.needs[1]} ({self.needs[0]})"
         return None
 
     def num_outputs(self, info: Mapping[str, Any]) -> int:
         """The width of the model output the task expects, for a dataset with this `info`."""
-        raise NotImplementedError
+        if self.needs is None:
+            raise NotImplementedError(f"{type(self).__name__} names no `needs` field: define num_outputs()")
+        return int(info[self.needs[0]])
 
     # -- loss and metrics ------------------------------------------------------------------------
 
@@ -100,19 +109,12 @@ class Classification(Task):
     """Cross-entropy over `num_classes` logits; accuracy, and a confusion matrix on the val split."""
 
     metric_names = ("loss", "acc")
+    monitor, mode = "val/acc", "max"
+    needs = ("num_classes", "class labels")
 
-    def __init__(self, inputs: Sequence[Key] | Mapping[str, Key] = (0,), target: Key = 1,
-                 monitor: str = "val/acc", mode: str = "max", label_smoothing: float = 0.0) -> None:
-        super().__init__(inputs, target, monitor, mode)
+    def __init__(self, label_smoothing: float = 0.0, **options: Any) -> None:
+        super().__init__(**options)  # inputs, target, monitor, mode
         self.label_smoothing = label_smoothing
-
-    def check(self, info: Mapping[str, Any]) -> str | None:
-        if "num_classes" not in info:
-            return "needs class labels (num_classes)"
-        return None
-
-    def num_outputs(self, info: Mapping[str, Any]) -> int:
-        return int(info["num_classes"])
 
     def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
         loss = F.cross_entropy(outputs.float(), target, reduction="sum", label_smoothing=self.label_smoothing)
@@ -146,10 +148,10 @@ class Binary(Task):
     accuracy, precision, recall and F1 of the positive class at probability 0.5 (logit 0)."""
 
     metric_names = ("loss", "acc", "precision", "recall", "f1")
+    monitor, mode = "val/f1", "max"
 
-    def __init__(self, inputs: Sequence[Key] | Mapping[str, Key] = (0,), target: Key = 1,
-                 monitor: str = "val/f1", mode: str = "max", pos_weight: float | None = None) -> None:
-        super().__init__(inputs, target, monitor, mode)
+    def __init__(self, pos_weight: float | None = None, **options: Any) -> None:
+        super().__init__(**options)  # inputs, target, monitor, mode
         self.pos_weight = pos_weight
 
     def check(self, info: Mapping[str, Any]) -> str | None:
@@ -198,22 +200,15 @@ class Regression(Task):
     variance-weighted r2; with one output, the usual r2)."""
 
     metric_names = ("loss", "mae", "rmse", "r2")
+    monitor, mode = "val/mae", "min"
+    needs = ("num_targets", "real-valued targets")
     LOSSES = ("l1", "mse")
 
-    def __init__(self, inputs: Sequence[Key] | Mapping[str, Key] = (0,), target: Key = 1,
-                 monitor: str = "val/mae", mode: str = "min", loss: str = "mse") -> None:
-        super().__init__(inputs, target, monitor, mode)
+    def __init__(self, loss: str = "mse", **options: Any) -> None:
+        super().__init__(**options)  # inputs, target, monitor, mode
         if loss not in self.LOSSES:
             raise UsageError(f"task.loss={loss} is not one of {', '.join(self.LOSSES)}")
         self.loss_name = loss
-
-    def check(self, info: Mapping[str, Any]) -> str | None:
-        if "num_targets" not in info:
-            return "needs real-valued targets (num_targets)"
-        return None
-
-    def num_outputs(self, info: Mapping[str, Any]) -> int:
-        return int(info["num_targets"])
 
     def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
         predicted, actual = _as_rows(outputs, target)

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from conftest import REPO, TRAIN, check, run, train
+from conftest import REPO, TRAIN, check, run, torchrun, train
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +79,10 @@ ROWS = [
         marks=NO_GPU),
     row(TRAIN, ["dist.nproc_per_node=2", "dist.backend=nccl"], "dist.backend=nccl needs CUDA devices; "
         "use dist.backend=gloo", "nccl-on-cpu", marks=NO_GPU),
+    row(TRAIN, ["dist.backend=nccl"], "dist.backend=nccl needs CUDA devices; use dist.backend=gloo",
+        "nccl-on-cpu-one-process", marks=NO_GPU),
+    row(EVAL, ["checkpoint={checkpoint}", "dist.backend=nccl"], "dist.backend=nccl needs CUDA devices; "
+        "use dist.backend=gloo", "eval-nccl-on-cpu", marks=NO_GPU),
     row(TRAIN, ["dist.nproc_per_node=2", "dist.master_port={busy_port}"], "dist.master_port={busy_port} is in use "
         "on localhost; pick another port or leave dist.master_port=null", "port-in-use"),
 ]
@@ -141,3 +145,26 @@ def test_errors_of_the_run_itself_keep_hydras_report(tmp_path: Path):
     assert result.returncode == 1
     assert "Error in call to target 'src.models.SimpleCNN'" in result.stderr
     assert "Set the environment variable HYDRA_FULL_ERROR=1" in result.stderr
+
+
+TORCHRUN_ROWS = [
+    pytest.param(TRAIN, ["dist.backend=nccl"], "dist.backend=nccl needs CUDA devices", id="train-nccl-on-cpu",
+                 marks=NO_GPU),
+    pytest.param(EVAL, ["checkpoint=missing.pt"], "checkpoint missing.pt does not exist", id="eval-missing-checkpoint"),
+]
+
+
+@pytest.mark.parametrize("script,args,message", TORCHRUN_ROWS)
+def test_a_usage_error_under_torchrun_is_one_line_without_a_traceback(tmp_path: Path, script, args, message):
+    """torch's @record would put the worker's traceback into torchrun's failure summary;
+    a usage error bypasses it, so only torchrun's own report of the exit codes remains."""
+    result = torchrun(2, [*args, "hydra.run.dir=run"], tmp_path, script=script)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    error_lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], output[-3000:]
+    assert "UsageError" not in output, output[-3000:]
+    ours = (f'File "{REPO}/src/', f'File "{REPO}/train.py"', f'File "{REPO}/eval.py"')
+    template_frames = [line for line in output.splitlines() if any(frame in line for frame in ours)]
+    assert template_frames == [], output[-3000:]
+    assert "exitcode  : 2" in output  # torchrun's own summary: the worker's usage-error exit code

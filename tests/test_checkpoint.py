@@ -1,11 +1,13 @@
 """Checkpoint files: atomic writes, safe loading, resume decisions."""
 
+import errno
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from src import checkpoint
+from src import checkpoint, files
 from src.checkpoint import Checkpointer
 from src.errors import UsageError
 
@@ -33,7 +35,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path: Path, monkeypat
     saver.save(payload(1.0), is_best=False)
 
     def crash(obj, f):
-        Path(f).write_bytes(b"half a file")
+        f.write(b"half a file")  # save_atomic hands torch.save its temp file, open
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", crash)
@@ -96,3 +98,47 @@ def test_resume_decisions(tmp_path: Path):
     assert saver.resume_path("auto") == saver.last_path
     with pytest.raises(UsageError, match="already holds a run; pass resume=auto"):
         saver.resume_path(None)
+
+
+def test_saves_fsync_the_file_and_its_directory(tmp_path: Path, monkeypatch):
+    """Durable, not only atomic: each file written (last.pt, best.pt, step_<N>.pt, metrics.json)
+    is fsync'ed before its rename and its directory after it."""
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    saver = Checkpointer(tmp_path, is_main_process=True)
+    saver.save(payload(1.0), is_best=True, step=10)
+    files.write_text_atomically(tmp_path / "metrics.json", "{}")
+    written = ["last.pt", "best.pt", "step_000000010.pt", "metrics.json"]
+    assert synced == [entry for name in written for entry in (f"{tmp_path / name}.tmp", str(tmp_path))]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(written)
+
+
+def test_no_room_on_disk_is_one_line_with_the_bytes_needed(tmp_path: Path, monkeypatch):
+    saver = Checkpointer(tmp_path, is_main_process=True)
+    saver.save(payload(1.0), is_best=False)
+    before = saver.last_path.read_bytes()
+    real_save = torch.save
+
+    def disk_full(obj, f):
+        if not hasattr(f, "name"):  # the byte count of the error message
+            return real_save(obj, f)
+        f.write(b"part of it")
+        try:  # as torch.save reports it: a RuntimeError whose context is the OSError
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos") from None
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(UsageError) as error:
+        saver.save(payload(2.0), is_best=False)
+    monkeypatch.undo()
+    needed = checkpoint.serialized_size({"format": checkpoint.FORMAT, **payload(2.0)})
+    assert f"it needs {needed:,} bytes" in str(error.value) and "No space left on device" in str(error.value)
+    assert saver.last_path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]  # no temp file left behind
+
+
+def test_the_byte_count_is_the_file_size(tmp_path: Path):
+    checkpoint.save_atomic(payload(3.0), tmp_path / "a.pt")
+    assert checkpoint.serialized_size(payload(3.0)) == (tmp_path / "a.pt").stat().st_size

@@ -55,8 +55,11 @@ def test_a_forked_task_model_and_dataset_train_on_two_ranks_and_evaluate(tmp_pat
     assert trained["history"][0]["val/within"] < trained["val/within"]
     assert {"features.1.running_mean", "head.weight"} <= set(weights(tmp_path / "run"))  # BatchNorm: sync-BN ran
 
-    evaluated = check(run([sys.executable, str(REPO / "eval.py"), "checkpoint=run/checkpoints/last.pt",
-                           "hydra.run.dir=eval"], tmp_path, env=env))
+    eval_args = ["checkpoint=run/checkpoints/last.pt", "hydra.run.dir=eval"]
+    refused = run([sys.executable, str(REPO / "eval.py"), *eval_args], tmp_path, env=env)
+    assert refused.returncode == 2 and "mine." in refused.stderr  # a saved config never chooses code by itself
+    evaluated = check(run([sys.executable, str(REPO / "eval.py"), *eval_args,
+                           f"hydra.searchpath=[file://{tmp_path / 'conf'}]"], tmp_path, env=env))
     assert "val/within=" in evaluated.stdout
     result = metrics(tmp_path / "eval")
     assert result["val/within"] == trained["val/within"] and result["num_samples"] == 128

@@ -164,8 +164,12 @@ class Binary(Task):
 
     def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
         logits, labels = _binary(outputs, target)
-        weight = None if self.pos_weight is None else logits.new_tensor(self.pos_weight)
-        return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum", pos_weight=weight), labels.shape[0]
+        if self.pos_weight is None:
+            return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum"), labels.shape[0]
+        # torch's pos_weight scales the positive term; for 0/1 labels that is a weight of pos_weight on
+        # positive samples, made here from the labels with no tensor built from a Python number per step.
+        per_sample = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+        return (per_sample * (1 + (self.pos_weight - 1) * labels)).sum(), labels.shape[0]
 
     def sum_shapes(self, info: Mapping[str, Any]) -> Shapes:
         return {"tp": (), "fp": (), "fn": ()}

@@ -37,6 +37,15 @@ def test_binary_metrics_equal_scikit_learns():
     assert result["loss"] == pytest.approx(bce.item(), abs=1e-6) and result["count"] == 29
 
 
+def test_binary_pos_weight_is_torchs_for_0_1_labels():
+    torch.manual_seed(3)
+    logits, labels = torch.randn(17), torch.randint(0, 2, (17,))
+    loss, count = Binary(pos_weight=3.0).loss(logits, labels)
+    expected = F.binary_cross_entropy_with_logits(logits, labels.float(), reduction="sum",
+                                                  pos_weight=torch.tensor(3.0))
+    assert count == 17 and loss.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
 def test_binary_without_positive_predictions_has_zero_precision_like_scikit_learn():
     result = summed(Binary(), {"num_classes": 2}, -torch.ones(8), torch.tensor([0, 1] * 4))
     assert (result["precision"], result["recall"], result["f1"], result["acc"]) == (0.0, 0.0, 0.0, 0.5)

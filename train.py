@@ -95,6 +95,8 @@ def run_task(cfg, run_dir, runtime, data, task, resumed, checkpointer) -> float:
 
     performance.set_backend_flags(runtime.device, cfg.trainer.tf32, cfg.trainer.deterministic)
     model = performance.with_memory_format(build_model(cfg.model), cfg.trainer.channels_last)
+    if resumed is not None:  # weights that do not fit are refused before the run writes anything
+        checkpoint.load_model_state(model, resumed[1]["model"], resumed[0])
     module, train_model = distributed.prepare_model(model, runtime, cfg.dist.sync_bn, cfg.dist.find_unused_parameters)
     if cfg.trainer.compile:
         train_model = torch.compile(train_model)
@@ -114,7 +116,6 @@ def run_task(cfg, run_dir, runtime, data, task, resumed, checkpointer) -> float:
     state = TrainState()
     if resumed is not None:
         resume_from, payload = resumed
-        checkpoint.load_model_state(module, payload["model"], resume_from)
         state = trainer.load_state_dict(payload)
         log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", resume_from, state.epoch,
                  state.step, state.step_in_epoch, state.epoch + 1)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import time
 from typing import Iterator
 
 USAGE_ERROR_EXIT_CODE = 2
+NON_MAIN_RANK_GRACE_S = 1.0  # how long other ranks wait, on a usage error, for rank 0 to report it
 
 
 class UsageError(Exception):
@@ -51,4 +54,8 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
             raise
         if is_main_process and not usage_error.reported:
             print(f"error: {usage_error}", file=sys.stderr)
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # Rank 0 reports the mistake every rank hit. Exiting at once would let torchrun's agent
+            # SIGTERM rank 0 before it has printed that line; a moment's grace lets it.
+            time.sleep(NON_MAIN_RANK_GRACE_S)
         sys.exit(USAGE_ERROR_EXIT_CODE)

@@ -85,6 +85,22 @@ ROWS = [
         "use dist.backend=gloo", "eval-nccl-on-cpu", marks=NO_GPU),
     row(TRAIN, ["dist.nproc_per_node=2", "dist.master_port={busy_port}"], "dist.master_port={busy_port} is in use "
         "on localhost; pick another port or leave dist.master_port=null", "port-in-use"),
+    # A task that does not fit the dataset, or a metric it does not compute: both sides named.
+    row(TRAIN, ["task=regression"], "task=regression needs real-valued targets (num_targets), but dataset=digits "
+        "provides num_classes=10, in_channels=1, image_size=[8, 8], num_features=64: choose a task this dataset fits",
+        "regression-on-digits"),
+    row(TRAIN, ["task=binary"], "task=binary needs two classes (num_classes=2, labels 0/1), but dataset=digits "
+        "provides num_classes=10", "binary-on-ten-classes"),
+    row(TRAIN, ["task=classification", "dataset=diabetes", "model=mlp"], "task=classification needs class labels "
+        "(num_classes), but dataset=diabetes provides num_features=10, num_targets=1", "classification-on-regression"),
+    row(TRAIN, ["task=regression", "dataset=diabetes", "model=mlp", "trainer.monitor=val/f1"],
+        "trainer.monitor=val/f1 is not a metric of task=regression; choose one of val/loss, val/mae, val/rmse, val/r2, "
+        "train/loss", "monitor-the-task-lacks"),
+    row(TRAIN, ["task=regression", "dataset=diabetes"], "model.in_channels asks for the dataset's in_channels, which "
+        "dataset=diabetes does not provide (it provides num_features=10, num_targets=1",
+        "model-field-the-dataset-lacks"),
+    row(TRAIN, ["task=regression", "task.loss=huber", "dataset=diabetes", "model=mlp"],
+        "task.loss=huber is not one of l1, mse", "unknown-regression-loss"),
 ]
 
 
@@ -120,6 +136,7 @@ def test_bad_input_is_one_clear_error(workdir_with_a_run, busy_port, script, arg
     values = {"checkpoint": run_dir / "checkpoints" / "last.pt", "images": workdir / "images", "busy_port": busy_port}
     before = snapshot(run_dir)
     checkpoints_before = sorted(workdir.rglob("*.pt"))
+    run_dirs_before = run_dirs(workdir)
 
     result = run([sys.executable, script, *(arg.format(**values) for arg in args)], workdir)
 
@@ -130,6 +147,13 @@ def test_bad_input_is_one_clear_error(workdir_with_a_run, busy_port, script, arg
     assert "Traceback" not in result.stderr
     assert snapshot(run_dir) == before
     assert sorted(workdir.rglob("*.pt")) == checkpoints_before
+    if script == TRAIN:  # a refused training run leaves no run dir of its own behind
+        assert run_dirs(workdir) == run_dirs_before
+
+
+def run_dirs(workdir: Path) -> list[Path]:
+    """The training run dirs under workdir/outputs (DATE/TIME; eval.py's are under outputs/eval/)."""
+    return sorted(p for p in workdir.glob("outputs/*/*") if p.parent.name != "eval")
 
 
 def test_hydra_full_error_shows_hydras_traceback(tmp_path: Path):

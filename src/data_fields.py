@@ -33,7 +33,7 @@ def register_resolver() -> None:
 def _field(name: str, _node_: Any) -> Any:
     where = _node_._get_full_key(None)
     if _fields is None:  # before the dataset is built, e.g. `--cfg job --resolve`: say where it comes from
-        return f"<the dataset's {name}>"
+        return f"<{name}: filled in at run time from the dataset and task>"
     if name not in _fields:
         provided = ", ".join(f"{key}={value}" for key, value in _fields.items()) or "nothing"
         raise UsageError(

@@ -178,6 +178,13 @@ def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of `tensor` over all ranks, in place (no-op in a single process)."""
+    if is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
 def broadcast_object(obj: object, src: int = 0) -> object:
     """Return rank `src`'s `obj` on every rank (identity in a single process)."""
     if not is_initialized():

@@ -53,7 +53,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float:
     """Join the process group, run, leave it."""
     from src import distributed
 
-    with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
+    with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s,
+                                   cfg.dist.step_timeout_s) as runtime:
         # The run's objects (DDP's reducer among them) are freed when run() returns, before
         # the group they talk through is destroyed.
         return run(cfg, run_dir, runtime)

@@ -19,6 +19,7 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from src import hang
 from src.errors import UsageError
 from src.sync_batchnorm import convert_sync_batchnorm
 
@@ -103,9 +104,12 @@ _groups_started = 0
 
 
 @contextlib.contextmanager
-def process_group(requested_device: str, requested_backend: str, timeout_s: float) -> Iterator[Runtime]:
+def process_group(requested_device: str, requested_backend: str, timeout_s: float,
+                  step_timeout_s: float | None = None) -> Iterator[Runtime]:
     """Join the launcher's process group for the duration of the block, then leave it.
 
+    Collectives wait at most `timeout_s` until this process's first optimizer step and
+    `step_timeout_s` after it; a timeout names the ranks that did not arrive (src/hang.py).
     The group is torn down even when training raises, so a sweep can start the next
     job's group in the same process.
     """
@@ -134,7 +138,8 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
         device_id=device if device.type == "cuda" else None,
     )
     try:
-        yield Runtime(env, device, backend)
+        with hang.diagnosed(store, env.rank, env.world_size, timeout_s, step_timeout_s):
+            yield Runtime(env, device, backend)
     finally:
         dist.destroy_process_group()
 

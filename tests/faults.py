@@ -24,13 +24,15 @@ class Launched:
     def __init__(self) -> None:
         self.processes: list[subprocess.Popen] = []
 
-    def start(self, command: list[str], cwd: Path, name: str = "agent", env: dict | None = None) -> subprocess.Popen:
-        """Start `command` in `cwd`, its output in `cwd/<name>.out` and `cwd/<name>.err`."""
+    def start(self, command: list[str], cwd: Path, logs: Path | None = None, env: dict | None = None
+              ) -> subprocess.Popen:
+        """Start `command` in `cwd`, its output in `launcher.out` and `launcher.err` of `logs` (or `cwd`)."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             full_env.pop(key, None)
         process = subprocess.Popen(command, cwd=cwd, env=full_env, start_new_session=True,
-                                   stdout=open(cwd / f"{name}.out", "w"), stderr=open(cwd / f"{name}.err", "w"))
+                                   stdout=open((logs or cwd) / "launcher.out", "w"),
+                                   stderr=open((logs or cwd) / "launcher.err", "w"))
         self.processes.append(process)
         return process
 

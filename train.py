@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src import config_schema, heap, launch
+from src import config_schema, heap, launch, retries
 from src.errors import exit_on_usage_error
 
 log = logging.getLogger("train")
@@ -124,6 +124,7 @@ def run(cfg: DictConfig, run_dir: Path, runtime) -> float:  # noqa: ANN001 - src
 
 
 if __name__ == "__main__":
+    retries.exit_if_failed_for_good()  # a restart after a usage error would only stop on it again
     heap.pause_collection()  # resumed in run(), once the imports are done
     launch.adopt_cluster_env()
     with config_schema.one_line_config_errors(launch.is_main_rank()):

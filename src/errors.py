@@ -51,4 +51,7 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
             raise
         if is_main_process and not usage_error.reported:
             print(f"error: {usage_error}", file=sys.stderr)
+        from src.retries import record_final_failure  # imported here: it builds on this module
+
+        record_final_failure(str(usage_error))  # a restart would stop on it again
         sys.exit(USAGE_ERROR_EXIT_CODE)

@@ -61,3 +61,15 @@ def test_a_signal_stops_at_the_next_check_step(fake: FakeRun):
         assert flag.received == signal.SIGUSR2
     assert stopped == fake.checks[-1] and 700 <= stopped <= 700 + int(CHECK_EVERY_S / STEP_S)
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # the previous handler is back
+
+
+def test_the_launchers_own_handler_runs_after_the_agreed_stop(fake: FakeRun):
+    calls: list[int] = []
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: calls.append(signum))  # as submitit's requeue
+    try:
+        with Preemption(torch.device("cpu"), log_every_steps=10_000) as flag:
+            assert fake.steps(flag, 1, 500, signal_at=100) is not None
+            assert calls == []  # not while the loop still has to write its checkpoint
+        assert calls == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, previous)

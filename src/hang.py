@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 CENSUS_GRACE_S = 3.0  # how long ranks that timed out wait for each other's marks
 _REPO = Path(__file__).resolve().parents[1]
 _DDP_FILE = str(Path("torch", "nn", "parallel", "distributed.py"))
-_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+# gloo's words for a collective that waited too long (and for the next call on the closed connection), nccl's.
+_TIMEOUT = re.compile(r"Timed out waiting \d+ms|Application timeout caused pair closure|collective operation timeout")
 _PEER_GAVE_UP = re.compile(r"closed by peer|connection reset|pair closure", re.IGNORECASE)
 
 
@@ -50,9 +51,8 @@ def diagnosed(store: dist.Store, rank: int, world_size: int, timeout_s: float,
     """Around a process group's life: tighten its timeout after the first optimizer step, and turn a
     collective's timeout into a CollectiveTimeout naming the ranks that did not arrive."""
     store.set(f"process/{rank}", f"{socket.gethostname()} {os.getpid()}")  # whom to end if it freezes
-    setting = {"key": "dist.timeout_s", "seconds": timeout_s}
-    handle = register_optimizer_step_post_hook(
-        lambda *_: _tighten(setting, step_timeout_s, handle))
+    timeout = _Timeout("dist.timeout_s", timeout_s)
+    handle = register_optimizer_step_post_hook(lambda *_: timeout.tighten(step_timeout_s, handle))
     try:
         yield
     except RuntimeError as error:
@@ -63,20 +63,26 @@ def diagnosed(store: dist.Store, rank: int, world_size: int, timeout_s: float,
         missing = _ranks_that_did_not_arrive(store, rank, world_size)
         who = (f"{_ranks(missing)} did not arrive (stopped, hung, or far slower than the others)"
                f"{_end_frozen_peers(store, missing)}" if missing else "every rank was waiting (a network fault?)")
-        message = f"{_collective(error)} timed out after {setting['seconds']:g} s ({setting['key']}): {who}"
+        message = f"{_collective(error)} timed out after {timeout.seconds:g} s ({timeout.key}): {who}"
         log.error(message)
         raise CollectiveTimeout(message) from error
     finally:
         handle.remove()
 
 
-def _tighten(setting: dict, step_timeout_s: float | None, handle: torch.utils.hooks.RemovableHandle) -> None:
-    """After the first optimizer step: from now on a collective waits at most `step_timeout_s`."""
-    handle.remove()
-    if step_timeout_s is None:
-        return
-    dist.set_timeout(datetime.timedelta(seconds=step_timeout_s))
-    setting.update(key="dist.step_timeout_s", seconds=step_timeout_s)
+class _Timeout:
+    """The group's timeout now, and the setting it comes from."""
+
+    def __init__(self, key: str, seconds: float) -> None:
+        self.key = key
+        self.seconds = seconds
+
+    def tighten(self, step_timeout_s: float | None, handle: torch.utils.hooks.RemovableHandle) -> None:
+        """After the first optimizer step: from now on a collective waits at most `step_timeout_s`."""
+        handle.remove()
+        if step_timeout_s is not None:
+            dist.set_timeout(datetime.timedelta(seconds=step_timeout_s))
+            self.key, self.seconds = "dist.step_timeout_s", step_timeout_s
 
 
 def _mark_alive(store: dist.Store, rank: int) -> None:

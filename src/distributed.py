@@ -126,7 +126,11 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
     # A fresh key namespace per group: a sweep run under torchrun starts one group per job
     # in the same processes, and the previous group's keys in the shared store would
     # otherwise satisfy (or wedge) the next group's rendezvous.
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # The agent's store outlives a restarted group, so the restart count separates their keys; a store
+    # that rank 0 hosts is new with every group, and the count could differ between nodes (an agent
+    # started again after its node was lost counts from 0).
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_serves else "0"
     store = dist.PrefixStore(f"ddp_template/restart{restart}/group{_groups_started}", rendezvous_store(env))
     dist.init_process_group(
         backend=backend,

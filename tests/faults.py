@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -98,6 +99,17 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str) -> fl
             raise TimeoutError(f"{what} did not happen within {timeout} s")
         time.sleep(0.05)
     return time.monotonic() - started
+
+
+def wait_for_epoch(run_dir: Path, epoch: int, timeout: float = 180) -> None:
+    """Until `run_dir`'s metrics.json reports `epoch`."""
+    def reached() -> bool:
+        try:
+            return json.loads((run_dir / "metrics.json").read_text())["epoch"] >= epoch
+        except (OSError, ValueError):
+            return False
+
+    wait_until(reached, timeout, f"epoch {epoch} in {run_dir}")
 
 
 def _status(pid: int) -> dict[str, str]:

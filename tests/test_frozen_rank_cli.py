@@ -4,7 +4,6 @@ arrive; under `torchrun --max-restarts=1` the run goes on and ends bitwise equal
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -14,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, TRAIN, check, torchrun
-from faults import descendants, is_alive, launched, torchrun_command, wait_until, with_env  # noqa: F401
+from faults import (descendants, is_alive, launched, torchrun_command, wait_for_epoch, wait_until,  # noqa: F401
+                    with_env)
 from test_fault_tolerance import assert_same_run
 
 pytestmark = pytest.mark.slow
@@ -24,17 +24,6 @@ ARGS = ["optimizer=sgd", "scheduler=constant", f"dist.step_timeout_s={STEP_TIMEO
 NAMED = re.compile(r"(torch\.distributed\.\w+|DistributedDataParallel\.\w+|DDP's gradient all-reduce in backward\(\))"
                    rf" \(src/[\w/]+\.py:\d+ \w+\) timed out after {STEP_TIMEOUT_S} s \(dist\.step_timeout_s\): "
                    r"rank 1 did not arrive")
-
-
-def wait_for_epoch(run_dir: Path, epoch: int, timeout: float = 180) -> None:
-    """Until `run_dir`'s metrics.json reports `epoch`."""
-    def reached() -> bool:
-        try:
-            return json.loads((run_dir / "metrics.json").read_text())["epoch"] >= epoch
-        except (OSError, ValueError):
-            return False
-
-    wait_until(reached, timeout, f"epoch {epoch} in {run_dir}")
 
 
 def freeze_rank_1(root: int, rank_key: str) -> tuple[list[int], float]:

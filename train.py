@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src import config_schema, data_fields, heap, launch
+from src import config_schema, data_fields, heap, launch, retries
 from src.errors import exit_on_usage_error
 
 log = logging.getLogger("train")
@@ -54,7 +54,8 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> float:
     """Join the process group, run, leave it. `choices`: the option Hydra chose in each group."""
     from src import distributed
 
-    with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
+    with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s,
+                                   cfg.dist.step_timeout_s) as runtime:
         # The run's objects (DDP's reducer among them) are freed when run() returns, before
         # the group they talk through is destroyed.
         return run(cfg, run_dir, runtime, choices)
@@ -141,6 +142,7 @@ def run_task(cfg, run_dir, runtime, data, task, resumed, checkpointer) -> float:
 
 
 if __name__ == "__main__":
+    retries.exit_if_failed_for_good()  # a restart after a usage error would only stop on it again
     heap.pause_collection()  # resumed in run(), once the imports are done
     launch.adopt_cluster_env()
     with config_schema.one_line_config_errors(launch.is_main_rank()):

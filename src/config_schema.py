@@ -75,6 +75,7 @@ class DistSchema:
     sync_bn: bool
     find_unused_parameters: bool
     timeout_s: float
+    step_timeout_s: float | None
     nproc_per_node: int
     master_port: int | None
 
@@ -173,6 +174,7 @@ VALUE_RULES: dict[str, Rule] = {
     "trainer.overfit_batches": _at_least(0),
     "dist.backend": _one_of("auto", "nccl", "gloo"),
     "dist.timeout_s": _number_or_null(zero_allowed=False),
+    "dist.step_timeout_s": _number_or_null(zero_allowed=False),
     "dist.nproc_per_node": _at_least(1),
     "dist.master_port": _port_or_null,
     "optimizer.lr": _number_or_null(zero_allowed=True),  # lr=0 freezes the weights; absent: the optimizer has none

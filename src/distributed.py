@@ -19,6 +19,7 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from src import hang
 from src.errors import UsageError
 from src.sync_batchnorm import convert_sync_batchnorm
 
@@ -103,9 +104,12 @@ _groups_started = 0
 
 
 @contextlib.contextmanager
-def process_group(requested_device: str, requested_backend: str, timeout_s: float) -> Iterator[Runtime]:
+def process_group(requested_device: str, requested_backend: str, timeout_s: float,
+                  step_timeout_s: float | None = None) -> Iterator[Runtime]:
     """Join the launcher's process group for the duration of the block, then leave it.
 
+    Collectives wait at most `timeout_s` until this process's first optimizer step and
+    `step_timeout_s` after it; a timeout names the ranks that did not arrive (src/hang.py).
     The group is torn down even when training raises, so a sweep can start the next
     job's group in the same process.
     """
@@ -123,7 +127,11 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
     # A fresh key namespace per group: a sweep run under torchrun starts one group per job
     # in the same processes, and the previous group's keys in the shared store would
     # otherwise satisfy (or wedge) the next group's rendezvous.
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # The agent's store outlives a restarted group, so the restart count separates their keys; a store
+    # that rank 0 hosts is new with every group, and the count could differ between nodes (an agent
+    # started again after its node was lost counts from 0).
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_serves else "0"
     store = dist.PrefixStore(f"ddp_template/restart{restart}/group{_groups_started}", rendezvous_store(env))
     dist.init_process_group(
         backend=backend,
@@ -135,7 +143,8 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
         device_id=device if device.type == "cuda" else None,
     )
     try:
-        yield Runtime(env, device, backend)
+        with hang.diagnosed(store, env.rank, env.world_size, timeout_s, step_timeout_s):
+            yield Runtime(env, device, backend)
     finally:
         dist.destroy_process_group()
 
@@ -176,6 +185,13 @@ def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
     """The elementwise minimum of `tensor` over all ranks, in place (no-op in a single process)."""
     if is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of `tensor` over all ranks, in place (no-op in a single process)."""
+    if is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor
 
 

@@ -58,4 +58,7 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
             # Rank 0 reports the mistake every rank hit. Exiting at once would let torchrun's agent
             # SIGTERM rank 0 before it has printed that line; a moment's grace lets it.
             time.sleep(NON_MAIN_RANK_GRACE_S)
+        from src.retries import record_final_failure  # imported here: it builds on this module
+
+        record_final_failure(str(usage_error))  # a restart would stop on it again
         sys.exit(USAGE_ERROR_EXIT_CODE)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import signal
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, ContextManager
@@ -22,44 +20,17 @@ from torch.nn.parallel import DistributedDataParallel
 from src.batches import tree_map
 from src.checkpoint import Checkpointer
 from src.data import Data, train_batch_to_device
-from src.distributed import Runtime, all_reduce_sum
+from src.distributed import Runtime
 from src.divergence import NonFiniteLossWatch, TrainingDiverged, diverged_message
 from src.evaluation import autocast, autocast_dtype, evaluate, metrics_of
 from src.metrics import MetricSums
 from src.performance import Utilization
+from src.preemption import Preemption
 from src.reporting import Reporter
 from src.seeding import epoch_seed, seed_step
 from src.tasks import Task
 
 log = logging.getLogger(__name__)
-
-
-class PreemptionFlag:
-    """SIGTERM (what SLURM and torchrun send before killing) raises a flag instead of
-    killing the process at once, so the loop can checkpoint at the next agreed step."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.signalled = False
-        self._previous = None
-
-    def __enter__(self) -> "PreemptionFlag":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if not self.signalled:
-            log.warning("SIGTERM: checkpointing at the next log step, then stopping")
-        self.signalled = True
-
-    def any_rank_signalled(self) -> bool:
-        """Whether any rank got the signal (a collective: call on every rank at the same step)."""
-        return all_reduce_sum(torch.tensor([float(self.signalled)], device=self.device)).item() > 0
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
 
 
 @dataclass
@@ -131,7 +102,7 @@ class Trainer:
         self.amp_dtype = autocast_dtype(options.precision)
         # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not.
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=self.amp_dtype == torch.float16)
-        self.preemption = PreemptionFlag(runtime.device)  # armed while fit() runs
+        self.preemption = Preemption(runtime.device, options.log_every_steps)  # armed while fit() runs
         self.run_config: dict[str, Any] = {}  # the resolved config, saved in checkpoints
         self.epoch_metrics = MetricSums(task.sum_shapes(data.splits.info), runtime.device)
         self.window_start = self.epoch_metrics.totals()  # the epoch totals when the log window began
@@ -254,13 +225,11 @@ class Trainer:
         return metrics
 
     def _should_stop(self, state: TrainState) -> bool:
-        """max_steps reached, or a rank got SIGTERM. The signal is agreed on at log steps
-        (one all-reduce there), so every rank stops at the same step."""
+        """max_steps reached, or a rank got SIGTERM or SIGUSR2 (agreed at steps every rank
+        computes alike, see src/preemption.py), so every rank stops at the same step."""
         if self.options.max_steps is not None and state.step >= self.options.max_steps:
             return True
-        if state.step % self.options.log_every_steps:
-            return False
-        return self.preemption.any_rank_signalled()
+        return self.preemption.stop_requested(state.step)
 
     def _save_mid_epoch(self, state: TrainState) -> None:
         """A step checkpoint: the model and everything needed to go on from this very step."""

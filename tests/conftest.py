@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest_plugins = ["faults"]  # its `launched` fixture: fault-injection tests' processes, killed at teardown
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "train.py")
 # Small and quick: 2 epochs of digits take a few seconds.

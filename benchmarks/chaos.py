@@ -1,0 +1,162 @@
+"""Chaos trials: kill random workers at random moments; every run must still end bitwise equal to an
+uninterrupted one.
+
+    python benchmarks/chaos.py                          # 10 trials, 3 kills each, seed 0
+    python benchmarks/chaos.py --trials 50 --seed 7 --kills 3 --max-restarts 5
+
+Each trial runs `torchrun --standalone --nproc_per_node=2 --max-restarts=R train.py` on digits with
+step checkpoints, and SIGKILLs a random worker `--kills` times, each at a random moment of the running
+group (start-up, a step, a checkpoint write, evaluation). torchrun restarts the group, which resumes from
+its last checkpoint. The trial passes when torchrun exits 0 and the final weights (every tensor of
+last.pt's model) and metrics.json (timings aside) equal the uninterrupted run's. Exit code 1 if any
+trial fails. Not a CI test (a few minutes per 10 trials); `tests/test_chaos.py` runs 3 trials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "train.py")
+ARGS = ["trainer.epochs=8", "optimizer=sgd", "scheduler=constant", "trainer.checkpoint_every_steps=7",
+        "trainer.progress=false"]
+TIMING_KEYS = {"epoch_time_s", "samples_per_s"}
+
+
+@dataclass
+class Trial:
+    seed: int
+    kills: int  # workers killed (fewer than asked if the run ended first)
+    resumes: int  # restarts that resumed from a checkpoint (the others came before the first one)
+    seconds: float
+    returncode: int
+    equal: bool
+
+
+def torchrun(max_restarts: int, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            f"--max-restarts={max_restarts}", TRAIN, *ARGS, f"hydra.run.dir={run_dir}"]
+
+
+def worker_pids(agent: int) -> dict[int, int]:
+    """{rank: pid} of the live workers torchrun process `agent` started."""
+    workers = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            status = (entry / "status").read_text()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        if fields.get("PPid", "").strip() == str(agent) and not fields.get("State", "Z").startswith("Z"):
+            ranks = [item[5:] for item in environ if item.startswith(b"RANK=")]
+            if ranks:
+                workers[int(ranks[0])] = int(entry.name)
+    return workers
+
+
+def run_trial(seed: int, workdir: Path, kills: int, max_restarts: int, window_s: float,
+              reference: Path) -> Trial:
+    """One run with `kills` random workers SIGKILLed, each within `window_s` s of its group's start."""
+    rng = random.Random(seed)
+    run_dir = workdir / f"trial_{seed}"
+    log = open(workdir / f"trial_{seed}.log", "w")
+    started = time.monotonic()
+    agent = subprocess.Popen(torchrun(max_restarts, run_dir), cwd=workdir, stdout=log, stderr=log,
+                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    done = 0
+    try:
+        while done < kills and agent.poll() is None:
+            group = _wait_for_group(agent, set())
+            if group is None:
+                break
+            time.sleep(rng.uniform(0, window_s))  # start-up, a step, a checkpoint write or evaluation
+            victim = worker_pids(agent.pid).get(rng.choice(sorted(group)))
+            if victim is None or agent.poll() is not None:
+                break
+            os.kill(victim, signal.SIGKILL)
+            done += 1
+            _wait_for_group(agent, set(group.values()))  # torchrun restarted the group
+        returncode = agent.wait(timeout=600)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+        log.close()
+    equal = returncode == 0 and same_run(run_dir, reference)
+    resumes = (run_dir / "train.log").read_text().count("resumed from") if (run_dir / "train.log").exists() else 0
+    return Trial(seed, done, resumes, time.monotonic() - started, returncode, equal)
+
+
+def _wait_for_group(agent: subprocess.Popen, old_pids: set[int], timeout: float = 120) -> dict[int, int] | None:
+    """The {rank: pid} of a complete group of 2 workers other than `old_pids`; None if torchrun ended."""
+    deadline = time.monotonic() + timeout
+    while agent.poll() is None and time.monotonic() < deadline:
+        group = worker_pids(agent.pid)
+        if len(group) == 2 and not set(group.values()) & old_pids:
+            return group
+        time.sleep(0.02)
+    return None
+
+
+def same_run(run_dir: Path, reference: Path) -> bool:
+    """Bitwise equal final weights and metrics.json (timings aside)."""
+    import torch
+
+    def load(directory: Path) -> tuple[dict, dict]:
+        weights = torch.load(directory / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["model"]
+        return weights, _without_timing(json.loads((directory / "metrics.json").read_text()))
+
+    try:
+        (weights, summary), (expected_weights, expected) = load(run_dir), load(reference)
+    except (OSError, KeyError, ValueError):
+        return False
+    return summary == expected and weights.keys() == expected_weights.keys() and all(
+        torch.equal(weights[name], expected_weights[name]) for name in weights)
+
+
+def _without_timing(summary: dict) -> dict:
+    history = [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in summary["history"]]
+    return {**{k: v for k, v in summary.items() if k not in TIMING_KEYS}, "history": history}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0, help="trial i uses seed SEED+i")
+    parser.add_argument("--kills", type=int, default=3, help="workers killed per trial")
+    parser.add_argument("--max-restarts", type=int, default=5)
+    parser.add_argument("--window-s", type=float, default=None,
+                        help="each kill falls uniformly within this many seconds of its group's start "
+                             "(default: half the uninterrupted run's wall time, so kills come before a resumed run "
+                             "ends)")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
+    args = parser.parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    reference = workdir / "uninterrupted"
+    started = time.monotonic()
+    subprocess.run(torchrun(0, reference), cwd=workdir, check=True, capture_output=True)
+    window_s = args.window_s or 0.5 * (time.monotonic() - started)
+    trials = [run_trial(args.seed + i, workdir, args.kills, args.max_restarts, window_s, reference)
+              for i in range(args.trials)]
+    print("| seed | kills | resumes | seconds | exit | bitwise equal |\n|---|---|---|---|---|---|")
+    for t in trials:
+        print(f"| {t.seed} | {t.kills} | {t.resumes} | {t.seconds:.1f} | {t.returncode} | {t.equal} |")
+    print(f"{sum(t.equal for t in trials)}/{len(trials)} trials equal to the uninterrupted run "
+          f"(kills within {window_s:.1f} s of a group's start; runs in {workdir})")
+    return 0 if all(t.equal for t in trials) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -224,9 +224,13 @@ def main_process_first() -> Iterator[None]:
     is_waiting_rank = is_initialized() and dist.get_rank() != 0
     if is_waiting_rank:
         dist.barrier()
-    yield
-    if is_initialized() and not is_waiting_rank:
-        dist.barrier()
+    try:
+        yield
+    finally:
+        # Also when rank 0's block fails (say, a missing dataset folder): the other ranks then run it
+        # and stop on the same error, instead of dying at this barrier when rank 0 exits.
+        if is_initialized() and not is_waiting_rank:
+            dist.barrier()
 
 
 _store: dist.Store | None = None

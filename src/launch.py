@@ -123,14 +123,17 @@ def resume_setting(resume: str | None) -> str | None:
 def discard_unused_run_dir(run_dir: Path, in_sweep: bool) -> Iterator[None]:
     """If the block fails with a usage error before the run has written anything of its own, remove
     the run dir this run created (Hydra's `.hydra/` copy and the log files are all it holds), so a
-    refused run leaves no directory behind. A dir that held anything before, a sweep's job dir,
-    and a dir with checkpoints, metrics or TensorBoard events are never touched."""
+    refused run leaves no directory behind: in a single process, and in the process that started
+    `dist.nproc_per_node` workers (they have all exited by then). A dir that held anything before, a
+    sweep's job dir, a dir with checkpoints, metrics or TensorBoard events, and the dir of a torchrun
+    group's workers (one rank may still be writing its log) are never touched."""
     try:
         yield
     except Exception as error:
         from src.errors import find_usage_error
 
-        if find_usage_error(error) is not None and not in_sweep and is_main_rank() and _holds_nothing_of_a_run(run_dir):
+        # Not in a torchrun group's workers: another rank may still be writing its log there.
+        if find_usage_error(error) is not None and not (in_sweep or is_worker()) and _holds_nothing_of_a_run(run_dir):
             shutil.rmtree(run_dir, ignore_errors=True)
             _remove_empty_parents(run_dir)
         raise
@@ -262,7 +265,8 @@ def recording_errors(function: Callable[..., T]) -> Callable[..., T]:
         try:
             return recorded(*args, **kwargs)  # type: ignore[return-value]
         except _UnrecordedError as carrier:
-            raise carrier.error from None
+            error = carrier.error  # re-raised with its own cause kept: a UsageError Hydra wrapped is found there
+            raise error from error.__cause__
         finally:
             if handler is not None:  # a sweep under torchrun goes on to its next job
                 signal.signal(signal.SIGTERM, handler)

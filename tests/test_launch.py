@@ -183,3 +183,22 @@ def test_no_run_dir_without_a_run(tmp_path: Path, argv):
     ({"SLURM_RESTART_COUNT": "1"}, True), ({"SLURM_RESTART_COUNT": "0"}, False)])
 def test_restarts_and_requeues_are_recognised(environ, restarted):
     assert launch.restarted_by_launcher(environ) is restarted
+
+
+def test_a_wrapped_usage_error_stays_findable_through_the_torchrun_wrapper(monkeypatch):
+    """Hydra's instantiate wraps a builder's UsageError (`raise InstantiationException(...) from error`);
+    under torchrun the error passes @record unrecorded and must come out with that cause intact."""
+    from src.errors import UsageError, find_usage_error
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a launcher's worker: recording_errors wraps in @record
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", "/nonexistent/error.json")
+
+    def build():
+        try:
+            raise UsageError("image folder data/train not found")
+        except UsageError as error:
+            raise RuntimeError("Error in call to target 'src.datasets.image_folder'") from error
+
+    with pytest.raises(RuntimeError) as raised:
+        launch.recording_errors(build)()
+    assert str(find_usage_error(raised.value)) == "image folder data/train not found"

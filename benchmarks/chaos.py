@@ -78,13 +78,14 @@ class Phases:
     startup_s: float
     training_s: float
 
-    def kill_delay(self, rng: random.Random, kills: int) -> float:
-        """Seconds after a group's start: 30% of kills within start-up (rendezvous, imports, dataset), the rest
-        within the first 1/(kills+1) of training (a step, a checkpoint write, evaluation). The groups killed
-        then train less than the whole run together, so every kill lands before the run could end."""
+    def draw(self, rng: random.Random, kills: int) -> tuple[bool, float]:
+        """(in training?, seconds): 30% of kills within start-up (rendezvous, imports, dataset), counted from the
+        group's start; the rest within the first 1/(kills+1) of training (a step, a checkpoint write,
+        evaluation), counted from the group's first step. The groups killed then train less than the whole
+        run together, so every kill lands before the run could end."""
         if rng.random() < 0.3:
-            return rng.uniform(0, self.startup_s)
-        return self.startup_s + rng.uniform(0, self.training_s / (kills + 1))
+            return False, rng.uniform(0, self.startup_s)
+        return True, rng.uniform(0, self.training_s / (kills + 1))
 
 
 def run_trial(seed: int, workdir: Path, kills: int, max_restarts: int, phases: Phases,
@@ -102,7 +103,11 @@ def run_trial(seed: int, workdir: Path, kills: int, max_restarts: int, phases: P
             group = _wait_for_group(agent, set())
             if group is None:
                 break
-            time.sleep(phases.kill_delay(rng, kills))  # start-up, a step, a checkpoint write or evaluation
+            lines_before = _start_lines(run_dir / "train.log")  # groups of this run that reached their first step
+            in_training, delay = phases.draw(rng, kills)
+            if in_training and not _wait_for_first_step(agent, run_dir / "train.log", lines_before):
+                break
+            time.sleep(delay)  # start-up, a step, a checkpoint write or evaluation
             victim = worker_pids(agent.pid).get(rng.choice(sorted(group)))
             if victim is None or agent.poll() is not None:
                 break
@@ -133,6 +138,22 @@ def steps_redone(run_dir: Path) -> int:
             if any(value.tag == "train/loss" for value in event.summary.value):
                 logged[event.step] += 1
     return sum(count - 1 for count in logged.values())
+
+
+def _wait_for_first_step(agent: subprocess.Popen, log: Path, lines_before: int, timeout: float = 120) -> bool:
+    """Wait until the current group has logged its start line (right before its first step): the run's log
+    then holds more start lines than the `lines_before` it held when the group started. False if torchrun
+    ended first."""
+    deadline = time.monotonic() + timeout
+    while agent.poll() is None and time.monotonic() < deadline:
+        if _start_lines(log) > lines_before:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _start_lines(log: Path) -> int:
+    return len(START_LINE.findall(log.read_text())) if log.exists() else 0
 
 
 def _wait_for_group(agent: subprocess.Popen, old_pids: set[int], timeout: float = 120) -> dict[int, int] | None:
@@ -167,10 +188,14 @@ def measure_phases(reference: Path, workdir: Path) -> Phases:
     and its training."""
     started = time.time()
     subprocess.run(torchrun(0, reference), cwd=workdir, check=True, capture_output=True)
-    ended = time.time()
-    stamp = START_LINE.search((reference / "train.log").read_text()).group(1)
-    first_step = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    return Phases(startup_s=first_step - started, training_s=ended - first_step)
+    log = (reference / "train.log").read_text()
+    first_step = _stamp(START_LINE.search(log).group(1))
+    last_line = _stamp(re.findall(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]", log, re.M)[-1])
+    return Phases(startup_s=first_step - started, training_s=last_line - first_step)
+
+
+def _stamp(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def _without_timing(summary: dict) -> dict:

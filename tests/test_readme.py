@@ -30,6 +30,7 @@ EXERCISED_BY = {
     'make train ARGS="model=mlp"': "test_train_modes.py::test_make_train_reaches_98_percent_on_the_default_config",
     "make test": ".ci/run",
     "python benchmarks/run.py": "test_readme.py::test_the_benchmark_script_writes_its_table",
+    "python benchmarks/chaos.py --trials 20 --seed 0": "test_chaos.py::test_three_chaos_trials_end_bitwise_equal",
     "python eval.py checkpoint=outputs/DATE/TIME/checkpoints/best.pt":
         "test_eval_cli.py::test_eval_reproduces_the_training_runs_val_metrics",
     "torchrun --nproc_per_node=2 eval.py checkpoint=PATH": "test_eval_cli.py::test_sharded_eval_equals_one_process",

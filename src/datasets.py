@@ -80,10 +80,7 @@ def digits(val_size: int = 360, split_seed: int = 0) -> DataSplits:
     table = _bundled_digits_table()
     images = torch.tensor(table[:, :-1], dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
     labels = torch.tensor(table[:, -1], dtype=torch.int64)
-    if not 0 < val_size < len(labels):
-        raise ValueError(f"digits: val_size must be between 1 and {len(labels) - 1}, got {val_size}")
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(split_seed))
-    val_index, train_index = order[:val_size], order[val_size:]
+    train_index, val_index = _split_indices(len(labels), val_size, split_seed, "digits")
     train_images = images[train_index]
     mean, std = train_images.mean(), train_images.std()
     return DataSplits(
@@ -159,16 +156,21 @@ def diabetes(val_size: int = 88, split_seed: int = 0) -> DataSplits:
     )
 
 
+def _split_indices(count: int, val_size: int, split_seed: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, val) sample indices: the first `val_size` of a permutation drawn from `split_seed` are val."""
+    if not 0 < val_size < count:
+        raise ValueError(f"{name}: val_size must be between 1 and {count - 1}, got {val_size}")
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(split_seed))
+    return order[val_size:], order[:val_size]
+
+
 def _standardised_split(
     features: torch.Tensor, targets: torch.Tensor, val_size: int, split_seed: int, name: str
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """((train features, targets), (val features, targets)): the first `val_size` samples of a
     permutation drawn from `split_seed` are val; features are standardised per column with the
     train split's mean and std."""
-    if not 0 < val_size < len(targets):
-        raise ValueError(f"{name}: val_size must be between 1 and {len(targets) - 1}, got {val_size}")
-    order = torch.randperm(len(targets), generator=torch.Generator().manual_seed(split_seed))
-    val_index, train_index = order[:val_size], order[val_size:]
+    train_index, val_index = _split_indices(len(targets), val_size, split_seed, name)
     mean, std = features[train_index].mean(dim=0), features[train_index].std(dim=0).clamp(min=1e-12)
     standardise = lambda index: (features[index] - mean) / std  # noqa: E731 - a one-line helper
     return (standardise(train_index), targets[train_index]), (standardise(val_index), targets[val_index])

@@ -56,7 +56,7 @@ def evaluate(
         with autocast(device, amp_dtype):
             outputs = module(*args, **kwargs)
         loss_sum, count = task.loss(outputs, target)
-        sums.add({"loss": loss_sum, "count": count, **task.sums(outputs, target), **task.val_sums(outputs, target)})
+        sums.add(task.batch_sums(outputs, target, loss_sum, count, val=True))
     module.train(was_training)
     return metrics_of(task, sums.reduce())
 

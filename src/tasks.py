@@ -92,6 +92,14 @@ class Task:
         """This batch's metric sums, named as in `sum_shapes` (detached device tensors, no host sync)."""
         return {}
 
+    def batch_sums(self, outputs: torch.Tensor, target: torch.Tensor, loss_sum: torch.Tensor, count: int,
+                   val: bool = False) -> dict[str, torch.Tensor | int]:
+        """Everything a batch adds to the running sums: `loss` (the `loss()` sum), `count`, the task's sums,
+        and with `val` its val-only sums. What the loop and evaluation accumulate, one call each."""
+        with torch.no_grad():
+            extra = self.val_sums(outputs, target) if val else {}
+            return {"loss": loss_sum.detach(), "count": count, **self.sums(outputs.detach(), target), **extra}
+
     def val_sum_shapes(self, info: Mapping[str, Any]) -> Shapes:
         """Sums counted on the val split only (e.g. a confusion matrix), beside `sum_shapes`."""
         return {}

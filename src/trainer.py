@@ -264,8 +264,7 @@ class Trainer:
                     raise
                 what = str(error).splitlines()[0].rstrip(".")
                 raise TrainingDiverged(diverged_message(step, what, names_the_op=True)) from None
-        with torch.no_grad():
-            self.epoch_metrics.add({"loss": loss_sum, "count": count, **self.task.sums(outputs.detach(), target)})
+        self.epoch_metrics.add(self.task.batch_sums(outputs, target, loss_sum, count))
 
     def _optimizer_step(self) -> None:
         if self.options.grad_clip is not None:

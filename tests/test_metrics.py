@@ -27,8 +27,7 @@ def classification_sums(val: bool = False) -> MetricSums:
 
 def add_batch(sums: MetricSums, logits: torch.Tensor, targets: torch.Tensor, loss_sum=None, val=False) -> None:
     loss_sum = F.cross_entropy(logits, targets, reduction="sum") if loss_sum is None else loss_sum
-    extra = TASK.val_sums(logits, targets) if val else {}
-    sums.add({"loss": loss_sum, "count": targets.shape[0], **TASK.sums(logits, targets), **extra})
+    sums.add(TASK.batch_sums(logits, targets, loss_sum, targets.shape[0], val=val))
 
 
 def compute(sums: MetricSums, baseline=None) -> dict:

@@ -20,7 +20,7 @@ def summed(task, info, outputs, targets, chunks=(0, 5, 6, 17, None)):
     bounds = list(chunks[:-1]) + [len(targets)]
     for start, stop in zip(bounds, bounds[1:]):
         loss, count = task.loss(outputs[start:stop], targets[start:stop])
-        sums.add({"loss": loss, "count": count, **task.sums(outputs[start:stop], targets[start:stop])})
+        sums.add(task.batch_sums(outputs[start:stop], targets[start:stop], loss, count))
     return metrics_of(task, sums.reduce())
 
 

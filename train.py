@@ -12,6 +12,12 @@ Each step is one call into `src/`.
 
 from __future__ import annotations
 
+from src import retries  # torch- and Hydra-free: checked before the imports below
+
+if __name__ == "__main__":
+    # A restart after a usage error would only stop on it again: exit before paying for Hydra's imports.
+    retries.exit_if_failed_for_good()
+
 import json
 import logging
 from pathlib import Path
@@ -22,7 +28,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src import config_schema, data_fields, heap, launch, retries
+from src import config_schema, data_fields, heap, launch
 from src.errors import exit_on_usage_error
 
 log = logging.getLogger("train")
@@ -142,7 +148,6 @@ def run_task(cfg, run_dir, runtime, data, task, resumed, checkpointer) -> float:
 
 
 if __name__ == "__main__":
-    retries.exit_if_failed_for_good()  # a restart after a usage error would only stop on it again
     heap.pause_collection()  # resumed in run(), once the imports are done
     launch.adopt_cluster_env()
     with config_schema.one_line_config_errors(launch.is_main_rank()):

@@ -23,8 +23,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from src import config_schema, data_fields, heap, launch
-from src.errors import UsageError, exit_on_usage_error
+from src.common import heap
+from src.common.errors import UsageError, exit_on_usage_error
+from src.config import data_fields, schema
+from src.parallel import launch
 
 log = logging.getLogger("eval")
 
@@ -42,7 +44,7 @@ ConfigStore.instance().store(group="dataset", name=FROM_CHECKPOINT, node=OmegaCo
 def main(cfg: DictConfig) -> float:
     """Hydra's entry point; returns the val value of the checkpoint's monitored metric."""
     # As in train.py, torch loads inside evaluate_checkpoint(), so `--help` stays fast.
-    config_schema.config_composed()  # from here on, errors are the run's (Hydra reports them as usual)
+    schema.config_composed()  # from here on, errors are the run's (Hydra reports them as usual)
     launch.adopt_cluster_env()  # submitit / SLURM tasks become torchrun-style workers
     hydra_cfg = HydraConfig.get()
     with exit_on_usage_error(launch.is_main_rank(), in_sweep=hydra_cfg.mode == RunMode.MULTIRUN):
@@ -56,11 +58,13 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
     `dataset_choice` is the `dataset` option Hydra composed."""
     from hydra.utils import instantiate
 
-    from src import checkpoint, distributed, reporting, trusted_targets
-    from src.data import build_splits, make_val_loader
-    from src.evaluation import autocast_dtype, evaluate
-    from src.models import build_model
-    from src.task_setup import check_fit, model_fields
+    from src.config import trusted_targets
+    from src.data.loaders import build_splits, make_val_loader
+    from src.loop import checkpoint
+    from src.loop.evaluation import autocast_dtype, evaluate
+    from src.loop.setup import build_model, check_fit, model_fields
+    from src.parallel import distributed
+    from src.reports import reporting
 
     heap.resume_collection()  # start-up's objects are frozen; what the evaluation builds is collected as usual
     if OmegaConf.is_missing(cfg, "checkpoint"):
@@ -123,5 +127,5 @@ def merge_dataset(saved_dataset: DictConfig, overrides: DictConfig, path: Path) 
 if __name__ == "__main__":
     heap.pause_collection()  # resumed in evaluate_checkpoint(), once the imports are done
     launch.adopt_cluster_env()
-    with config_schema.one_line_config_errors(launch.is_main_rank()):
+    with schema.one_line_config_errors(launch.is_main_rank()):
         main()

@@ -12,7 +12,7 @@ Each step is one call into `src/`.
 
 from __future__ import annotations
 
-from src import retries  # torch- and Hydra-free: checked before the imports below
+from src.parallel import retries  # torch- and Hydra-free: checked before the imports below
 
 if __name__ == "__main__":
     # A restart after a usage error would only stop on it again: exit before paying for Hydra's imports.
@@ -28,8 +28,10 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src import config_schema, data_fields, heap, launch
-from src.errors import exit_on_usage_error
+from src.common import heap
+from src.common.errors import exit_on_usage_error
+from src.config import data_fields, schema
+from src.parallel import launch
 
 log = logging.getLogger("train")
 
@@ -41,13 +43,13 @@ def main(cfg: DictConfig) -> float:
     """Hydra's entry point; returns the final value of the monitored metric (what sweepers optimise)."""
     # torch and everything built on it load inside train(), not at the top: `--help` and
     # `--cfg job` answer without paying seconds for imports they do not use.
-    config_schema.config_composed()  # from here on, errors are the run's (Hydra reports them as usual)
+    schema.config_composed()  # from here on, errors are the run's (Hydra reports them as usual)
     launch.adopt_cluster_env()  # submitit / SLURM tasks become torchrun-style workers
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
     with exit_on_usage_error(launch.is_main_rank(), in_sweep), launch.discard_unused_run_dir(run_dir, in_sweep):
-        config_schema.check_train_config(cfg)  # values the schema's types cannot refuse, before any work
+        schema.check_train_config(cfg)  # values the schema's types cannot refuse, before any work
         if cfg.dist.nproc_per_node > 1 and not launch.is_worker():
             heap.resume_collection()  # this process only waits on its workers, for as long as they run
             launch.launch_workers(__file__, cfg.dist.nproc_per_node, run_dir, hydra_cfg.overrides.task,
@@ -58,7 +60,7 @@ def main(cfg: DictConfig) -> float:
 
 def train(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> float:
     """Join the process group, run, leave it. `choices`: the option Hydra chose in each group."""
-    from src import distributed
+    from src.parallel import distributed
 
     with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s,
                                    cfg.dist.step_timeout_s) as runtime:
@@ -68,10 +70,12 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> float:
 
 
 def run(cfg: DictConfig, run_dir: Path, runtime, choices: dict[str, str]) -> float:  # noqa: ANN001 - Runtime
-    from src import checkpoint, reporting, resume, trusted_targets
-    from src.data import DataLimits, build_data
-    from src.seeding import seed_everything
-    from src.task_setup import build_task, model_fields
+    from src.common.seeding import seed_everything
+    from src.config import trusted_targets
+    from src.data.loaders import DataLimits, build_data
+    from src.loop import checkpoint, resume
+    from src.loop.setup import build_task, model_fields
+    from src.reports import reporting
 
     heap.resume_collection()  # start-up's objects are frozen; what the run builds is collected as usual
     reporting.setup_logging(run_dir, runtime.env.rank)
@@ -95,10 +99,12 @@ def run_task(cfg, run_dir, runtime, data, task, resumed, checkpointer) -> float:
     """The rest of the run, once the data and task are known: model, optimizer, train, report."""
     import torch
 
-    from src import checkpoint, distributed, performance, reporting
-    from src.models import build_model
-    from src.optim import build_optimizer
-    from src.trainer import Trainer, TrainerOptions, TrainState
+    from src.loop import checkpoint, performance
+    from src.loop.optim import build_optimizer
+    from src.loop.setup import build_model
+    from src.loop.trainer import Trainer, TrainerOptions, TrainState
+    from src.parallel import distributed
+    from src.reports import reporting
 
     performance.set_backend_flags(runtime.device, cfg.trainer.tf32, cfg.trainer.deterministic)
     model = performance.with_memory_format(build_model(cfg.model), cfg.trainer.channels_last)
@@ -115,7 +121,7 @@ def run_task(cfg, run_dir, runtime, data, task, resumed, checkpointer) -> float:
     reporter = reporting.Reporter(run_dir, runtime.is_main_process, progress=cfg.trainer.progress)
     profiler = None
     if cfg.trainer.profile:
-        from src.profiling import step_profiler
+        from src.reports.profiling import step_profiler
 
         profiler = step_profiler(run_dir / "tb" / "profile", runtime.env.rank)
     trainer = Trainer(TrainerOptions.from_config(cfg.trainer, cfg.seed), runtime, task, module, train_model,
@@ -150,5 +156,5 @@ def run_task(cfg, run_dir, runtime, data, task, resumed, checkpointer) -> float:
 if __name__ == "__main__":
     heap.pause_collection()  # resumed in run(), once the imports are done
     launch.adopt_cluster_env()
-    with config_schema.one_line_config_errors(launch.is_main_rank()):
+    with schema.one_line_config_errors(launch.is_main_rank()):
         main()

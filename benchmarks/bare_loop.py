@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from src.datasets import digits, synthetic  # noqa: E402  (the data, not the template's machinery)
-from src.models import SimpleCNN  # noqa: E402
+from src.components.datasets import digits, synthetic  # noqa: E402  (the data, not the template's machinery)
+from src.components.models import SimpleCNN  # noqa: E402
 
 
 def main() -> None:

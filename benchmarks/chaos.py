@@ -9,7 +9,7 @@ step checkpoints, and SIGKILLs a random worker `--kills` times, each at a random
 group (start-up, a step, a checkpoint write, evaluation). torchrun restarts the group, which resumes from
 its last checkpoint. The trial passes when torchrun exits 0 and the final weights (every tensor of
 last.pt's model) and metrics.json (timings aside) equal the uninterrupted run's. Exit code 1 if any
-trial fails. Not a CI test (a few minutes per 10 trials); `tests/test_chaos.py` runs 3 trials.
+trial fails. Not a CI test (a few minutes per 10 trials); `tests/integration/test_chaos.py` runs 3 trials.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from src.datasets import digits  # noqa: E402  (the data, not the template's machinery)
-from src.models import SimpleCNN  # noqa: E402
+from src.components.datasets import digits  # noqa: E402  (the data, not the template's machinery)
+from src.components.models import SimpleCNN  # noqa: E402
 
 
 class Classifier(pl.LightningModule):

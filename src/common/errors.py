@@ -1,0 +1,64 @@
+"""Errors that are the user's to fix: reported as one line naming what to change, exit code 2."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from typing import Iterator
+
+USAGE_ERROR_EXIT_CODE = 2
+NON_MAIN_RANK_GRACE_S = 1.0  # how long other ranks wait, on a usage error, for rank 0 to report it
+
+
+class UsageError(Exception):
+    """A mistake in the config, the command line or the files a run needs.
+
+    `train.py` and `eval.py` print the message alone (no traceback) and exit with code 2,
+    so the message must say what is wrong and what to change.
+    """
+
+    reported = False  # True when worker processes have already printed the message
+
+
+class WorkersReportedUsageError(UsageError):
+    """Workers this process started stopped on a UsageError they printed themselves."""
+
+    reported = True
+
+
+def find_usage_error(error: BaseException) -> UsageError | None:
+    """The UsageError behind `error`, if any (Hydra's instantiate wraps what a builder raises)."""
+    current: BaseException | None = error
+    while current is not None:
+        if isinstance(current, UsageError):
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
+@contextlib.contextmanager
+def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterator[None]:
+    """End the process with `error: <message>` on stderr and exit code 2 if the block raises a
+    UsageError; any other error propagates with its traceback.
+
+    Every rank of a group usually hits the same mistake, so only the main process prints it.
+    In a sweep the error propagates instead: Hydra marks that job failed and runs the next.
+    """
+    try:
+        yield
+    except Exception as error:
+        usage_error = find_usage_error(error)
+        if usage_error is None or in_sweep:
+            raise
+        if is_main_process and not usage_error.reported:
+            print(f"error: {usage_error}", file=sys.stderr)
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # Rank 0 reports the mistake every rank hit. Exiting at once would let torchrun's agent
+            # SIGTERM rank 0 before it has printed that line; a moment's grace lets it.
+            time.sleep(NON_MAIN_RANK_GRACE_S)
+        from src.parallel.retries import record_final_failure  # imported here: it builds on this module
+
+        record_final_failure(str(usage_error))  # a restart would stop on it again
+        sys.exit(USAGE_ERROR_EXIT_CODE)

@@ -1,0 +1,166 @@
+"""Tasks: what a batch means, what the loss is, and which sums the metrics are made of.
+
+A task is a subclass of `src.loop.task.Task` (the contract the loop relies on, documented there)
+named by `conf/task/<name>.yaml`. Adding a task is one subclass (here or in any importable module)
+plus one YAML.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from src.common.errors import UsageError
+from src.loop.task import Shapes, Task, ratio
+
+
+class Classification(Task):
+    """Cross-entropy over `num_classes` logits; accuracy, and a confusion matrix on the val split."""
+
+    metric_names = ("loss", "acc")
+    monitor, mode = "val/acc", "max"
+    needs = ("num_classes", "class labels")
+
+    def __init__(self, label_smoothing: float = 0.0, **options: Any) -> None:
+        super().__init__(**options)  # inputs, target, monitor, mode
+        self.label_smoothing = label_smoothing
+
+    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
+        loss = F.cross_entropy(outputs.float(), target, reduction="sum", label_smoothing=self.label_smoothing)
+        return loss, target.shape[0]
+
+    def sum_shapes(self, info: Mapping[str, Any]) -> Shapes:
+        return {"correct": ()}
+
+    def sums(self, outputs: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"correct": (outputs.argmax(dim=1) == target).sum()}
+
+    def val_sum_shapes(self, info: Mapping[str, Any]) -> Shapes:
+        classes = int(info["num_classes"])
+        return {"confusion": (classes, classes)}
+
+    def val_sums(self, outputs: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        # Cell (true, predicted) is bin true * C + predicted: one bincount per batch, on the device.
+        classes = outputs.shape[1]
+        cells = torch.bincount(target * classes + outputs.argmax(dim=1), minlength=classes * classes)
+        return {"confusion": cells.view(classes, classes)}
+
+    def compute(self, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        result = {**super().compute(sums), "acc": ratio(sums["correct"], sums["count"])}
+        if "confusion" in sums:
+            result["confusion"] = sums["confusion"].round().long()  # rows: true class; columns: predicted
+        return result
+
+
+class Binary(Task):
+    """One logit per sample, BCE-with-logits (a sigmoid folded into the loss, numerically stable);
+    accuracy, precision, recall and F1 of the positive class at probability 0.5 (logit 0)."""
+
+    metric_names = ("loss", "acc", "precision", "recall", "f1")
+    monitor, mode = "val/f1", "max"
+
+    def __init__(self, pos_weight: float | None = None, **options: Any) -> None:
+        super().__init__(**options)  # inputs, target, monitor, mode
+        self.pos_weight = pos_weight
+
+    def check(self, info: Mapping[str, Any]) -> str | None:
+        if info.get("num_classes") != 2:
+            return "needs two classes (num_classes=2, labels 0/1)"
+        return None
+
+    def num_outputs(self, info: Mapping[str, Any]) -> int:
+        return 1
+
+    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
+        logits, labels = _binary(outputs, target)
+        if self.pos_weight is None:
+            return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum"), labels.shape[0]
+        # torch's pos_weight scales the positive term; for 0/1 labels that is a weight of pos_weight on
+        # positive samples, made here from the labels with no tensor built from a Python number per step.
+        per_sample = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+        return (per_sample * (1 + (self.pos_weight - 1) * labels)).sum(), labels.shape[0]
+
+    def sum_shapes(self, info: Mapping[str, Any]) -> Shapes:
+        return {"tp": (), "fp": (), "fn": ()}
+
+    def sums(self, outputs: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits, labels = _binary(outputs, target)
+        predicted, actual = logits > 0, labels > 0.5
+        return {"tp": (predicted & actual).sum(), "fp": (predicted & ~actual).sum(), "fn": (~predicted & actual).sum()}
+
+    def compute(self, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        tp, fp, fn, count = (float(sums[name]) for name in ("tp", "fp", "fn", "count"))
+        tn = count - tp - fp - fn
+        # No positive prediction (or no positive sample): precision (recall) is 0, as in scikit-learn.
+        return {
+            **super().compute(sums),
+            "acc": (tp + tn) / count if count else math.nan,
+            "precision": tp / (tp + fp) if tp + fp else 0.0,
+            "recall": tp / (tp + fn) if tp + fn else 0.0,
+            "f1": 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0,
+        }
+
+
+def _binary(outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 logits, float32 0/1 labels), one per sample, from outputs (N,) or (N, 1)."""
+    return outputs.float().reshape(target.shape[0]), target.float().reshape(target.shape[0])
+
+
+class Regression(Task):
+    """Real-valued targets of `num_targets` values per sample; `loss`: l1 | mse (per sample: the mean
+    over its values). Metrics: mae, rmse and r2 over all values, from sums, so exact on any world size.
+    r2 is 1 - SSE / SST with SST taken around each output's own mean (scikit-learn's
+    variance-weighted r2; with one output, the usual r2)."""
+
+    metric_names = ("loss", "mae", "rmse", "r2")
+    monitor, mode = "val/mae", "min"
+    needs = ("num_targets", "real-valued targets")
+    LOSSES = ("l1", "mse")
+
+    def __init__(self, loss: str = "mse", **options: Any) -> None:
+        super().__init__(**options)  # inputs, target, monitor, mode
+        if loss not in self.LOSSES:
+            raise UsageError(f"task.loss={loss} is not one of {', '.join(self.LOSSES)}")
+        self.loss_name = loss
+
+    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
+        predicted, actual = _as_rows(outputs, target)
+        error = predicted - actual
+        per_value = error.abs() if self.loss_name == "l1" else error.square()
+        return per_value.mean(dim=1).sum(), actual.shape[0]
+
+    def sum_shapes(self, info: Mapping[str, Any]) -> Shapes:
+        width = (int(info["num_targets"]),)
+        return {"abs_error": (), "squared_error": width, "target": width, "target_squared": width}
+
+    def sums(self, outputs: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        predicted, actual = _as_rows(outputs.detach(), target)
+        error = predicted - actual
+        return {"abs_error": error.abs().sum(), "squared_error": error.square().sum(dim=0),
+                "target": actual.sum(dim=0), "target_squared": actual.square().sum(dim=0)}
+
+    def compute(self, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        count = float(sums["count"])
+        values = count * sums["target"].numel()
+        sse = sums["squared_error"]
+        sst = sums["target_squared"] - sums["target"].square() / count if count else sse
+        return {
+            **super().compute(sums),
+            "mae": float(sums["abs_error"]) / values if values else math.nan,
+            "rmse": math.sqrt(float(sse.sum()) / values) if values else math.nan,
+            "r2": 1 - float(sse.sum()) / float(sst.sum()) if values and float(sst.sum()) > 0 else math.nan,
+        }
+
+
+def _as_rows(outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs and targets as float32 (N, values) matrices: a target of shape (N,) is one value a sample."""
+    rows = target.shape[0]
+    predicted, actual = outputs.float().reshape(rows, -1), target.float().reshape(rows, -1)
+    if predicted.shape != actual.shape:  # (N, 1) against (N, 3) would broadcast into nonsense
+        raise UsageError(f"the model gives {predicted.shape[1]} outputs per sample but the target has "
+                         f"{actual.shape[1]} values: build the model with ${{data:num_outputs}} outputs")
+    return predicted, actual

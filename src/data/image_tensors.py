@@ -1,0 +1,86 @@
+"""Image datasets small enough to live on the training device as uint8 tensors.
+
+MNIST and Fashion-MNIST take 55 MB as uint8, CIFAR-10 184 MB: far less than a GPU holds. Kept there,
+a batch is one index_select, converted and normalised on the device, with no per-sample fetch,
+collate, worker process or host-to-device copy. Training augmentation (random crop of the
+zero-padded image, horizontal flip) is drawn for the whole batch at once from the device's default
+generator, which the trainer reseeds every optimizer step, so a resumed run draws the same.
+`src.data.loaders.TensorBatchLoader` does the batching; the trainer calls `augment` after seeding the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.utils.data import TensorDataset
+
+
+class ImageTensorDataset(TensorDataset):
+    """uint8 images (N, C, H, W) and int64 labels, with the normalisation and augmentation they get.
+
+    Indexing gives `(float32 normalised C x H x W image, label)` without augmentation, like the
+    other datasets' items; `TensorBatchLoader` instead gathers whole batches on the device and
+    calls `normalize` (all splits) and `augment` (training batches only).
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        mean: Sequence[float],
+        std: Sequence[float],
+        crop_padding: int = 0,
+        flip: bool = False,
+    ) -> None:
+        if images.dtype != torch.uint8 or images.dim() != 4:
+            raise ValueError(f"images must be uint8 N x C x H x W, got {images.dtype} {tuple(images.shape)}")
+        super().__init__(images, labels)
+        channels = images.shape[1]
+        self.mean = torch.as_tensor(mean, dtype=torch.float32, device=images.device).view(1, channels, 1, 1)
+        self.std = torch.as_tensor(std, dtype=torch.float32, device=images.device).view(1, channels, 1, 1)
+        self.crop_padding = crop_padding
+        self.flip = flip
+
+    @property
+    def augments(self) -> bool:
+        return self.crop_padding > 0 or self.flip
+
+    def to(self, device: torch.device) -> ImageTensorDataset:
+        """The same dataset with its images, labels and normalisation constants on `device`."""
+        images, labels = (t.to(device) for t in self.tensors)
+        return ImageTensorDataset(images, labels, self.mean.flatten(), self.std.flatten(), self.crop_padding, self.flip)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = self.tensors
+        return self.normalize(images[index][None])[0], labels[index]
+
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 batch -> float32 in [0, 1] -> (x - mean) / std per channel: torchvision's ToTensor
+        and Normalize, in the same order of operations (so the same floats)."""
+        return images.float().div_(255).sub_(self.mean).div_(self.std)
+
+    def augment(self, images: torch.Tensor) -> torch.Tensor:
+        """A random crop of each normalised image zero-padded by `crop_padding` pixels on every side,
+        flipped left-right with probability 1/2 if `flip`: torchvision's RandomCrop(size, padding)
+        and RandomHorizontalFlip, drawn independently per sample from the device's default generator.
+
+        Zero padding means black pixels: -mean/std once normalised.
+        """
+        if not self.augments:
+            return images
+        n, c, h, w = images.shape
+        pad = self.crop_padding
+        black = -self.mean / self.std
+        padded = black.expand(n, c, h + 2 * pad, w + 2 * pad).clone(memory_format=torch.contiguous_format)
+        padded[:, :, pad : pad + h, pad : pad + w] = images
+        top, left = torch.randint(0, 2 * pad + 1, (2, n, 1), device=images.device)
+        rows = top + torch.arange(h, device=images.device)  # (n, h): the padded rows each crop keeps
+        cols = torch.arange(w, device=images.device).expand(n, w)
+        if self.flip:
+            flipped = torch.randint(0, 2, (n, 1), device=images.device, dtype=torch.bool)
+            cols = torch.where(flipped, cols.flip(1), cols)
+        cols = left + cols
+        # One gather does crop and flip: each output pixel names its padded source pixel.
+        source = (rows[:, :, None] * (w + 2 * pad) + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
+        return padded.view(n, c, -1).gather(2, source).view(n, c, h, w)

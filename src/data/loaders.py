@@ -1,0 +1,329 @@
+"""From a dataset to batches: which samples each rank takes at each step, and the
+loaders that fetch them.
+
+The samplers are the part that makes distributed numbers trustworthy:
+- training: a step's *global* batch is the same set of samples whatever the world
+  size and gradient accumulation, so 1 rank at batch 2B and 2 ranks at B train the
+  same model (with sync-BN), and a run can resume on a different world size;
+- evaluation: every sample is seen exactly once, no padding duplicates, so metrics
+  do not depend on the world size.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+
+from src.data.batches import to_device
+from src.data.splits import DataSplits
+from src.parallel.distributed import main_process_first
+from src.common.errors import UsageError
+from src.data.image_tensors import ImageTensorDataset
+from src.common.seeding import epoch_seed
+
+# Keys of a `dataset` config read by the loaders; all others go to its `_target_` builder.
+LOADER_KEYS = ("batch_size", "val_batch_size", "num_workers")
+
+
+class GlobalBatchSampler:
+    """This rank's micro-batches (lists of sample indices) for one epoch.
+
+    Step s covers samples perm[s*G : (s+1)*G] of a permutation drawn from (seed, epoch),
+    where G is the global batch size. With W ranks and k accumulation micro-steps,
+    rank r's micro-batch m of that step is the slice of b = G/(W*k) samples starting at
+    s*G + (m*W + r)*b. The ragged tail of fewer than G samples is dropped (a new
+    permutation each epoch drops different ones), so every step has the same size on
+    every rank and no rank waits on a collective another rank never reaches.
+    `max_steps_per_epoch` cuts every epoch short after that many steps (a debugging limit).
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch_size: int,
+        rank: int,
+        world_size: int,
+        grad_accum: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        max_steps_per_epoch: int | None = None,
+    ) -> None:
+        self.micro_batch_size = per_rank_micro_batch_size(global_batch_size, world_size, grad_accum)
+        if num_samples < global_batch_size:
+            raise UsageError(
+                f"dataset.batch_size={global_batch_size} is larger than the {num_samples} training "
+                "samples; lower dataset.batch_size"
+            )
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.grad_accum = grad_accum
+        self.shuffle = shuffle
+        self.seed = seed
+        self.steps_per_epoch = num_samples // global_batch_size
+        if max_steps_per_epoch is not None:
+            self.steps_per_epoch = min(self.steps_per_epoch, max_steps_per_epoch)
+        self.epoch = 0
+        self.start_step = 0
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """Pick the epoch's permutation, and the step to start from (a resumed epoch skips
+        the global batches already trained on, whatever the world size then was)."""
+        self.epoch = epoch
+        self.start_step = start_step
+
+    def permutation(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def __len__(self) -> int:
+        return (self.steps_per_epoch - self.start_step) * self.grad_accum
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self.permutation().tolist()
+        b = self.micro_batch_size
+        for step in range(self.start_step, self.steps_per_epoch):
+            step_start = step * self.global_batch_size
+            for micro in range(self.grad_accum):
+                start = step_start + (micro * self.world_size + self.rank) * b
+                yield order[start : start + b]
+
+
+class EvalShardSampler:
+    """This rank's evaluation batches: a contiguous shard, every sample exactly once.
+
+    Shards differ in size by at most one sample and are never padded, so metrics summed
+    over ranks count each sample once (DistributedSampler would repeat samples to even
+    the shards out and bias the result). `max_batches` keeps a shard's first batches only
+    (a debugging limit).
+    """
+
+    def __init__(
+        self, num_samples: int, batch_size: int, rank: int, world_size: int, max_batches: int | None = None
+    ) -> None:
+        self.batch_size = batch_size
+        self.start = num_samples * rank // world_size
+        self.stop = num_samples * (rank + 1) // world_size
+        if max_batches is not None:
+            self.stop = min(self.stop, self.start + max_batches * batch_size)
+
+    @property
+    def num_samples(self) -> int:
+        return self.stop - self.start
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start in range(self.start, self.stop, self.batch_size):
+            yield list(range(start, min(start + self.batch_size, self.stop)))
+
+
+def per_rank_micro_batch_size(global_batch_size: int, world_size: int, grad_accum: int) -> int:
+    """Samples one rank feeds through the model per forward pass."""
+    if global_batch_size <= 0:
+        raise UsageError(f"dataset.batch_size must be positive, got {global_batch_size}")
+    if grad_accum <= 0:
+        raise UsageError(f"trainer.grad_accum must be positive, got {grad_accum}")
+    shards = world_size * grad_accum
+    if global_batch_size % shards:
+        raise UsageError(
+            f"dataset.batch_size={global_batch_size} is the global batch and must be divisible by "
+            f"world_size x trainer.grad_accum = {world_size} x {grad_accum} = {shards}"
+        )
+    return global_batch_size // shards
+
+
+class TensorBatchLoader:
+    """Batches of an in-memory TensorDataset, gathered by index on the training device.
+
+    Same sampler semantics as a DataLoader, without its per-sample fetch and collate:
+    the whole dataset is copied to the device once, and a batch is one tuple of tensors (the
+    dataset's tensors, in order, e.g. `(inputs, targets)` or `(rgb, mask, targets)`). uint8 image
+    datasets become normalised float batches there; their training augmentation is left to
+    `augment`, which `train_batch_to_device` applies after the trainer has seeded the step.
+    """
+
+    def __init__(self, dataset: TensorDataset, batch_sampler: Iterable[list[int]], device: torch.device) -> None:
+        if isinstance(dataset, ImageTensorDataset):
+            dataset = dataset.to(device)  # with its normalisation constants
+        self.images = dataset if isinstance(dataset, ImageTensorDataset) else None
+        self.tensors = [t.to(device) for t in dataset.tensors]  # a no-op for tensors already there
+        self.batch_sampler = batch_sampler
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        for indices in self.batch_sampler:
+            index = torch.tensor(indices, device=self.device)
+            first, *rest = (t.index_select(0, index) for t in self.tensors)
+            yield (first if self.images is None else self.images.normalize(first), *rest)
+
+    def augment(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """A training batch's on-device augmentation (none for datasets that have none)."""
+        if self.images is None:
+            return batch
+        images, *rest = batch
+        return (self.images.augment(images), *rest)
+
+
+def train_batch_to_device(loader: Iterable[Any], batch: Any, device: torch.device) -> Any:
+    """A training batch from `loader`, on `device` and augmented if its loader augments there.
+
+    Call it after seeding the step: on-device augmentation draws from the device's default
+    generator, so a run resumed at any step draws the same crops and flips.
+    """
+    batch = to_device(batch, device)
+    return loader.augment(batch) if isinstance(loader, TensorBatchLoader) else batch
+
+
+def _seed_worker(worker_id: int) -> None:
+    # DataLoader seeds torch per worker from its generator; numpy and random follow it.
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_sampler: Iterable[list[int]],
+    device: torch.device,
+    num_workers: int,
+    seed: int,
+) -> Iterable[Any]:
+    """A loader over `batch_sampler`: TensorDatasets stay on the device, others use workers."""
+    if isinstance(dataset, TensorDataset):
+        return TensorBatchLoader(dataset, batch_sampler, device)
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=num_workers > 0,
+        worker_init_fn=_seed_worker,
+        # `seed` differs per rank, so augmentation differs per rank and worker.
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+@dataclass
+class Data:
+    """The run's data: loaders for this rank, the training sampler and the dataset's shape."""
+
+    splits: DataSplits
+    train_sampler: GlobalBatchSampler
+    train_loader: Iterable[Any]
+    val_loader: Iterable[Any]
+    num_val_samples: int
+
+
+@dataclass(frozen=True)
+class DataLimits:
+    """Cuts of the data for smoke tests and debugging (`trainer.limit_*`, `trainer.overfit_batches`)."""
+
+    train_batches: int | None = None  # optimizer steps per epoch, at most
+    val_batches: int | None = None  # val batches per rank, at most
+    overfit_batches: int = 0  # >0: train and validate on the train split's first N global batches
+
+    @classmethod
+    def from_config(cls, trainer_cfg: Any) -> "DataLimits":
+        return cls(trainer_cfg.limit_train_batches, trainer_cfg.limit_val_batches, trainer_cfg.overfit_batches)
+
+
+def build_data(
+    dataset_cfg: DictConfig,
+    rank: int,
+    world_size: int,
+    grad_accum: int,
+    device: torch.device,
+    seed: int,
+    limits: DataLimits = DataLimits(),
+) -> Data:
+    """Build the dataset named by `dataset_cfg` and this rank's train and val loaders."""
+    global_batch_size = int(dataset_cfg.batch_size)
+    per_rank_micro_batch_size(global_batch_size, world_size, grad_accum)  # refuse before a download
+    splits = build_splits(dataset_cfg)
+    if limits.overfit_batches:
+        # Lightning's overfit_batches: the same fixed samples for training and validation, so a
+        # model that can learn at all drives both losses towards zero.
+        fixed = first_samples(splits.train, limits.overfit_batches * global_batch_size)
+        splits = dataclasses.replace(splits, train=fixed, val=fixed)
+    train_sampler = GlobalBatchSampler(
+        len(splits.train), global_batch_size, rank, world_size, grad_accum, shuffle=True, seed=seed,
+        max_steps_per_epoch=limits.train_batches,
+    )
+    num_workers = int(dataset_cfg.num_workers)
+    global_val_batch = int(dataset_cfg.get("val_batch_size") or global_batch_size)
+    worker_seed = epoch_seed(seed, rank, epoch=-1)  # per rank; the trainer reseeds it every epoch
+    return Data(
+        splits=splits,
+        train_sampler=train_sampler,
+        train_loader=make_loader(splits.train, train_sampler, device, num_workers, worker_seed),
+        val_loader=make_val_loader(
+            splits, global_val_batch, rank, world_size, device, num_workers, worker_seed, limits.val_batches
+        ),
+        # What the val metrics cover: all of the val split unless limit_val_batches cuts it.
+        num_val_samples=sum(
+            EvalShardSampler(len(splits.val), val_batch_size(global_val_batch, world_size), r, world_size,
+                             limits.val_batches).num_samples
+            for r in range(world_size)
+        ),
+    )
+
+
+def first_samples(dataset: Dataset, count: int) -> Dataset:
+    """The first `count` samples of `dataset` (all of them if it has fewer), as the same kind of
+    dataset where that matters: a TensorDataset stays one, so it keeps the on-device fast path."""
+    count = min(count, len(dataset))  # type: ignore[arg-type]
+    if isinstance(dataset, TensorDataset):
+        # A copy keeps the subclass (ImageTensorDataset: uint8 images, normalisation, augmentation).
+        head = copy.copy(dataset)
+        head.tensors = tuple(tensor[:count] for tensor in dataset.tensors)
+        return head
+    return Subset(dataset, range(count))
+
+
+def build_splits(dataset_cfg: DictConfig) -> DataSplits:
+    """The splits of the dataset `dataset_cfg` names (its LOADER_KEYS are left to the loaders)."""
+    params = OmegaConf.to_container(dataset_cfg, resolve=True)
+    assert isinstance(params, dict)
+    for key in LOADER_KEYS:
+        params.pop(key, None)  # val_batch_size is optional
+    with main_process_first():  # one download, not one per rank into the same folder
+        return instantiate(params)
+
+
+def make_val_loader(
+    splits: DataSplits,
+    global_batch_size: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    num_workers: int,
+    seed: int,
+    max_batches: int | None = None,
+) -> Iterable[Any]:
+    """This rank's shard of the val split, in batches of global_batch_size / world_size samples
+    (its first `max_batches` only, if given)."""
+    batch_size = val_batch_size(global_batch_size, world_size)
+    sampler = EvalShardSampler(len(splits.val), batch_size, rank, world_size, max_batches)
+    return make_loader(splits.val, sampler, device, num_workers, seed)
+
+
+def val_batch_size(global_batch_size: int, world_size: int) -> int:
+    """Samples per val batch on each rank: the training batch's share, at least one."""
+    return max(1, global_batch_size // world_size)

@@ -1,0 +1,193 @@
+"""Checkpoints: a plain dict of state_dicts, written atomically and durably by rank 0, loaded safely.
+
+A checkpoint holds `model` (the unwrapped module's state_dict: no `module.` or
+`_orig_mod.` prefixes, loadable without DDP or torch.compile), `optimizer`, `scheduler`,
+`scaler`, `epoch` (epochs completed), `step` (optimizer steps taken), `config` (the
+run's resolved config), `best` (the best monitored value so far), `history` and
+`format`. Files are loaded with `weights_only=True`, so opening one never runs code, and
+the config saved in one never chooses code either (src/config/trusted_targets.py).
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from src.common import files
+from src.common.errors import UsageError
+from src.parallel import distributed
+
+FORMAT = "ddp-template-checkpoint/1"
+LAST = "last.pt"
+BEST = "best.pt"
+
+
+def save_atomic(payload: dict[str, Any], path: Path) -> None:
+    """Write `payload` to `path` durably, so that a crash mid-write leaves the old file intact.
+
+    A disk with no room for it (full, over quota, over the file-size limit) is one line
+    saying how many bytes the checkpoint needs; the old file is left as it was.
+    """
+    try:
+        with files.atomic_file(path) as file:
+            torch.save(payload, file)
+    except Exception as error:
+        raise _no_room(error, path, lambda: serialized_size(payload)) or error
+
+
+def copy_atomic(source: Path, target: Path) -> None:
+    """Copy `source` to `target` durably (best.pt, step_<N>.pt), as `save_atomic` writes."""
+    try:
+        with files.atomic_file(target) as file, open(source, "rb") as original:
+            shutil.copyfileobj(original, file)
+    except Exception as error:
+        raise _no_room(error, target, lambda: source.stat().st_size) or error
+
+
+def serialized_size(payload: dict[str, Any]) -> int:
+    """The bytes `torch.save(payload)` writes, counted without keeping them."""
+    counter = _ByteCounter()
+    torch.save(payload, counter)
+    return counter.count
+
+
+class _ByteCounter:
+    """A write-only file that only counts what is written to it."""
+
+    count = 0
+
+    def write(self, data: bytes) -> int:
+        self.count += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def _no_room(error: BaseException, path: Path, size: Callable[[], int]) -> UsageError | None:
+    """A one-line error for a write of `path` that found no room (None for any other failure)."""
+    cause = files.no_room_error(error)
+    if cause is None:
+        return None
+    free = shutil.disk_usage(path.parent).free
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    limit_note = "" if limit == resource.RLIM_INFINITY else f", and files may hold at most {limit:,} bytes (ulimit -f)"
+    return UsageError(
+        f"cannot write checkpoint {path} ({cause.strerror}): it needs {size():,} bytes, {free:,} are free "
+        f"there{limit_note}; the previous checkpoint is unchanged: make room, then continue with resume=auto"
+    )
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Load a checkpoint of this template onto the CPU, or fail with one clear line."""
+    if not path.is_file():
+        raise UsageError(f"checkpoint {path} does not exist")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several types for truncated or foreign files
+        reason = type(error).__name__
+        raise UsageError(f"checkpoint {path} cannot be read ({reason}): is it a complete .pt file?") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise UsageError(f"{path} is not a checkpoint of this template (no format={FORMAT!r} in it)")
+    return payload
+
+
+def load_model_state(module: torch.nn.Module, state: dict[str, Any], path: Path) -> None:
+    """Load a checkpoint's weights into `module`, naming the file when shapes or keys differ."""
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as error:
+        # torch names every mismatched key, one kind of problem per line: a few of each say enough.
+        problems = [_first_keys(line.strip().rstrip(". ")) for line in str(error).strip().splitlines()[1:]]
+        more = f"; and {len(problems) - 2} more" if len(problems) > 2 else ""
+        raise UsageError(
+            f"checkpoint {path} does not fit this model ({'; '.join(problems[:2])}{more}); "
+            "use the model and dataset configs it was saved with"
+        ) from None
+
+
+def _first_keys(problem: str, shown: int = 3) -> str:
+    """`Unexpected key(s) in state_dict: "a", "b", ...` cut to its first `shown` keys."""
+    keys = re.findall(r'"([^"]+)"', problem)
+    if len(keys) <= shown:
+        return problem
+    return f"{problem.split(':')[0]}: {', '.join(keys[:shown])} and {len(keys) - shown} more"
+
+
+class Checkpointer:
+    """Writes `checkpoints/last.pt` (every epoch, and at step checkpoints), `best.pt` (on
+    improvement) and `step_<N>.pt` (step checkpoints, the newest `keep_last`).
+
+    Only the main process writes; the others hold the same state, so nothing is lost.
+    """
+
+    def __init__(self, directory: Path, is_main_process: bool, keep_last: int = 2) -> None:
+        self.directory = directory
+        self.is_main_process = is_main_process
+        self.keep_last = keep_last
+
+    @property
+    def last_path(self) -> Path:
+        return self.directory / LAST
+
+    @property
+    def best_path(self) -> Path:
+        return self.directory / BEST
+
+    def save(self, payload: dict[str, Any], is_best: bool, step: int | None = None) -> None:
+        """Write `last.pt` (and `best.pt` if `is_best`). A mid-epoch checkpoint (`step` given)
+        is also kept as `step_<step>.pt`, the newest `keep_last` of them.
+
+        Called on every rank: rank 0 writes, then tells the others whether it could, so a
+        failed write (a full disk) stops every rank at once with one line, not rank 0 alone
+        while the others wait for it in their next collective.
+        """
+        failure: Exception | None = None
+        if self.is_main_process:
+            try:
+                self._write(payload, is_best, step)
+            except Exception as error:
+                failure = error
+        reported = distributed.broadcast_object(None if failure is None else str(failure))
+        if failure is not None:
+            raise failure
+        if reported is not None:
+            raise UsageError(reported)  # rank 0 reports it; the others stop quietly (exit code 2)
+
+    def _write(self, payload: dict[str, Any], is_best: bool, step: int | None) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        save_atomic({"format": FORMAT, **payload}, self.last_path)
+        if is_best:
+            copy_atomic(self.last_path, self.best_path)
+        if step is not None:
+            copy_atomic(self.last_path, self.directory / f"step_{step:09d}.pt")
+            for old in sorted(self.directory.glob("step_*.pt"))[: -self.keep_last or None]:
+                old.unlink()
+
+    def newest_first(self) -> list[Path]:
+        """The files holding the newest training state, newest first: `last.pt`, then the
+        step checkpoints from the highest step down (zero-padded names sort by step)."""
+        steps = sorted(self.directory.glob("step_*.pt"), reverse=True)
+        return [path for path in [self.last_path, *steps] if path.is_file()]
+
+    def resume_path(self, resume: str | None) -> Path | None:
+        """The checkpoint to resume from: None (fresh start), `auto` or an explicit path.
+
+        A fresh start refuses a run dir that already holds a run, so an old run's
+        checkpoints are never overwritten by accident.
+        """
+        if resume is None:
+            if self.last_path.exists():
+                raise UsageError(
+                    f"{self.directory.parent} already holds a run; pass resume=auto to continue it "
+                    "or choose another hydra.run.dir"
+                )
+            return None
+        if resume == "auto":
+            return self.last_path if self.last_path.exists() else None
+        return Path(resume)

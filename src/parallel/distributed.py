@@ -1,0 +1,266 @@
+"""Distributed setup: who this process is, which device and backend it uses, and the
+few collectives the template needs.
+
+Every rank-dependent decision about the process group lives here. The environment is
+the contract: torchrun (and anything that exports the same variables) sets RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a plain `python train.py` sets
+none of them and runs as a group of one without a process group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from src.common.errors import UsageError
+from src.parallel import hang
+from src.parallel.sync_batchnorm import convert_sync_batchnorm
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the group, as the launcher described it."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+
+def read_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
+    """Read the launcher's variables; no variables means a single process."""
+    if "WORLD_SIZE" not in environ:
+        return DistEnv()
+    return DistEnv(
+        rank=int(environ["RANK"]),
+        local_rank=int(environ.get("LOCAL_RANK", environ["RANK"])),
+        world_size=int(environ["WORLD_SIZE"]),
+        master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(environ.get("MASTER_PORT", 29500)),
+    )
+
+
+def select_device(requested: str, env: DistEnv) -> torch.device:
+    """`auto` takes this rank's GPU (cuda:LOCAL_RANK) when there is one, else the CPU."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"trainer.device={requested!r} is not one of auto, cpu, cuda")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu or auto")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if env.local_rank >= torch.cuda.device_count():
+        raise UsageError(
+            f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+            "start at most one process per GPU (--nproc_per_node)"
+        )
+    return torch.device("cuda", env.local_rank)
+
+
+def select_backend(requested: str, device: torch.device) -> str:
+    """`auto` is nccl for GPUs and gloo for the CPU; nccl cannot move CPU tensors."""
+    if requested not in ("auto", "nccl", "gloo"):
+        raise UsageError(f"dist.backend={requested!r} is not one of auto, nccl, gloo")
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise UsageError("dist.backend=nccl needs CUDA devices; use dist.backend=gloo (or auto) on the CPU")
+    return requested
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Everything the rest of the run needs to know about the process group."""
+
+    env: DistEnv
+    device: torch.device
+    backend: str | None  # None when running as a single process
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.env.is_main_process
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+
+_groups_started = 0
+
+
+@contextlib.contextmanager
+def process_group(requested_device: str, requested_backend: str, timeout_s: float,
+                  step_timeout_s: float | None = None) -> Iterator[Runtime]:
+    """Join the launcher's process group for the duration of the block, then leave it.
+
+    Collectives wait at most `timeout_s` until this process's first optimizer step and
+    `step_timeout_s` after it; a timeout names the ranks that did not arrive (src/parallel/hang.py).
+    The group is torn down even when training raises, so a sweep can start the next
+    job's group in the same process.
+    """
+    env = read_env()
+    device = select_device(requested_device, env)
+    # Checked alone too: dist.backend=nccl on a CPU is a mistake whatever the world size.
+    backend = select_backend(requested_backend, device)
+    if not env.is_distributed:
+        yield Runtime(env, device, backend=None)
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    global _groups_started
+    _groups_started += 1
+    # A fresh key namespace per group: a sweep run under torchrun starts one group per job
+    # in the same processes, and the previous group's keys in the shared store would
+    # otherwise satisfy (or wedge) the next group's rendezvous.
+    # The agent's store outlives a restarted group, so the restart count separates their keys; a store
+    # that rank 0 hosts is new with every group, and the count could differ between nodes (an agent
+    # started again after its node was lost counts from 0).
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_serves else "0"
+    store = dist.PrefixStore(f"ddp_template/restart{restart}/group{_groups_started}", rendezvous_store(env))
+    dist.init_process_group(
+        backend=backend,
+        store=store,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        # nccl binds the group to this rank's GPU up front instead of guessing later.
+        device_id=device if device.type == "cuda" else None,
+    )
+    try:
+        with hang.diagnosed(store, env.rank, env.world_size, timeout_s, step_timeout_s):
+            yield Runtime(env, device, backend)
+    finally:
+        dist.destroy_process_group()
+
+
+def prepare_model(
+    module: torch.nn.Module, runtime: Runtime, sync_bn: bool, find_unused_parameters: bool
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Move `module` to this rank's device and wrap it for data-parallel training.
+
+    Returns `(module, train_model)`: the plain module (what is evaluated and saved) and
+    the DistributedDataParallel wrapper the loop trains (the module itself when alone).
+    """
+    if runtime.env.is_distributed and sync_bn:
+        module = convert_sync_batchnorm(module, runtime.device)
+    module = module.to(runtime.device)
+    if not runtime.env.is_distributed:
+        return module, module
+    train_model = torch.nn.parallel.DistributedDataParallel(
+        module,
+        device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
+        find_unused_parameters=find_unused_parameters,
+    )
+    return module, train_model
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over all ranks in place (no-op in a single process) and return it."""
+    if is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
+    """The elementwise minimum of `tensor` over all ranks, in place (no-op in a single process)."""
+    if is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of `tensor` over all ranks, in place (no-op in a single process)."""
+    if is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Return rank `src`'s `obj` on every rank (identity in a single process)."""
+    if not is_initialized():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def gather_objects(obj: object) -> list[object]:
+    """Every rank's `obj`, in rank order, on every rank (`[obj]` in a single process)."""
+    if not is_initialized():
+        return [obj]
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def barrier() -> None:
+    if is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_process_first() -> Iterator[None]:
+    """Rank 0 runs the block before the others (say, a download), so they find its files."""
+    is_waiting_rank = is_initialized() and dist.get_rank() != 0
+    if is_waiting_rank:
+        dist.barrier()
+    try:
+        yield
+    finally:
+        # Also when rank 0's block fails (say, a missing dataset folder): the other ranks then run it
+        # and stop on the same error, instead of dying at this barrier when rank 0 exits.
+        if is_initialized() and not is_waiting_rank:
+            dist.barrier()
+
+
+_store: dist.Store | None = None
+
+
+def _release_store() -> None:
+    """Close the store while the interpreter is still whole, not during its teardown."""
+    global _store
+    _store = None
+
+
+def rendezvous_store(env: DistEnv, timeout_s: float = 600.0) -> dist.Store:
+    """A key-value store shared by the whole group, available before the process group.
+
+    Under torchrun the elastic agent already serves one at MASTER_ADDR:MASTER_PORT, so
+    every rank is a client. Elsewhere rank 0 hosts it. Process groups are built on it
+    (see `process_group`), and `src.parallel.launch` uses it to agree on the run dir first.
+    """
+    global _store
+    if _store is not None:
+        return _store
+    atexit.register(_release_store)
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    # Kept for the life of the process: on rank 0 this object may be the server.
+    _store = dist.TCPStore(
+        host_name=env.master_addr,
+        port=env.master_port,
+        world_size=env.world_size,
+        is_master=env.is_main_process and not agent_serves,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    return _store

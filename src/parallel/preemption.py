@@ -1,0 +1,97 @@
+"""Preemption: a signal asks the run to stop, and every rank stops at the same step with a checkpoint.
+
+Schedulers warn before they kill: SLURM sends SIGTERM (and, with `--signal`, SIGUSR2 some time before the
+time limit; submitit asks for USR2), torchrun forwards SIGTERM to its workers and SIGKILLs them 30 s later.
+A handler only raises a flag; the loop must then stop at a step every rank agrees on, soon, and without
+paying a collective every step.
+
+The agreement: ranks all-reduce (MAX) the flag at *check steps*. Every rank computes the same check steps:
+each check also all-reduces the seconds per step measured since the previous check, so the next check is
+placed about `CHECK_EVERY_S` ahead on the slowest rank's clock, and every log step is a check step too.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+
+from src.parallel.distributed import all_reduce_max
+
+log = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR2)  # SLURM / torchrun's warning, SLURM's and submitit's early warning
+# Target seconds between checks: each check is one all-reduce of two floats (~0.1 ms on gloo), and a
+# signal must lead to a checkpoint well within torchrun's 30 s grace period.
+CHECK_EVERY_S = 2.0
+
+
+class Preemption:
+    """Catches SIGTERM and SIGUSR2 while `with`-entered, and answers "stop after this step?" on every rank."""
+
+    def __init__(self, device: torch.device, log_every_steps: int) -> None:
+        self.device = device
+        self.log_every_steps = log_every_steps
+        self.received: signal.Signals | None = None  # the signal this rank got, if any
+        self.agreed = False  # all ranks agreed to stop
+        self._previous: dict[signal.Signals, Any] = {}
+        self._interval = 1  # optimizer steps between timed checks
+        self._next_check: int | None = None  # None: the clock starts at the next step
+        self._checked_step = 0
+        self._checked_at = 0.0
+
+    def __enter__(self) -> "Preemption":
+        self._next_check = None  # the clock starts at the first step of this fit()
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers there only
+            self._previous = {signum: signal.signal(signum, self._handle) for signum in SIGNALS}
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            log.warning("%s: checkpointing at the next log step or timed check (every ~%.0f s), whichever "
+                        "comes first, then stopping", signal.Signals(signum).name, CHECK_EVERY_S)
+        self.received = signal.Signals(signum)
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        previous = self._previous.get(self.received) if self.received is not None else None
+        if self.agreed and exc[0] is None and callable(previous):
+            # The launcher's own handler runs after our checkpoint: submitit requeues the job on USR2.
+            previous(self.received, None)
+
+    def stop_requested(self, step: int) -> bool:
+        """Whether any rank was signalled, as agreed after optimizer step `step`. Call on every rank after
+        every step: only check steps cost a collective, and every rank computes the same ones."""
+        now = time.perf_counter()
+        if self._next_check is None:
+            self._start_clock(step, now)
+            return False
+        if step < self._next_check:
+            return False
+        seconds_per_step = (now - self._checked_at) / (step - self._checked_step)
+        signalled, slowest = all_reduce_max(
+            torch.tensor([float(self.received is not None), seconds_per_step], device=self.device)).tolist()
+        self._schedule(step, slowest)
+        self._checked_step, self._checked_at = step, now
+        self.agreed = signalled > 0
+        return self.agreed
+
+    def _start_clock(self, step: int, now: float) -> None:
+        """The first step of a run pays for start-up (compilation, warm caches): time from its end."""
+        self._checked_step, self._checked_at = step, now
+        self._next_check = step + 1
+
+    def _schedule(self, step: int, seconds_per_step: float) -> None:
+        """The next check: about CHECK_EVERY_S ahead at the slowest rank's pace, or the next log step."""
+        timed = max(1, int(CHECK_EVERY_S / max(seconds_per_step, 1e-6)))
+        # At most double per check: one fast window (say, before the data loader stalls) must not
+        # put the next check minutes away.
+        self._interval = min(timed, 2 * self._interval)
+        next_log_step = (step // self.log_every_steps + 1) * self.log_every_steps
+        self._next_check = min(step + self._interval, next_log_step)
+

@@ -1,0 +1,72 @@
+"""Failures a restart cannot fix end the run at once, instead of being retried `--max-restarts` times.
+
+torchrun restarts the whole group after any worker failure; it has no notion of an error that will
+recur (a config mistake, a missing dataset folder, a loss that turns NaN at the same step of a
+deterministic run, checkpoints that are all unreadable). Such errors are UsageErrors (exit code 2). A
+worker that stops on one records the message for its launcher; a restarted worker of the same launcher
+finds it before importing torch, prints it again and exits at once, so each pointless restart costs
+a fraction of a second instead of a whole start-up.
+
+The record is a file named after the launcher process (its pid and start time), so it is seen by that
+launcher's restarts only, never by another run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from src.common.errors import USAGE_ERROR_EXIT_CODE
+
+RECORDS = Path(tempfile.gettempdir()) / "ddp-template-final-failures"
+
+
+def record_final_failure(message: str) -> None:
+    """Under a launcher that would restart this worker, remember that the run failed for good."""
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    path = _record_path()
+    if path is None or restarts_left <= 0:
+        return
+    RECORDS.mkdir(exist_ok=True)
+    for stale in RECORDS.glob("*-*"):  # records of launchers that are gone
+        pid, started_at = stale.name.split(".")[0].split("-")
+        if _process_started_at(int(pid)) != started_at:
+            stale.unlink(missing_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(message)
+    os.replace(tmp, path)
+
+
+def exit_if_failed_for_good() -> None:
+    """In a restarted worker: if an earlier attempt of this launcher stopped on a usage error, print it
+    (rank 0) and exit with code 2 before doing any work."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return
+    path = _record_path()
+    if path is None or not path.exists():
+        return
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {path.read_text()} (not retried: every restart would stop on it)", file=sys.stderr)
+    sys.exit(USAGE_ERROR_EXIT_CODE)
+
+
+def _record_path() -> Path | None:
+    """The record of this worker's launcher (its parent), or None outside a torchrun-style launcher."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    launcher = os.getppid()
+    started_at = _process_started_at(launcher)
+    return None if started_at is None else RECORDS / f"{launcher}-{started_at}"
+
+
+def _process_started_at(pid: int) -> str | None:
+    """The start time of process `pid` in clock ticks since boot (with the pid, unique across reuse),
+    or None if it is gone (or this is no Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the command name may hold spaces

@@ -1,0 +1,194 @@
+"""Every way a user can get a run wrong ends the same way: exit code 2, ONE `error:` line on stderr
+naming what to change, no traceback, and no existing run's files touched.
+
+The rows run the real command line from a directory whose outputs/ already holds a finished run,
+as a user's would. Errors of the config itself (Hydra's composition, src/config/schema.py) come
+before torch is imported, so most rows take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from conftest import REPO, TRAIN, check, run, torchrun, train
+
+pytestmark = pytest.mark.slow
+
+EVAL = str(REPO / "eval.py")
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU this machine has")
+
+
+def row(script: str, args: list[str], message: str, id: str, marks=()):  # noqa: A002 - pytest's name
+    return pytest.param(script, args, message, id=id, marks=marks)
+
+
+ROWS = [
+    # Hydra's composition: the command line against conf/ and the schema's types.
+    row(TRAIN, ["model=cnnn"], "model=cnnn is not an option of model (did you mean model=cnn?); "
+        "choose one of cnn, linear, mlp, resnet18, two_input_cnn", "unknown-option"),
+    row(TRAIN, ["modell=mlp"], "modell is not a config key (did you mean model?)", "typo-in-group"),
+    row(TRAIN, ["trainer.epoch=3"], "trainer.epoch is not a config key (did you mean trainer.epochs?); "
+        "to add a new key, use +trainer.epoch=3", "typo-in-key"),
+    row(TRAIN, ["trainer.epochs=abc"], "trainer.epochs=abc: trainer.epochs takes an integer, e.g. trainer.epochs=20",
+        "int-expected"),
+    row(TRAIN, ["trainer.grad_clip=x"], "trainer.grad_clip=x: trainer.grad_clip takes a number or null",
+        "float-expected"),
+    row(TRAIN, ["dist.sync_bn=maybe"], "dist.sync_bn=maybe: dist.sync_bn takes true or false, e.g. dist.sync_bn=true",
+        "bool-expected"),
+    row(TRAIN, ["trainer.epochs=null"], "trainer.epochs=null: trainer.epochs cannot be null", "null-not-allowed"),
+    row(TRAIN, ["dist.master_port=abc"], "dist.master_port=abc: dist.master_port takes an integer or null",
+        "port-not-a-number"),
+    row(TRAIN, ["trainer.epochs=[1"], "cannot parse the override 'trainer.epochs=[1'", "unparsable-override"),
+    row(EVAL, ["checkpoint={checkpoint}", "dataset=nope"], "dataset=nope is not an option of dataset",
+        "eval-unknown-option"),
+    row(EVAL, ["checkpoint={checkpoint}", "trainer.devic=cpu"], "trainer.devic is not a config key "
+        "(did you mean trainer.device?)", "eval-typo-in-key"),
+    row(EVAL, ["checkpoint={checkpoint}", "model=mlp"], "eval.py has no model option to choose", "eval-no-model"),
+    # Values the types let through, refused when the run starts (src/config/schema.py).
+    row(TRAIN, ["optimizer.lr=-0.1"], "optimizer.lr=-0.1 must be a number >= 0", "negative-lr"),
+    row(TRAIN, ["optimizer=sgd", "optimizer.lr=abc"], "optimizer.lr=abc must be a number >= 0", "lr-not-a-number"),
+    row(TRAIN, ["trainer.epochs=0", "trainer.keep_last=0"], "trainer.epochs=0 must be at least 1; "
+        "trainer.keep_last=0 must be at least 1", "zero-epochs-and-keep-last"),
+    row(TRAIN, ["trainer.log_every_steps=0"], "trainer.log_every_steps=0 must be at least 1", "log-every-zero"),
+    row(TRAIN, ["trainer.monitor_mode=maximum"], "trainer.monitor_mode=maximum is not one of max, min",
+        "monitor-mode"),
+    row(TRAIN, ["trainer.limit_train_batches=-1"], "trainer.limit_train_batches=-1 must be at least 1 (or null)",
+        "negative-limit"),
+    row(TRAIN, ["trainer.overfit_batches=-2"], "trainer.overfit_batches=-2 must be at least 0", "negative-overfit"),
+    row(TRAIN, ["trainer.precision=8"], "trainer.precision=8 is not one of 32, bf16, 16", "precision-8"),
+    row(TRAIN, ["dist.master_port=70000"], "dist.master_port=70000 is not a port (1-65535)", "port-out-of-range"),
+    row(TRAIN, ["dataset=image_folder"], "dataset.root is required: add dataset.root=VALUE", "required-key"),
+    # What the run finds when it starts: batches, files, devices, ports.
+    row(TRAIN, ["dataset.batch_size=0"], "dataset.batch_size must be positive", "batch-size-zero"),
+    row(TRAIN, ["dataset.batch_size=-64"], "dataset.batch_size must be positive", "batch-size-negative"),
+    row(TRAIN, ["trainer.grad_accum=3"], "must be divisible by world_size x trainer.grad_accum", "grad-accum"),
+    row(TRAIN, ["dataset=mnist", "dataset.root=nowhere", "dataset.download=false"],
+        "in nowhere/MNIST/raw, or set dataset.download=true", "missing-dataset-dir"),
+    row(TRAIN, ["dataset=image_folder", "dataset.root={images}"], "image folder {images}/train is empty",
+        "empty-image-folder"),
+    row(TRAIN, ["resume=missing.pt"], "checkpoint missing.pt does not exist", "missing-checkpoint"),
+    row(TRAIN, ["resume={checkpoint}", "model=mlp"], "does not fit this model (Missing key(s) in state_dict: ",
+        "resume-another-model"),
+    row(TRAIN, ["trainer.device=cuda"], "trainer.device=cuda but no CUDA GPU is visible", "cuda-absent",
+        marks=NO_GPU),
+    row(TRAIN, ["dist.nproc_per_node=2", "dist.backend=nccl"], "dist.backend=nccl needs CUDA devices; "
+        "use dist.backend=gloo", "nccl-on-cpu", marks=NO_GPU),
+    row(TRAIN, ["dist.backend=nccl"], "dist.backend=nccl needs CUDA devices; use dist.backend=gloo",
+        "nccl-on-cpu-one-process", marks=NO_GPU),
+    row(EVAL, ["checkpoint={checkpoint}", "dist.backend=nccl"], "dist.backend=nccl needs CUDA devices; "
+        "use dist.backend=gloo", "eval-nccl-on-cpu", marks=NO_GPU),
+    row(TRAIN, ["dist.nproc_per_node=2", "dist.master_port={busy_port}"], "dist.master_port={busy_port} is in use "
+        "on localhost; pick another port or leave dist.master_port=null", "port-in-use"),
+    # A task that does not fit the dataset, or a metric it does not compute: both sides named.
+    row(TRAIN, ["task=regression"], "task=regression needs real-valued targets (num_targets), but dataset=digits "
+        "provides num_classes=10, in_channels=1, image_size=[8, 8], num_features=64: choose a task this dataset fits",
+        "regression-on-digits"),
+    row(TRAIN, ["task=binary"], "task=binary needs two classes (num_classes=2, labels 0/1), but dataset=digits "
+        "provides num_classes=10", "binary-on-ten-classes"),
+    row(TRAIN, ["task=classification", "dataset=diabetes", "model=mlp"], "task=classification needs class labels "
+        "(num_classes), but dataset=diabetes provides num_features=10, num_targets=1", "classification-on-regression"),
+    row(TRAIN, ["task=regression", "dataset=diabetes", "model=mlp", "trainer.monitor=val/f1"],
+        "trainer.monitor=val/f1 is not a metric of task=regression; choose one of val/loss, val/mae, val/rmse, val/r2, "
+        "train/loss", "monitor-the-task-lacks"),
+    row(TRAIN, ["task=regression", "dataset=diabetes"], "model.in_channels asks for the dataset's in_channels, which "
+        "dataset=diabetes does not provide (it provides num_features=10, num_targets=1",
+        "model-field-the-dataset-lacks"),
+    row(TRAIN, ["task=regression", "task.loss=huber", "dataset=diabetes", "model=mlp"],
+        "task.loss=huber is not one of l1, mse", "unknown-regression-loss"),
+]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under `folder` with a digest of its bytes."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def workdir_with_a_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A launch directory whose outputs/ holds one finished run (1 epoch of digits): (workdir, run dir)."""
+    workdir = tmp_path_factory.mktemp("bad_input")
+    check(train(["trainer.epochs=1"], workdir))
+    (run_dir,) = (workdir / "outputs").glob("*/*")
+    (workdir / "images" / "train").mkdir(parents=True)
+    (workdir / "images" / "val").mkdir()
+    return workdir, run_dir
+
+
+@pytest.fixture(scope="module")
+def busy_port() -> Iterator[int]:
+    """A port of localhost that another server listens on."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        yield server.getsockname()[1]
+
+
+@pytest.mark.parametrize("script,args,message", ROWS)
+def test_bad_input_is_one_clear_error(workdir_with_a_run, busy_port, script, args, message):
+    workdir, run_dir = workdir_with_a_run
+    values = {"checkpoint": run_dir / "checkpoints" / "last.pt", "images": workdir / "images", "busy_port": busy_port}
+    before = snapshot(run_dir)
+    checkpoints_before = sorted(workdir.rglob("*.pt"))
+    run_dirs_before = run_dirs(workdir)
+
+    result = run([sys.executable, script, *(arg.format(**values) for arg in args)], workdir)
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1, result.stderr[-3000:]
+    assert message.format(**values) in error_lines[0]
+    assert "Traceback" not in result.stderr
+    assert snapshot(run_dir) == before
+    assert sorted(workdir.rglob("*.pt")) == checkpoints_before
+    if script == TRAIN:  # a refused training run leaves no run dir of its own behind
+        assert run_dirs(workdir) == run_dirs_before
+
+
+def run_dirs(workdir: Path) -> list[Path]:
+    """The training run dirs under workdir/outputs (DATE/TIME; eval.py's are under outputs/eval/)."""
+    return sorted(p for p in workdir.glob("outputs/*/*") if p.parent.name != "eval")
+
+
+def test_hydra_full_error_shows_hydras_traceback(tmp_path: Path):
+    result = run([sys.executable, TRAIN, "model=cnnn"], tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "hydra.errors.MissingConfigException" in result.stderr
+    assert "error:" not in result.stderr
+
+
+def test_errors_of_the_run_itself_keep_hydras_report(tmp_path: Path):
+    # Not a usage error: a model option the model class cannot take. Hydra reports it as usual.
+    result = run([sys.executable, TRAIN, "model.hidden=abc", "hydra.run.dir=run"], tmp_path)
+    assert result.returncode == 1
+    assert "Error in call to target 'src.components.models.SimpleCNN'" in result.stderr
+    assert "Set the environment variable HYDRA_FULL_ERROR=1" in result.stderr
+
+
+TORCHRUN_ROWS = [
+    pytest.param(TRAIN, ["dist.backend=nccl"], "dist.backend=nccl needs CUDA devices", id="train-nccl-on-cpu",
+                 marks=NO_GPU),
+    pytest.param(EVAL, ["checkpoint=missing.pt"], "checkpoint missing.pt does not exist", id="eval-missing-checkpoint"),
+]
+
+
+@pytest.mark.parametrize("script,args,message", TORCHRUN_ROWS)
+def test_a_usage_error_under_torchrun_is_one_line_without_a_traceback(tmp_path: Path, script, args, message):
+    """torch's @record would put the worker's traceback into torchrun's failure summary;
+    a usage error bypasses it, so only torchrun's own report of the exit codes remains."""
+    result = torchrun(2, [*args, "hydra.run.dir=run"], tmp_path, script=script)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    error_lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], output[-3000:]
+    assert "UsageError" not in output, output[-3000:]
+    ours = (f'File "{REPO}/src/', f'File "{REPO}/train.py"', f'File "{REPO}/eval.py"')
+    template_frames = [line for line in output.splitlines() if any(frame in line for frame in ours)]
+    assert template_frames == [], output[-3000:]
+    assert "exitcode  : 2" in output  # torchrun's own summary: the worker's usage-error exit code

@@ -1,0 +1,204 @@
+"""A worker killed mid-run: torchrun restarts the group, the run continues from its last
+checkpoint in the same run dir, and ends exactly where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TRAIN, check, metrics, torchrun, train, weights
+
+pytestmark = pytest.mark.slow
+
+ARGS = ["trainer.epochs=3", "optimizer=sgd", "scheduler=constant"]
+TIMING_KEYS = {"epoch_time_s", "samples_per_s"}
+
+
+def worker_pid(agent_pid: int, rank: int) -> int | None:
+    """The pid of the worker with RANK=rank that torchrun process `agent_pid` started."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        parent = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        if parent == agent_pid and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def wait_for_epoch(outputs: Path, epoch: int, timeout: float = 120) -> Path:
+    """The run dir under `outputs` once its metrics.json reports `epoch`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for path in outputs.glob("*/*/metrics.json"):
+            try:
+                if json.loads(path.read_text())["epoch"] >= epoch:
+                    return path.parent
+            except (OSError, ValueError):
+                pass
+        time.sleep(0.05)
+    raise TimeoutError(f"no run under {outputs} reached epoch {epoch}")
+
+
+def without_timing(summary: dict) -> dict:
+    history = [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in summary["history"]]
+    return {**{k: v for k, v in summary.items() if k not in TIMING_KEYS}, "history": history}
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_never_interrupted(workdir: Path):
+    check(torchrun(2, [*ARGS, "hydra.run.dir=straight"], workdir))
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "--max-restarts=2", TRAIN, *ARGS]
+    agent = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    run_dir = wait_for_epoch(workdir / "outputs", 1)  # epoch 1 is checkpointed; epoch 2 is under way
+    victim = worker_pid(agent.pid, rank=1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    out, err = agent.communicate(timeout=300)
+    assert agent.returncode == 0, err[-3000:]
+
+    log = (run_dir / "train.log").read_text()
+    assert "resumed from" in log and "after epoch" in log  # the restarted group resumed by itself
+    assert list((workdir / "outputs").glob("*/*")) == [run_dir]  # the restart kept its run dir
+    assert without_timing(metrics(run_dir)) == without_timing(metrics(workdir / "straight"))
+    for name, tensor in weights(workdir / "straight").items():
+        assert torch.equal(tensor, weights(run_dir)[name]), name
+
+
+# A small, stable LR: float noise from a different world size stays at float-noise size.
+TWO_EPOCHS = ["trainer.epochs=2", "optimizer=sgd", "optimizer.lr=0.01", "scheduler=constant"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """One process, two epochs, never interrupted: what every interrupted run must end as."""
+    workdir = tmp_path_factory.mktemp("straight")
+    check(train([*TWO_EPOCHS, "hydra.run.dir=run"], workdir))
+    return workdir / "run"
+
+
+def assert_same_run(run_dir: Path, reference: Path, atol: float = 0.0) -> None:
+    if not atol:
+        assert without_timing(metrics(run_dir))["history"] == without_timing(metrics(reference))["history"]
+    for name, tensor in weights(reference).items():
+        if atol:
+            assert torch.allclose(tensor.double(), weights(run_dir)[name].double(), rtol=0, atol=atol), name
+        else:
+            assert torch.equal(tensor, weights(run_dir)[name]), name
+
+
+def test_a_step_checkpoint_resumes_mid_epoch_exactly(workdir: Path, straight: Path):
+    first = check(train([*TWO_EPOCHS, "trainer.checkpoint_every_steps=5", "trainer.max_steps=27",
+                         "hydra.run.dir=run"], workdir))
+    assert "stopped at step 27 with a checkpoint" in first.stdout
+    checkpoints = sorted(p.name for p in (workdir / "run" / "checkpoints").iterdir())
+    assert checkpoints == ["best.pt", "last.pt", "step_000000025.pt", "step_000000027.pt"]  # keep_last=2
+    saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert (saved["epoch"], saved["step"], saved["step_in_epoch"]) == (1, 27, 5)
+    assert saved["epoch_totals"]["count"] == [5 * 64]  # the unfinished epoch's samples so far, by name
+    second = check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))
+    assert "after epoch 1, step 27 (5 steps into epoch 2)" in second.stdout
+    assert_same_run(workdir / "run", straight)
+
+
+def test_a_run_resumes_on_another_world_size(workdir: Path, straight: Path):
+    check(torchrun(2, [*TWO_EPOCHS, "trainer.max_steps=27", "hydra.run.dir=run"], workdir))
+    saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["config"]["trainer"]["max_steps"] == 27 and saved["step"] == 27
+    check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))  # now one process
+    summary = metrics(workdir / "run")
+    assert summary["world_size"] == 1 and summary["step"] == 44
+    # Same global batches in the same order: only float rounding (sync-BN on 2 ranks) differs,
+    # which may flip a borderline prediction, so train/acc is compared to a sample or two.
+    assert summary["train/acc"] == pytest.approx(metrics(straight)["train/acc"], abs=2 / 1408)
+    assert_same_run(workdir / "run", straight, atol=1e-5)
+
+
+def test_sigterm_checkpoints_and_stops_cleanly(workdir: Path, straight: Path):
+    command = [sys.executable, TRAIN, *TWO_EPOCHS, "trainer.log_every_steps=2", "hydra.run.dir=run"]
+    process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (workdir / "run" / "metrics.json").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)  # during epoch 2
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-2000:]
+    assert "SIGTERM: checkpointing at the next log step" in err + out
+    assert "stopped at step" in out
+    saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["epoch"] == 1 and 22 < saved["step"] < 44 and saved["step"] % 2 == 0
+    check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))
+    assert_same_run(workdir / "run", straight)
+
+
+def test_a_corrupt_last_checkpoint_is_refused_and_left_alone(workdir: Path):
+    check(train(["trainer.epochs=1", "hydra.run.dir=run"], workdir))
+    last = workdir / "run" / "checkpoints" / "last.pt"
+    last.write_bytes(last.read_bytes()[:1000])  # as if the disk filled up under another tool
+    damaged = last.read_bytes()
+    result = train(["trainer.epochs=2", "resume=auto", "hydra.run.dir=run"], workdir)
+    assert result.returncode == 2
+    assert f"error: checkpoint {last} cannot be read" in result.stderr and "Traceback" not in result.stderr
+    assert last.read_bytes() == damaged
+    assert metrics(workdir / "run")["epoch"] == 1
+
+
+WRITER = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from src.loop.checkpoint import Checkpointer
+saver = Checkpointer(Path({directory!r}), is_main_process=True)
+saver.save({{"model": {{"w": torch.zeros(3)}}, "epoch": 1}}, is_best=False)
+print("first saved", flush=True)
+saver.save({{"model": {{"w": torch.ones(64 * 2**20)}}, "epoch": 2}}, is_best=False)  # 256 MB: takes a while
+"""
+
+
+def test_a_process_killed_while_writing_leaves_the_previous_checkpoint(tmp_path: Path):
+    from conftest import REPO
+
+    from src.loop import checkpoint
+
+    code = WRITER.format(repo=str(REPO), directory=str(tmp_path))
+    writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "first saved"
+    temp = tmp_path / "last.pt.tmp"
+    deadline = time.time() + 60
+    while not (temp.exists() and temp.stat().st_size > 0) and time.time() < deadline:
+        time.sleep(0.001)
+    writer.kill()  # mid-write of the second checkpoint
+    writer.wait(timeout=30)
+    assert checkpoint.load(tmp_path / "last.pt")["epoch"] == 1
+
+
+def test_sigterm_to_torchrun_checkpoints_every_rank_at_the_same_step(workdir: Path):
+    """SLURM and schedulers signal the launcher; torchrun forwards SIGTERM to its workers,
+    which agree on one step, write one checkpoint and exit before torchrun's grace period ends."""
+    check(torchrun(2, [*TWO_EPOCHS, "hydra.run.dir=straight"], workdir))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN,
+               *TWO_EPOCHS, "trainer.log_every_steps=2", "hydra.run.dir=run"]
+    agent = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (workdir / "run" / "metrics.json").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    agent.send_signal(signal.SIGTERM)
+    agent.communicate(timeout=120)
+    saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["epoch"] == 1 and 22 < saved["step"] < 44 and saved["step"] % 2 == 0
+    assert "stopped at step" in (workdir / "run" / "train.log").read_text()
+    check(torchrun(2, [*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))
+    assert_same_run(workdir / "run", workdir / "straight")

@@ -1,0 +1,124 @@
+"""Hydra x launchers, end to end: self-launch, sweeps of DDP groups, torchrun sweeps, submitit,
+multi-node rendezvous, crashes and the sweep summary."""
+
+from __future__ import annotations
+
+import csv
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TRAIN, check, metrics, run, torchrun, train
+
+pytestmark = pytest.mark.slow
+
+TIMING_KEYS = {"epoch_time_s", "samples_per_s"}
+
+
+def history_without_timing(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in metrics(run_dir)["history"]]
+
+
+def job_dirs(sweep: Path) -> list[Path]:
+    return sorted((p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def summary_rows(sweep: Path) -> list[dict]:
+    with open(sweep / "summary.csv") as file:
+        return list(csv.DictReader(file))
+
+
+def test_self_launch_matches_torchrun(workdir: Path):
+    check(train(["dist.nproc_per_node=2", "trainer.epochs=1", "hydra.run.dir=self"], workdir))
+    check(torchrun(2, ["trainer.epochs=1", "hydra.run.dir=torchrun"], workdir))
+    self_dir = workdir / "self"
+    assert metrics(self_dir)["world_size"] == 2
+    assert history_without_timing(self_dir) == history_without_timing(workdir / "torchrun")
+    assert (self_dir / "train.rank1.log").exists() and (self_dir / ".hydra" / "config.yaml").exists()
+    assert "nproc_per_node=2" in (self_dir / ".hydra" / "overrides.yaml").read_text()
+    assert [p.name for p in workdir.iterdir()] != [] and not (workdir / "outputs").exists()
+
+
+def test_sweep_of_ddp_groups(workdir: Path):
+    args = ["-m", "dist.nproc_per_node=2", "optimizer=sgd,adam", "trainer.epochs=1", "hydra.sweep.dir=sweep"]
+    result = check(train(args, workdir, timeout=600))
+    jobs = job_dirs(workdir / "sweep")
+    assert [p.name for p in jobs] == ["0", "1"]
+    for job in jobs:
+        summary = metrics(job)
+        assert summary["world_size"] == 2 and summary["epoch"] == 1
+        assert (job / "checkpoints" / "last.pt").exists() and (job / "train.rank1.log").exists()
+        assert len(list((job / "tb").glob("events.out.tfevents*"))) == 1
+    rows = summary_rows(workdir / "sweep")
+    assert len(rows) == 2 and {r["status"] for r in rows} == {"completed"}
+    accuracies = [float(r["val/acc"]) for r in rows]
+    assert accuracies == sorted(accuracies, reverse=True)
+    by_job = {r["job"]: r for r in rows}
+    assert by_job["1"]["overrides"] == "dist.nproc_per_node=2 optimizer=adam trainer.epochs=1"
+    assert float(by_job["1"]["val/acc"]) == metrics(jobs[1])["val/acc"]
+    assert "Sweep summary (sorted by val/acc, max)" in result.stdout and "| job | status |" in result.stdout
+    assert (workdir / "sweep" / "summary.md").read_text().count("| completed |") == 2
+
+
+def test_torchrun_runs_a_sweep(workdir: Path):
+    check(torchrun(2, ["-m", "optimizer.lr=0.1,0.01", "trainer.epochs=1", "hydra.sweep.dir=sweep"], workdir))
+    jobs = job_dirs(workdir / "sweep")
+    assert [p.name for p in jobs] == ["0", "1"]
+    assert [metrics(job)["world_size"] for job in jobs] == [2, 2]
+    assert len(list((workdir / "sweep").rglob("config.yaml"))) == 2  # rank 0's only
+    assert [r["status"] for r in summary_rows(workdir / "sweep")] == ["completed", "completed"]
+
+
+def test_a_failing_job_is_reported_and_the_sweep_goes_on(workdir: Path):
+    # 63 does not divide over 2 ranks: job 0 stops on a usage error, job 1 trains.
+    args = ["-m", "dist.nproc_per_node=2", "dataset.batch_size=63,64", "trainer.epochs=1", "hydra.sweep.dir=sweep"]
+    result = train(args, workdir)
+    assert result.returncode != 0
+    assert "error: dataset.batch_size=63 is the global batch and must be divisible" in result.stderr
+    rows = {r["job"]: r for r in summary_rows(workdir / "sweep")}
+    assert rows["0"]["status"] == "failed" and rows["1"]["status"] == "completed"
+    assert (workdir / "sweep" / "0" / "FAILED").exists()
+    assert metrics(workdir / "sweep" / "1")["world_size"] == 2
+
+
+def test_a_crashing_worker_ends_its_group_with_its_traceback(workdir: Path):
+    crashing = str(REPO / "tests" / "fixtures" / "crashing_worker.py")
+    # The whole group must be gone within 60 s of starting (a hang would hit this bound).
+    result = torchrun(2, ["trainer.epochs=3", "hydra.run.dir=run"], workdir, script=crashing, timeout=60)
+    assert result.returncode != 0
+    assert "RuntimeError: injected failure on rank 1 at step 3" in result.stderr
+    assert "Root Cause" in result.stderr and "rank      : 1" in result.stderr
+    assert not (workdir / "run" / "metrics.json").exists()
+
+
+def test_submitit_tasks_form_one_ddp_group(workdir: Path):
+    # Submitit pickles the task by reference to `src`, so launch from the repo root as the README says.
+    args = [TRAIN, "-m", "hydra/launcher=local_ddp", "trainer.epochs=1", f"hydra.sweep.dir={workdir / 'sweep'}"]
+    check(run([sys.executable, *args], REPO, timeout=400))
+    jobs = job_dirs(workdir / "sweep")
+    assert [p.name for p in jobs] == ["0"]
+    assert metrics(jobs[0])["world_size"] == 2
+    assert (jobs[0] / "train.rank1.log").exists()
+    assert len(list((workdir / "sweep").rglob("config.yaml"))) == 1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_torchrun_agents_train_as_one_group(workdir: Path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes", TRAIN,
+               "trainer.epochs=1"]
+    agents = [subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    outputs = [agent.communicate(timeout=300) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    run_dirs = [p for p in (workdir / "outputs").glob("*/*") if p.is_dir()]
+    assert len(run_dirs) == 1
+    assert metrics(run_dirs[0])["world_size"] == 2 and (run_dirs[0] / "train.rank1.log").exists()

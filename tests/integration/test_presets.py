@@ -1,0 +1,138 @@
+"""Presets and diagnostics through the real CLI: debug=fast|overfit|profile, experiment=*,
+and the NaN guard (`trainer.detect_anomaly`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import REPO, check, metrics, train
+from dataset_files import write_cifar10, write_mnist
+from hydra import compose, initialize_config_dir
+
+from src.config import schema  # noqa: F401 - registers the schema and the resolvers
+
+EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+
+
+def only_run_dir(workdir: Path, parent: str) -> Path:
+    (run_dir,) = [p for p in (workdir / parent).glob("*/*") if p.is_dir()]
+    return run_dir
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def test_debug_fast_is_a_two_step_smoke_run_kept_apart(workdir: Path):
+    check(train(["debug=fast"], workdir))
+    run_dir = only_run_dir(workdir, "outputs/debug")
+    result = metrics(run_dir)
+    assert (result["epoch"], result["step"]) == (1, 2)
+    assert result["val/num_samples"] == 2 * 64  # limit_val_batches=2 batches of the global 64 (1 rank)
+    assert not (run_dir / "checkpoints").exists()
+
+
+def test_debug_overfit_drives_the_loss_to_zero(workdir: Path):
+    check(train(["debug=overfit"], workdir))
+    result = metrics(only_run_dir(workdir, "outputs/debug"))
+    assert result["step"] == 20 * 2  # 2 batches per epoch
+    assert result["val/num_samples"] == 128  # validated on the same 2 batches
+    assert result["train/loss"] < 0.05 and result["val/loss"] < 0.05
+    assert result["val/acc"] == 1.0
+    assert result["history"][0]["train/loss"] > 1.0  # it really learned
+
+
+def test_debug_profile_writes_a_trace_of_the_recorded_steps(workdir: Path):
+    check(train(["debug=profile"], workdir))
+    run_dir = only_run_dir(workdir, "outputs/debug")
+    (trace,) = (run_dir / "tb" / "profile").glob("rank0.*.pt.trace.json")
+    names = {event.get("name", "") for event in json.loads(trace.read_text())["traceEvents"]}
+    # wait=1, warmup=1, active=3: the trace holds steps 2..4 (0-based profiler steps).
+    assert {name for name in names if name.startswith("ProfilerStep#")} == {"ProfilerStep#2", "ProfilerStep#3",
+                                                                           "ProfilerStep#4"}
+    assert any("conv2d" in name for name in names)
+
+
+def composed(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+# Each preset's (task, dataset, model) targets.
+PRESET_TARGETS = {
+    "digits_cnn": ("Classification", "digits", "src.components.models.SimpleCNN"),
+    "mnist_cnn": ("Classification", "mnist", "src.components.models.SimpleCNN"),
+    "fashion_mnist_cnn": ("Classification", "fashion_mnist", "src.components.models.SimpleCNN"),
+    "cifar10_resnet18": ("Classification", "cifar10", "src.components.models.resnet18"),
+    "seed_tabular_binary": ("Binary", "breast_cancer", "torch.nn.Linear"),
+    "seed_two_input_l1": ("Regression", "two_input_synthetic", "src.components.models.TwoInputCNN"),
+}
+
+
+def test_every_experiment_is_listed():
+    assert sorted(EXPERIMENTS) == sorted(PRESET_TARGETS)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_with_its_groups(name: str):
+    cfg = composed([f"experiment={name}"])
+    task, dataset, model = PRESET_TARGETS[name]
+    assert cfg.task._target_ == f"src.components.tasks.{task}"
+    assert cfg.dataset._target_ == f"src.components.datasets.{dataset}"
+    assert cfg.model._target_ == model
+    schema.check_train_config(cfg)
+
+
+def test_seed_presets_carry_the_seed_hyperparameters():
+    two_input = composed(["experiment=seed_two_input_l1"])
+    assert (two_input.task.loss, list(two_input.task.inputs), two_input.task.target) == ("l1", [0, 1], 2)
+    assert two_input.optimizer._target_ == "torch.optim.Adam" and two_input.optimizer.lr == 1e-4
+    assert list(two_input.optimizer.betas) == [0.9, 0.95]
+    assert two_input.scheduler.min_lr_ratio * two_input.optimizer.lr == pytest.approx(1e-6)  # eta_min
+    assert (two_input.dataset.batch_size, two_input.dataset.val_batch_size) == (6, 1)
+    assert two_input.trainer.tf32 and not two_input.trainer.deterministic  # TF32 + cudnn.benchmark
+    tabular = composed(["experiment=seed_tabular_binary"])
+    assert tabular.optimizer._target_ == "torch.optim.SGD" and tabular.optimizer.lr == 0.01
+    assert tabular.optimizer.momentum == 0.0 and tabular.dataset.batch_size == 10
+
+
+def test_digits_experiment_is_the_default_run():
+    assert composed(["experiment=digits_cnn"]) == composed([])
+
+
+@pytest.mark.parametrize(
+    "name,write_files,extra",
+    [
+        ("mnist_cnn", lambda root: write_mnist(root, "MNIST", num_train=40, num_test=12), []),
+        ("fashion_mnist_cnn", lambda root: write_mnist(root, "FashionMNIST", num_train=40, num_test=12), []),
+        ("cifar10_resnet18", lambda root: write_cifar10(root, per_batch=8), ["dataset.verify_checksums=false"]),
+    ],
+)
+def test_file_dataset_experiments_run_end_to_end(workdir: Path, name, write_files, extra):
+    """The recipe itself, cut to two steps of batch 8 on small files in the real formats."""
+    write_files(workdir / "data")
+    args = [f"experiment={name}", "debug=fast", "dataset.batch_size=8", "dataset.download=false",
+            "dataset.num_workers=0", *extra]
+    check(train(args, workdir))
+    result = metrics(only_run_dir(workdir, "outputs/debug"))
+    assert (result["step"], result["global_batch_size"]) == (2, 8)
+    assert result["val/num_samples"] == 12 if name != "cifar10_resnet18" else 8
+    assert 0.0 <= result["val/acc"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ([], "error: the loss became NaN or infinite at optimizer step 2; the run stopped without saving"),
+        (["trainer.detect_anomaly=true"], "error: Function 'LogSoftmaxBackward0' returned nan values in its 0th "
+                                          "output at optimizer step 2"),
+    ],
+)
+def test_a_diverging_loss_stops_the_run_naming_the_step(workdir: Path, extra, message):
+    result = train(["optimizer=sgd", "optimizer.lr=1e30", "trainer.log_every_steps=5", "trainer.epochs=1",
+                    "hydra.run.dir=run", *extra], workdir)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(error_lines(result.stderr)) == 1 and error_lines(result.stderr)[0].startswith(message)
+    assert not (workdir / "run" / "checkpoints").exists() and not (workdir / "run" / "metrics.json").exists()

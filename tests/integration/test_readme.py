@@ -1,0 +1,161 @@
+"""The README's commands are real: each composes here, and the test named for it runs it.
+
+Commands that need GPUs, 8 processes or a cluster run in the named test scaled down (2 CPU
+processes, one epoch); SLURM runs through submitit's local executor, which shares its code path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, check, run
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from src.config import schema  # noqa: F401 - registers the schema
+from src.parallel import launch
+
+launch.register_resolvers()  # ${run_timestamp:}, ${data:} ... as train.py registers them
+
+README = (REPO / "README.md").read_text()
+
+# Each README command -> where it is run (test file::function), scaled down if it needs hardware we lack.
+EXERCISED_BY = {
+    "make train": "test_train_modes.py::test_make_train_reaches_98_percent_on_the_default_config",
+    'make train ARGS="model=mlp"': "test_train_modes.py::test_make_train_reaches_98_percent_on_the_default_config",
+    "make test": ".ci/run",
+    "python benchmarks/run.py": "test_readme.py::test_the_benchmark_script_writes_its_table",
+    "python benchmarks/chaos.py --trials 20 --seed 0": "test_chaos.py::test_three_chaos_trials_end_bitwise_equal",
+    "python eval.py checkpoint=outputs/DATE/TIME/checkpoints/best.pt":
+        "test_eval_cli.py::test_eval_reproduces_the_training_runs_val_metrics",
+    "torchrun --nproc_per_node=2 eval.py checkpoint=PATH": "test_eval_cli.py::test_sharded_eval_equals_one_process",
+    "python train.py": "test_train_cli.py::test_single_process_run_dir_contract",
+    "python train.py --cfg job": "test_train_cli.py::test_help_lists_groups_and_cfg_job_skips_torch",
+    "python train.py --help": "test_train_cli.py::test_help_lists_groups_and_cfg_job_skips_torch",
+    "python train.py -m dist.nproc_per_node=2 optimizer=sgd,adam":
+        "test_launch_cli.py::test_sweep_of_ddp_groups",
+    "python train.py -m hydra/launcher=local_ddp": "test_launch_cli.py::test_submitit_tasks_form_one_ddp_group",
+    "python train.py -m hydra/launcher=slurm hydra.launcher.partition=gpu optimizer.lr=0.1,0.01":
+        "test_launch.py::test_srun_tasks_export_the_torchrun_contract",
+    "python train.py debug=fast": "test_presets.py::test_debug_fast_is_a_two_step_smoke_run_kept_apart",
+    "python train.py debug=overfit": "test_presets.py::test_debug_overfit_drives_the_loss_to_zero",
+    "python train.py debug=profile": "test_presets.py::test_debug_profile_writes_a_trace_of_the_recorded_steps",
+    "python train.py dist.nproc_per_node=8": "test_launch_cli.py::test_self_launch_matches_torchrun",
+    "python train.py experiment=digits_cnn": "test_presets.py::test_digits_experiment_is_the_default_run",
+    "python train.py experiment=seed_tabular_binary": "test_tasks_cli.py::test_seed_tabular_binary_reaches_95_percent",
+    "python train.py task=regression dataset=diabetes model=mlp":
+        "test_tasks_cli.py::test_diabetes_regression_reaches_r2_035",
+    "python train.py experiment=seed_two_input_l1":
+        "test_tasks_cli.py::test_seed_two_input_beats_the_mean_predictor_four_times",
+    "python train.py experiment=mnist_cnn": "test_presets.py::test_file_dataset_experiments_run_end_to_end",
+    "python train.py experiment=fashion_mnist_cnn": "test_presets.py::test_file_dataset_experiments_run_end_to_end",
+    "torchrun --nproc_per_node=8 train.py experiment=cifar10_resnet18":
+        "test_presets.py::test_file_dataset_experiments_run_end_to_end",
+    "python train.py model=mlp optimizer=sgd optimizer.lr=0.05": "test_train_modes.py::test_readme_mlp_command",
+    "python train.py resume=auto hydra.run.dir=outputs/2026-11-22/10-00-00":
+        "test_fault_tolerance.py::test_a_step_checkpoint_resumes_mid_epoch_exactly",
+    "python train.py trainer.max_steps=10000":
+        "test_fault_tolerance.py::test_a_step_checkpoint_resumes_mid_epoch_exactly",
+    "tensorboard --logdir outputs": "test_train_cli.py::test_tensorboard_events_are_readable",
+    "torchrun --nnodes=2 --node_rank=K --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT train.py":
+        "test_launch_cli.py::test_two_torchrun_agents_train_as_one_group",
+    "torchrun --nproc_per_node=2 train.py -m optimizer.lr=0.1,0.01": "test_launch_cli.py::test_torchrun_runs_a_sweep",
+    "torchrun --nproc_per_node=8 --max-restarts=3 train.py trainer.checkpoint_every_steps=500":
+        "test_fault_tolerance.py::test_a_killed_worker_is_restarted_and_the_run_ends_as_if_never_interrupted",
+    "torchrun --nproc_per_node=8 train.py model=cnn": "test_train_cli.py::test_torchrun_two_workers_share_one_run_dir",
+}
+
+
+def readme_commands() -> set[str]:
+    """Commands in the README's bash blocks and inline code: make targets, tensorboard, and
+    python / torchrun commands that name a script (bare mentions such as `torchrun --standalone`
+    are prose, not commands)."""
+    candidates = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        candidates += [re.split(r"\s+#", line)[0].strip() for line in block.splitlines()]
+    candidates += [code.strip() for code in re.findall(r"`([^`\n]+)`", README)]
+    return {
+        command for command in candidates
+        if re.match(r"(make \w|tensorboard )", command)
+        or (re.match(r"(python|torchrun) ", command) and ".py" in command)
+    }
+
+
+def test_every_readme_command_is_listed_with_the_test_that_runs_it():
+    assert readme_commands() == set(EXERCISED_BY)
+
+
+@pytest.mark.parametrize("where", sorted(set(EXERCISED_BY.values())))
+def test_the_listed_tests_exist(where: str):
+    if where == ".ci/run":
+        assert "make test" in (REPO / ".ci" / "run").read_text()
+        return
+    file_name, function = where.split("::")
+    (path,) = (REPO / "tests").rglob(file_name)
+    assert re.search(rf"^def {function}\(", path.read_text(), re.M), where
+
+
+def overrides_of(command: str) -> tuple[str, list[str]]:
+    """(config name, overrides) of a train.py / eval.py command; a sweep's first job."""
+    words = shlex.split(command)
+    script = next(word for word in words if word.endswith(".py"))
+    args = [word for word in words[words.index(script) + 1:] if word != "-m"]
+    first_job = [re.sub(r"=([^,\[]*),.*", r"=\1", arg) for arg in args]
+    return ("eval" if script == "eval.py" else "config"), first_job
+
+
+COMPOSABLE = sorted(
+    command for command in EXERCISED_BY
+    if re.search(r"\b(train|eval)\.py\b", command) and not re.search(r"--(help|cfg)", command)
+)
+
+
+@pytest.mark.parametrize("command", COMPOSABLE)
+def test_readme_commands_compose_and_pass_the_value_checks(command: str):
+    config_name, overrides = overrides_of(command)
+    if config_name == "eval":  # eval.py registers its `checkpoint` dataset option itself: ask it
+        composed = check(run([sys.executable, str(REPO / "eval.py"), *overrides, "--cfg", "job"], REPO)).stdout
+        assert f"checkpoint: {overrides[0].split('=', 1)[1]}" in composed
+        return
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+    if config_name == "config":
+        schema.check_train_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]))
+    choices = cfg.hydra.runtime.choices
+    for key, value in (override.split("=", 1) for override in overrides):
+        if key in choices:  # a group option: model=mlp, hydra/launcher=slurm
+            assert choices[key] == value
+        elif not key.startswith("hydra."):
+            assert OmegaConf.select(cfg, key) == OmegaConf.create(f"v: {value}").v, key
+
+
+HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None  # `make test` installs it (requirements-dev.txt)
+
+
+def test_the_benchmark_script_writes_its_table(tmp_path: Path):
+    """A smoke run of `python benchmarks/run.py` (the real numbers come from a full run: RESULTS.md): the
+    template, the bare loop and, where installed, a Lightning Trainer on the digits job."""
+    output = tmp_path / "RESULTS.md"
+    check(run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--repeats", "1", "--epochs", "1",
+               "--cases", "lightning" if HAS_LIGHTNING else "digits", "--output", str(output)], tmp_path))
+    text = output.read_text()
+    rows = {row[0].strip(): [float(cell) for cell in row[1:]]
+            for row in (line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| digits"))}
+    versus = ("", " vs Lightning") if HAS_LIGHTNING else ("",)
+    assert set(rows) == {f"digits + cnn, 1 process: {measure}{against}"
+                         for measure in ("training samples/s", "whole process, s", "start to first step, s")
+                         for against in versus}
+    for ours, other, ratio in rows.values():
+        assert ours > 0 and other > 0 and math.isfinite(ratio)
+        assert abs(ratio - ours / other) < 0.01
+    if HAS_LIGHTNING:
+        assert "| case | template | Lightning | template / Lightning |" in text
+        # The same template runs are compared with both baselines.
+        assert rows["digits + cnn, 1 process: training samples/s vs Lightning"][0] == \
+            rows["digits + cnn, 1 process: training samples/s"][0]

@@ -1,0 +1,70 @@
+"""What a real run shows and leaves for people, on 1 process and on 2 (torchrun): the start-of-run
+summary, no progress-bar noise outside a terminal, and TensorBoard's images, model summary and
+the val confusion matrix, exact under DDP."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import check, metrics, torchrun, train
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+pytestmark = pytest.mark.slow
+
+ONE_EPOCH = ["trainer.epochs=1"]
+
+
+def run_in(workdir: Path, launch) -> tuple[Path, subprocess.CompletedProcess]:  # noqa: ANN001 - a conftest launcher
+    result = check(launch(workdir))
+    (run_dir,) = [p for p in (workdir / "outputs").glob("*/*") if p.is_dir()]
+    return run_dir, result
+
+
+@pytest.fixture(scope="module", params=["1 process", "torchrun 2 ranks"])
+def finished_run(request, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A one-epoch digits run (stdout and stderr are pipes, not a terminal): its run dir and output."""
+    workdir = tmp_path_factory.mktemp("report")
+    if request.param == "1 process":
+        return run_in(workdir, lambda cwd: train(ONE_EPOCH, cwd))
+    return run_in(workdir, lambda cwd: torchrun(2, ONE_EPOCH, cwd))
+
+
+def read_confusion_csv(run_dir: Path) -> torch.Tensor:
+    header, *rows = list(csv.reader((run_dir / "confusion_matrix.csv").open()))
+    assert header == ["true\\predicted", *map(str, range(10))]
+    assert [row[0] for row in rows] == [str(c) for c in range(10)]
+    return torch.tensor([[int(n) for n in row[1:]] for row in rows])
+
+
+def test_confusion_matrix_counts_every_val_sample_once_and_matches_val_acc(finished_run):
+    run_dir, _ = finished_run
+    summary = metrics(run_dir)
+    confusion = read_confusion_csv(run_dir)
+    assert confusion.sum().item() == summary["val/num_samples"] == 360
+    assert confusion.trace().item() / confusion.sum().item() == summary["val/acc"]
+
+
+def test_tensorboard_has_input_grid_model_summary_and_confusion_image(finished_run):
+    run_dir, _ = finished_run
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    assert {"inputs/train_batch", "val/confusion_matrix"} <= set(events.Tags()["images"])
+    assert events.Images("val/confusion_matrix")[-1].step == metrics(run_dir)["step"]
+    grid = events.Images("inputs/train_batch")[0]
+    assert (grid.width, grid.height) == (8 * 34 + 2, 2 * 34 + 2)  # 16 digits, 8x8 enlarged to 32x32
+    summary = events.Tensors("model/summary/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "| **total** | SimpleCNN |" in summary and "(classifier): Sequential(" in summary
+
+
+def test_start_summary_is_printed_once_and_no_progress_bar_outside_a_terminal(finished_run):
+    run_dir, result = finished_run
+    assert result.stdout.count("config:\n") == 1 and result.stdout.count("| world size ") == 1
+    assert "_target_: src.components.models.SimpleCNN" in result.stdout and "trainer:\n  epochs: 1\n" in result.stdout
+    assert "parameters, " in result.stdout and "per rank" in result.stdout
+    assert "epochs: 1" in (run_dir / ".hydra" / "config.yaml").read_text()  # Hydra's copy is still saved
+    for output in (result.stdout, result.stderr):
+        assert "\r" not in output and "%|" not in output and "step/s" not in output and "batch/s" not in output

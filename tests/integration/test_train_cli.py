@@ -1,0 +1,145 @@
+"""The real command line, end to end: what lands in the run dir, on 1 and 2 processes."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY, check, metrics, run, torchrun, train, weights
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+from src.components.models import SimpleCNN
+
+pytestmark = pytest.mark.slow
+
+
+def only_run_dir(workdir: Path) -> Path:
+    """The single run dir under workdir/outputs/DATE/TIME (fails if there are several)."""
+    run_dirs = [p for p in (workdir / "outputs").glob("*/*") if p.is_dir()]
+    assert len(run_dirs) == 1, f"expected one run dir, found {run_dirs}"
+    return run_dirs[0]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> tuple[Path, str]:
+    """`python train.py` with the default config for 2 epochs: its run dir and stdout."""
+    workdir = tmp_path_factory.mktemp("default_run")
+    result = check(train([*TINY], workdir))
+    return only_run_dir(workdir), result.stdout
+
+
+def test_single_process_run_dir_contract(default_run):
+    run_dir, stdout = default_run
+    result_stdout = stdout
+    assert f"run dir: {run_dir.resolve()}" in result_stdout
+    assert "final: train/loss=" in result_stdout
+
+    config = (run_dir / ".hydra" / "config.yaml").read_text()
+    assert "_target_: src.components.models.SimpleCNN" in config and "epochs: 2" in config
+    assert "final: train/loss=" in (run_dir / "train.log").read_text()
+
+    summary = metrics(run_dir)
+    assert summary["epoch"] == 2 and summary["step"] == 2 * (1437 // 64)
+    assert summary["world_size"] == 1 and summary["val/num_samples"] == 360
+    assert summary["samples_per_s"] > 0
+    assert [h["epoch"] for h in summary["history"]] == [1, 2]
+    assert summary["history"][-1]["val/acc"] == summary["val/acc"]
+    assert summary["val/acc"] > 0.9 and summary["train/loss"] < summary["history"][0]["train/loss"]
+
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    assert {"model", "optimizer", "scheduler", "epoch", "step", "config"} <= saved.keys()
+    assert saved["epoch"] == 2 and saved["step"] == summary["step"]
+    assert saved["config"]["trainer"]["epochs"] == 2
+    plain = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
+    plain.load_state_dict(saved["model"])  # unwrapped: no DDP or compile prefixes
+    best = torch.load(run_dir / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
+    assert best["epoch"] == max(summary["history"], key=lambda h: h["val/acc"])["epoch"]
+
+
+def test_tensorboard_events_are_readable(default_run):
+    run_dir, _ = default_run
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    for tag in ("train/loss", "train/acc", "val/loss", "val/acc", "lr", "throughput/samples_per_s", "time/epoch_s"):
+        assert tag in scalars, f"{tag} missing from {scalars}"
+    val_acc = events.Scalars("val/acc")
+    assert [e.step for e in val_acc] == [22, 44]
+    assert val_acc[-1].value == pytest.approx(metrics(run_dir)["val/acc"], abs=1e-6)
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(5, 45, 5))
+    hparams = {tag: plugin_data_pb2.HParamsPluginData.FromString(content)
+               for tag, content in events.PluginTagToContent("hparams").items()}
+    session = hparams["_hparams_/session_start_info"].session_start_info
+    assert session.hparams["optimizer.lr"].number_value == pytest.approx(0.003)
+    assert session.hparams["model._target_"].string_value == "src.components.models.SimpleCNN"
+    metric_tags = {m.name.tag for m in hparams["_hparams_/experiment"].experiment.metric_infos}
+    assert {"hparam/val/acc", "hparam/val/loss", "hparam/train/loss"} <= metric_tags
+    assert events.Scalars("hparam/val/acc")[-1].value == pytest.approx(metrics(run_dir)["val/acc"], abs=1e-6)
+
+
+def test_torchrun_two_workers_share_one_run_dir(workdir: Path):
+    # Rank 1 starts 1.5 s late: with Hydra's ${now:} it would create a second run dir.
+    delayed = str(REPO / "tests" / "fixtures" / "delayed_start.py")
+    result = check(torchrun(2, ["trainer.epochs=1"], workdir, script=delayed))
+    run_dir = only_run_dir(workdir)
+    assert len(list(workdir.rglob("config.yaml"))) == 1
+    assert (run_dir / "train.rank1.log").exists()
+    assert sorted(p.name for p in (run_dir / "tb").iterdir())[0].startswith("events.out.tfevents")
+    assert len(list((run_dir / "tb").iterdir())) == 1  # rank 0 alone writes TensorBoard
+    summary = metrics(run_dir)
+    assert summary["world_size"] == 2 and summary["val/num_samples"] == 360
+    assert summary["step"] == 1437 // 64
+    assert "world size 2" in result.stdout and "backend gloo" in result.stdout
+    SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10).load_state_dict(weights(run_dir))
+
+
+def test_multirun_writes_one_dir_per_job(workdir: Path):
+    check(train(["-m", "optimizer=sgd,adam", "trainer.epochs=1", "hydra.sweep.dir=sweep"], workdir))
+    jobs = sorted(p for p in (workdir / "sweep").iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == ["0", "1"]
+    optimizers = []
+    for job in jobs:
+        assert metrics(job)["epoch"] == 1
+        assert (job / "checkpoints" / "last.pt").exists() and list((job / "tb").iterdir())
+        saved = torch.load(job / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+        optimizers.append(saved["config"]["optimizer"]["_target_"])
+    assert optimizers == ["torch.optim.SGD", "torch.optim.Adam"]
+
+
+def test_help_lists_groups_and_cfg_job_skips_torch(workdir: Path):
+    help_text = check(train(["--help"], workdir)).stdout
+    assert "model: cnn, linear, mlp, resnet18, two_input_cnn" in help_text
+    assert ("dataset: breast_cancer, cifar10, diabetes, digits, fashion_mnist, image_folder, mnist, synthetic, "
+            "two_input_synthetic") in help_text
+    assert "task: binary, classification, regression" in help_text
+    assert "optimizer: adam, adamw, sgd" in help_text and "scheduler: constant, cosine, step" in help_text
+    result = check(run([sys.executable, "-X", "importtime", str(REPO / "train.py"), "--cfg", "job"], workdir))
+    assert "batch_size: 64" in result.stdout and "sync_bn: true" in result.stdout
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    assert "hydra" in imported and "torch" not in imported
+    assert not (workdir / "outputs").exists()
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_batch_size_must_divide_over_ranks(workdir: Path):
+    result = torchrun(2, ["dataset.batch_size=63", "hydra.run.dir=run"], workdir)
+    assert result.returncode != 0
+    assert "dataset.batch_size=63 is the global batch and must be divisible by world_size" in result.stderr
+    assert not (workdir / "run" / "checkpoints").exists()
+
+
+def test_an_existing_run_is_never_overwritten(default_run, workdir: Path):
+    run_dir, _ = default_run
+    before = file_digests(run_dir)
+    result = train(["trainer.epochs=1", f"hydra.run.dir={run_dir}"], workdir)
+    assert result.returncode == 2
+    assert "already holds a run; pass resume=auto" in result.stderr
+    assert file_digests(run_dir) == before  # refused before Hydra writes .hydra/ or a log line

@@ -1,0 +1,91 @@
+"""Models take their shapes from what the dataset provides, named in their YAML as ${data:FIELD}."""
+
+import pytest
+import torch
+from conftest import REPO
+from omegaconf import OmegaConf
+
+from src.common.errors import find_usage_error
+from src.components.models import MLP, SimpleCNN, TwoInputCNN, resnet18
+from src.config import data_fields
+from src.loop.setup import build_model
+
+
+def image_fields(channels: int, size: tuple[int, int], outputs: int = 7) -> dict:
+    return {"in_channels": channels, "image_size": list(size), "num_features": channels * size[0] * size[1],
+            "num_classes": outputs, "num_outputs": outputs}
+
+
+def from_yaml(name: str, fields: dict) -> torch.nn.Module:
+    """`conf/model/<name>.yaml` built the way train.py builds it, with `fields` as the dataset's."""
+    config = OmegaConf.create({"model": OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml")})
+    with data_fields.providing(fields, "dataset=test"):
+        return build_model(config.model)
+
+
+@pytest.fixture(autouse=True)
+def resolver():
+    data_fields.register_resolver()
+
+
+@pytest.mark.parametrize("channels,size", [(1, (8, 8)), (1, (28, 28)), (3, (32, 32))])
+@pytest.mark.parametrize("name", ["cnn", "mlp", "resnet18"])
+def test_image_models_fit_any_dataset_shape(name, channels, size):
+    model = from_yaml(name, image_fields(channels, size))
+    out = model(torch.randn(4, channels, *size))
+    assert out.shape == (4, 7)
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_feature_models_take_vectors_and_the_tasks_output_width():
+    fields = {"num_features": 30, "num_classes": 2, "num_outputs": 1}
+    for name in ("linear", "mlp"):
+        model = from_yaml(name, fields)
+        assert model(torch.randn(5, 30)).shape == (5, 1), name
+    assert isinstance(from_yaml("linear", fields), torch.nn.Linear)
+
+
+def test_a_field_the_dataset_lacks_is_one_line_naming_both_sides():
+    with pytest.raises(Exception) as raised:
+        from_yaml("cnn", {"num_features": 10, "num_targets": 1, "num_outputs": 1})
+    message = str(find_usage_error(raised.value))
+    assert message.startswith("model.in_channels asks for the dataset's in_channels, which dataset=test does not "
+                              "provide (it provides num_features=10, num_targets=1, num_outputs=1)")
+
+
+def test_an_override_replaces_the_field():
+    config = OmegaConf.load(REPO / "conf" / "model" / "mlp.yaml")
+    config.num_outputs = 4
+    with data_fields.providing({"num_features": 64, "num_outputs": 10}, "dataset=test"):
+        assert build_model(config)(torch.randn(2, 64)).shape == (2, 4)
+
+
+def test_cnn_has_batchnorm_and_the_classic_shape():
+    model = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) == 2
+    assert model.classifier[2].in_features == 64 * 4 * 4
+    assert sum(p.numel() for p in model.parameters()) == 288 + 18432 + 2 * 96 + 1024 * 128 + 128 + 1290
+    assert sum(p.numel() for p in MLP(in_features=64, num_outputs=10).parameters()) == 64 * 256 + 256 * 256 + 2570 + 512
+
+
+def test_resnet18_small_image_stem():
+    model = resnet18(in_channels=1, num_outputs=10)
+    assert model.conv1.stride == (1, 1) and model.conv1.in_channels == 1
+    assert isinstance(model.maxpool, torch.nn.Identity)
+    large = resnet18(in_channels=1, num_outputs=10, small_images=False)
+    assert large.conv1.stride == (2, 2) and large.conv1.in_channels == 1
+
+
+def test_two_input_cnn_averages_image_features_over_the_mask():
+    torch.manual_seed(0)
+    model = TwoInputCNN(in_channels=3, num_outputs=2).eval()
+    rgb = torch.randn(2, 3, 8, 8)
+    left, right = torch.zeros(2, 1, 8, 8), torch.zeros(2, 1, 8, 8)
+    left[..., :4], right[..., 4:] = 1, 1
+    assert model(rgb, left).shape == (2, 2)
+    assert not torch.allclose(model(rgb, left), model(rgb, right))  # the mask matters
+    changed = rgb.clone()
+    changed[..., 6:] += 5  # far from the left half (two 3x3 convs see 2 pixels across)
+    assert torch.allclose(model(rgb, left), model(changed, left), atol=1e-6)  # only masked pixels count
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) == 2

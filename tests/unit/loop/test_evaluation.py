@@ -1,0 +1,77 @@
+"""src/loop/evaluation.py and src/common/seeding.py on one process."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from src.common.errors import UsageError
+from src.common.seeding import epoch_seed, seed_everything
+from src.components.tasks import Classification, Regression
+from src.loop.evaluation import autocast_dtype, evaluate
+
+
+def test_precision_names():
+    assert autocast_dtype(32) is None and autocast_dtype("32") is None
+    assert autocast_dtype("bf16") is torch.bfloat16 and autocast_dtype(16) is torch.float16
+    with pytest.raises(UsageError, match="trainer.precision=8 is not one of 32, bf16, 16"):
+        autocast_dtype(8)
+
+
+def test_evaluate_matches_a_direct_computation_and_restores_train_mode():
+    seed_everything(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    model.train()
+    x, y = torch.randn(23, 4), torch.randint(0, 3, (23,))
+    batches = [(x[:10], y[:10]), (x[10:], y[10:])]
+    result = evaluate(model, batches, Classification(), {"num_classes": 3}, torch.device("cpu"))
+    assert model.training  # left as it was
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+    assert result["count"] == 23
+    assert result["loss"] == pytest.approx(F.cross_entropy(logits, y).item(), abs=1e-6)
+    assert result["acc"] == (logits.argmax(1) == y).sum().item() / 23
+
+
+def test_epoch_seeds_differ_by_rank_and_epoch_and_repeat():
+    seeds = {epoch_seed(0, rank, epoch) for rank in range(8) for epoch in range(100)}
+    assert len(seeds) == 800
+    assert epoch_seed(3, 1, 2) == epoch_seed(3, 1, 2) != epoch_seed(4, 1, 2)
+    seed_everything(7)
+    first = torch.rand(3)
+    seed_everything(7)
+    assert torch.equal(first, torch.rand(3))
+
+
+def test_step_seeding_repeats_torch_numpy_and_python_draws():
+    import random
+
+    import numpy as np
+
+    from src.common.seeding import seed_step
+
+    def draw():
+        return torch.rand(2).tolist(), float(np.random.rand()), random.random()
+
+    seed_step(11, torch.device("cpu"))
+    first = draw()
+    seed_step(11, torch.device("cpu"))
+    assert draw() == first
+    seed_step(12, torch.device("cpu"))
+    assert draw() != first
+
+
+def test_evaluate_counts_a_confusion_matrix_for_classification():
+    seed_everything(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(23, 4), torch.randint(0, 3, (23,))
+    info = {"num_classes": 3}
+    result = evaluate(model, [(x[:10], y[:10]), (x[10:], y[10:])], Classification(), info, torch.device("cpu"))
+    with torch.no_grad():
+        predicted = model(x).argmax(1)
+    expected = torch.zeros(3, 3, dtype=torch.int64)
+    for true, guess in zip(y.tolist(), predicted.tolist()):
+        expected[true, guess] += 1
+    assert torch.equal(result["confusion"], expected)
+    regression = evaluate(model, [(x, torch.randn(23, 3))], Regression(), {"num_targets": 3}, torch.device("cpu"))
+    assert "confusion" not in regression and regression["count"] == 23  # a table only where it makes sense

@@ -1,0 +1,80 @@
+"""LR schedules, counted in optimizer steps."""
+
+import math
+
+import pytest
+import torch
+
+from src.loop import optim
+
+
+def lrs(factory, steps, **options):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = factory(opt, total_steps=steps, steps_per_epoch=10, **options)
+    values = []
+    for _ in range(steps):
+        values.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    return values
+
+
+def test_cosine_warms_up_linearly_then_decays_to_the_floor():
+    values = lrs(optim.cosine_with_warmup, 100, warmup_epochs=1, min_lr_ratio=0.1)
+    assert values[:10] == pytest.approx([(i + 1) / 10 for i in range(10)])
+    assert values[10] == pytest.approx(1.0)
+    midpoint = 10 + 45
+    assert values[midpoint] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert values[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 89 / 90)))
+    assert all(a >= b for a, b in zip(values[10:], values[11:]))
+
+
+def test_step_decay_counts_epochs_in_steps():
+    values = lrs(optim.step_decay, 50, step_epochs=2, gamma=0.5)
+    assert values[0] == values[19] == 1.0
+    assert values[20] == values[39] == 0.5
+    assert values[40] == 0.25
+
+
+def test_constant_with_warmup():
+    values = lrs(optim.constant, 30, warmup_epochs=0.5)
+    assert values[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    assert set(values[5:]) == {1.0}
+
+
+def test_schedule_state_round_trips_through_a_checkpoint():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = optim.cosine_with_warmup(opt, total_steps=100, steps_per_epoch=10, warmup_epochs=1)
+    for _ in range(37):
+        opt.step()
+        scheduler.step()
+    fresh_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    fresh = optim.cosine_with_warmup(fresh_opt, total_steps=100, steps_per_epoch=10, warmup_epochs=1)
+    fresh.load_state_dict(scheduler.state_dict())
+    fresh_opt.load_state_dict(opt.state_dict())
+    assert fresh.last_epoch == 37
+    assert fresh.get_last_lr() == pytest.approx(scheduler.get_last_lr())
+
+
+def test_build_optimizer_completes_the_partial_and_reports_torchs_refusals():
+    from omegaconf import OmegaConf
+
+    from src.common.errors import UsageError
+    from src.loop.optim import build_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    cfg = OmegaConf.create({"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.01, "betas": [0.9, 0.99]})
+    optimizer = build_optimizer(cfg, params)
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["betas"] == (0.9, 0.99)
+    cfg.betas = [1.5, 0.99]
+    with pytest.raises(UsageError, match=r"torch.optim.AdamW refused its settings \(Invalid beta parameter at index 0"):
+        build_optimizer(cfg, params)
+    cfg.betas = [0.9, 0.99]
+    cfg._target_ = "torch.optim.RMSprop"  # a YAML copied from adamw.yaml keeps `fused`, which RMSprop lacks
+    cfg.pop("betas")
+    cfg.fused = True
+    with pytest.raises(UsageError, match=r"^torch.optim.RMSprop does not take fused: remove it .* ~optimizer.fused$"):
+        build_optimizer(cfg, params)
+    cfg.fused = None  # torch's default is accepted by every class that has the key
+    cfg._target_ = "torch.optim.Adam"
+    assert build_optimizer(cfg, params).param_groups[0]["fused"] is None

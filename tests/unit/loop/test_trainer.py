@@ -1,0 +1,111 @@
+"""Tests for src/loop/trainer.py: what the loop asks of DDP on each micro-step.
+
+A one-rank gloo group is enough to watch DDP's gradient all-reduce: a communication hook
+runs exactly when DDP reduces, so counting its calls shows which micro-steps synchronise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import TensorDataset
+
+from src.components.tasks import Classification
+from src.data.loaders import Data, GlobalBatchSampler, TensorBatchLoader
+from src.data.splits import DataSplits
+from src.loop.checkpoint import Checkpointer
+from src.loop.trainer import Trainer, TrainerOptions, TrainState
+from src.parallel.distributed import DistEnv, Runtime
+from src.reports.reporting import Reporter
+
+GLOBAL_BATCH = 8
+STEPS = 3
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def tiny_data(grad_accum: int) -> Data:
+    torch.manual_seed(0)
+    dataset = TensorDataset(torch.randn(GLOBAL_BATCH * STEPS, 4), torch.randint(0, 3, (GLOBAL_BATCH * STEPS,)))
+    sampler = GlobalBatchSampler(len(dataset), GLOBAL_BATCH, rank=0, world_size=1, grad_accum=grad_accum)
+    splits = DataSplits(train=dataset, val=dataset, info={"num_classes": 3, "num_features": 4})
+    cpu = torch.device("cpu")
+    return Data(splits=splits, train_sampler=sampler, train_loader=TensorBatchLoader(dataset, sampler, cpu),
+                val_loader=[], num_val_samples=0)
+
+
+@pytest.mark.parametrize(("grad_accum", "compiled"), [(1, False), (2, False), (4, False), (2, True)])
+def test_gradients_are_all_reduced_on_the_last_micro_step_only(one_rank_group, tmp_path: Path, grad_accum: int,
+                                                               compiled: bool):
+    model = nn.Linear(4, 3)  # one gradient bucket: one all-reduce per synchronised backward
+    ddp = DistributedDataParallel(model)
+    micro_steps = []  # one entry per forward pass
+    reduced_on = []  # the micro-steps (1-based) whose backward all-reduced
+    model.register_forward_hook(lambda *_: micro_steps.append(len(micro_steps) + 1))
+
+    def counting_allreduce(state, bucket):
+        reduced_on.append(len(micro_steps))
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counting_allreduce)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    runtime = Runtime(DistEnv(), torch.device("cpu"), backend="gloo")
+    # trainer.compile=true wraps the DDP model (train.py); no_sync must still reach the DDP inside.
+    # aot_eager: dynamo and autograd tracing as with inductor, without building C++ kernels.
+    train_model = torch.compile(ddp, backend="aot_eager") if compiled else ddp
+    trainer = Trainer(TrainerOptions(epochs=1, grad_accum=grad_accum), runtime, Classification(), model, train_model,
+                      optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), tiny_data(grad_accum),
+                      Checkpointer(tmp_path / "checkpoints", False), Reporter(tmp_path, False))
+    assert trainer.ddp is ddp
+    state = TrainState()
+    trainer.train_one_epoch(0, state)
+    assert len(micro_steps) == STEPS * grad_accum and state.step == STEPS
+    # Without no_sync every micro-step would all-reduce: STEPS * grad_accum calls.
+    assert reduced_on == [grad_accum * (step + 1) for step in range(STEPS)]
+
+
+class WithTop2(Classification):
+    """The README's "add a metric": one more named sum in the all-reduced vector, one more value."""
+
+    metric_names = (*Classification.metric_names, "top2")
+
+    def sum_shapes(self, info):
+        return {**super().sum_shapes(info), "top2": ()}
+
+    def sums(self, outputs, target):
+        top2 = (outputs.topk(2, dim=1).indices == target[:, None]).any(dim=1).sum()
+        return {**super().sums(outputs, target), "top2": top2}
+
+    def compute(self, sums):
+        return {**super().compute(sums), "top2": float(sums["top2"]) / float(sums["count"])}
+
+
+def test_an_added_metric_is_reported_for_train_and_val(tmp_path: Path):
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = tiny_data(grad_accum=1)
+    data = Data(splits=data.splits, train_sampler=data.train_sampler, train_loader=data.train_loader,
+                val_loader=TensorBatchLoader(data.splits.val, [list(range(GLOBAL_BATCH * STEPS))], torch.device("cpu")),
+                num_val_samples=GLOBAL_BATCH * STEPS)
+    runtime = Runtime(DistEnv(), torch.device("cpu"), backend=None)
+    trainer = Trainer(TrainerOptions(epochs=1, save_checkpoints=False, monitor="val/top2"), runtime, WithTop2(),
+                      model, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
+                      Checkpointer(tmp_path / "checkpoints", True), Reporter(tmp_path, True, tensorboard=False))
+    state = trainer.fit(TrainState(), config={})
+    record = state.history[-1]
+    assert 0 < record["train/top2"] <= 1 and record["train/acc"] <= record["train/top2"]
+    assert record["val/acc"] <= record["val/top2"] <= 1 and state.best == record["val/top2"]
+    summary = json.loads((tmp_path / "metrics.json").read_text())
+    assert summary["val/top2"] == record["val/top2"]

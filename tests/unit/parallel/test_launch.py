@@ -1,0 +1,205 @@
+"""src/parallel/launch.py and src/reports/sweep_summary.py without training: run-dir agreement, rank detection,
+cluster environments, sweep tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from omegaconf import OmegaConf
+
+from src.common.errors import UsageError
+from src.parallel import launch
+from src.reports import sweep_summary
+
+AGREE = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+if os.environ["RANK"] == "1":
+    time.sleep(1.5)  # rank 1 reaches Hydra late, as on a busy node
+from src.parallel import distributed, launch
+print(launch.run_started_at().isoformat())
+store = distributed.rendezvous_store(distributed.read_env())
+if os.environ["RANK"] == "1":
+    store.set("seen", "1")
+else:
+    store.wait(["seen"])  # rank 0 hosts the store: stay until rank 1 has read it
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ranks_agree_on_rank_zeros_start_time():
+    port = str(free_port())
+    processes = []
+    for rank in ("0", "1"):
+        env = {**os.environ, "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env.pop("DDP_TEMPLATE_RUN_STARTED_AT", None)
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        code = AGREE.format(repo=str(REPO))
+        processes.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True))
+    stamps = [p.communicate(timeout=60)[0].strip() for p in processes]
+    assert [p.returncode for p in processes] == [0, 0]
+    assert stamps[0] == stamps[1] and stamps[0]
+
+
+def test_start_time_is_inherited_by_child_processes(monkeypatch):
+    monkeypatch.setattr(launch, "_started_at", None)
+    monkeypatch.setenv("DDP_TEMPLATE_RUN_STARTED_AT", "2030-01-02T03:04:05")
+    assert launch.run_started_at().strftime("%Y-%m-%d/%H-%M-%S") == "2030-01-02/03-04-05"
+    monkeypatch.setattr(launch, "_started_at", None)
+    monkeypatch.delenv("DDP_TEMPLATE_RUN_STARTED_AT")
+    stamp = launch.run_started_at()
+    assert os.environ["DDP_TEMPLATE_RUN_STARTED_AT"] == stamp.isoformat()
+
+
+def test_only_rank_zero_writes_hydra_files(monkeypatch):
+    launch.register_resolvers()
+    config = OmegaConf.create({"subdir": "${main_rank_only:.hydra}"})
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert config.subdir == ".hydra"
+    monkeypatch.setenv("RANK", "1")
+    assert config.subdir is None
+
+
+def adopted_environment(extra: dict[str, str]) -> dict[str, str]:
+    """The launcher variables `adopt_cluster_env` exports, given a job environment (in a fresh process)."""
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR")
+    env = {k: v for k, v in os.environ.items() if k not in keys and not k.startswith("SLURM_")}
+    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO)!r}); from src.parallel import launch; "
+            f"launch.adopt_cluster_env(); print(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))")
+    result = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_srun_tasks_export_the_torchrun_contract():
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
+             "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    exported = adopted_environment(slurm)
+    assert (exported["RANK"], exported["LOCAL_RANK"], exported["WORLD_SIZE"]) == ("3", "1", "4")
+    assert exported["MASTER_ADDR"] == "gpu07" and 0 < int(exported["MASTER_PORT"]) < 65536
+
+
+def test_a_single_slurm_task_stays_a_single_process():
+    exported = adopted_environment({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+    assert exported["WORLD_SIZE"] is None and exported["RANK"] is None
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_self_launch_rendezvous_on_the_configured_port(monkeypatch, tmp_path: Path, configured: bool):
+    from torch.distributed.launcher import api
+
+    master_port = free_port() if configured else None
+
+    launched = {}
+
+    def record_launch(config, entrypoint):
+        launched["endpoint"] = config.rdzv_endpoint
+        return lambda *args: None
+
+    monkeypatch.setattr(api, "elastic_launch", record_launch)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    launch.launch_workers("train.py", 2, tmp_path, [], master_port, device="cpu", backend="gloo")
+    expected = f"localhost:{master_port}" if configured else "localhost:0"  # port 0: the OS picks a free one
+    assert launched == {"endpoint": expected}
+
+
+def test_a_busy_master_port_is_refused_before_any_worker_starts(tmp_path: Path):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert not launch.port_is_free(port)
+        with pytest.raises(UsageError, match=f"dist.master_port={port} is in use on localhost; pick another port"):
+            launch.launch_workers("train.py", 2, tmp_path, [], port)
+    assert launch.port_is_free(port)
+
+
+def test_override_quoting_survives_hydras_grammar():
+    assert launch._quote("/tmp/a b/it's") == "'/tmp/a b/it\\'s'"
+
+
+def make_job(sweep: Path, num: int, overrides: list[str], epochs: int, metrics: dict | None, failed: bool = False):
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create(overrides), job / ".hydra" / "overrides.yaml")
+    OmegaConf.save(OmegaConf.create({"trainer": {"epochs": epochs}}), job / ".hydra" / "config.yaml")
+    if metrics is not None:
+        (job / "metrics.json").write_text(json.dumps(metrics))
+    if failed:
+        (job / sweep_summary.FAILED_MARKER).write_text("RuntimeError: boom\n")
+
+
+def test_sweep_summary_sorts_completed_jobs_by_the_metric(tmp_path: Path):
+    make_job(tmp_path, 0, ["optimizer.lr=0.1"], 2, {"epoch": 2, "val/acc": 0.91, "val/loss": 0.3})
+    make_job(tmp_path, 1, ["optimizer.lr=0.01"], 2, {"epoch": 2, "val/acc": 0.95, "val/loss": 0.2})
+    make_job(tmp_path, 2, ["optimizer.lr=1.0"], 2, {"epoch": 1, "val/acc": 0.99}, failed=True)
+    make_job(tmp_path, 10, ["optimizer.lr=0.5"], 2, {"epoch": 1, "val/acc": 0.97})
+    rows = sweep_summary.collect(tmp_path, "val/acc", "max")
+    assert [(r["job"], r["status"]) for r in rows] == [
+        ("1", "completed"), ("0", "completed"), ("2", "failed"), ("10", "incomplete")]
+    by_loss = sweep_summary.collect(tmp_path, "val/loss", "min")
+    assert [r["job"] for r in by_loss][:2] == ["1", "0"]
+    table = sweep_summary.SweepSummary("val/acc", "max").write(tmp_path)
+    assert table.splitlines()[2].startswith("| 1 | completed | 0.9500 | 0.2000 |")
+    assert (tmp_path / "summary.md").read_text() == table
+    csv_lines = (tmp_path / "summary.csv").read_text().splitlines()
+    # The columns are the metrics the jobs' task wrote: the monitored one first.
+    assert csv_lines[0] == "job,status,overrides,val/acc,val/loss,epoch,samples_per_s,job_dir"
+    assert csv_lines[1].startswith("1,completed,optimizer.lr=0.01,0.95,0.2,")
+
+
+def test_sweep_summary_columns_are_the_tasks_metrics(tmp_path: Path):
+    make_job(tmp_path, 0, ["optimizer.lr=0.1"], 1, {"epoch": 1, "val/loss": 0.4, "val/mae": 0.5, "val/r2": 0.4,
+                                                   "train/mae": 0.3, "val/num_samples": 88})
+    make_job(tmp_path, 1, ["optimizer.lr=0.01"], 1, {"epoch": 1, "val/loss": 0.3, "val/mae": 0.4, "val/r2": 0.5,
+                                                    "train/mae": 0.2, "val/num_samples": 88})
+    table = sweep_summary.SweepSummary("val/mae", "min").write(tmp_path)
+    assert table.splitlines()[0] == ("| job | status | val/mae | val/loss | val/r2 | train/mae | epoch | samples_per_s "
+                                     "| overrides |")
+    assert table.splitlines()[2].startswith("| 1 | completed | 0.4000 | 0.3000 | 0.5000 | 0.2000 | 1 | - |")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--cfg", "job"]])
+def test_no_run_dir_without_a_run(tmp_path: Path, argv):
+    subprocess.run([sys.executable, str(REPO / "train.py"), *argv], cwd=tmp_path, check=True, capture_output=True)
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("environ,restarted", [
+    ({}, False), ({"TORCHELASTIC_RESTART_COUNT": "0"}, False), ({"TORCHELASTIC_RESTART_COUNT": "2"}, True),
+    ({"SLURM_RESTART_COUNT": "1"}, True), ({"SLURM_RESTART_COUNT": "0"}, False)])
+def test_restarts_and_requeues_are_recognised(environ, restarted):
+    assert launch.restarted_by_launcher(environ) is restarted
+
+
+def test_a_wrapped_usage_error_stays_findable_through_the_torchrun_wrapper(monkeypatch):
+    """Hydra's instantiate wraps a builder's UsageError (`raise InstantiationException(...) from error`);
+    under torchrun the error passes @record unrecorded and must come out with that cause intact."""
+    from src.common.errors import UsageError, find_usage_error
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a launcher's worker: recording_errors wraps in @record
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", "/nonexistent/error.json")
+
+    def build():
+        try:
+            raise UsageError("image folder data/train not found")
+        except UsageError as error:
+            raise RuntimeError("Error in call to target 'src.components.datasets.image_folder'") from error
+
+    with pytest.raises(RuntimeError) as raised:
+        launch.recording_errors(build)()
+    assert str(find_usage_error(raised.value)) == "image folder data/train not found"

@@ -1,0 +1,48 @@
+"""src/parallel/retries.py: a usage error under a restarting launcher is recorded, and that launcher's restarts
+exit at once with the same line; nothing else is affected."""
+
+from __future__ import annotations
+
+import pytest
+
+from src.parallel import retries
+
+
+@pytest.fixture
+def torchrun_worker(monkeypatch, tmp_path):
+    """This process as the first attempt of a torchrun worker with 3 restarts; records under tmp_path."""
+    monkeypatch.setattr(retries, "RECORDS", tmp_path / "records")
+    for key, value in {"TORCHELASTIC_RUN_ID": "test", "TORCHELASTIC_MAX_RESTARTS": "3",
+                       "TORCHELASTIC_RESTART_COUNT": "0", "RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    return monkeypatch
+
+
+def test_a_restart_after_a_usage_error_exits_at_once_with_its_line(torchrun_worker, capsys):
+    retries.exit_if_failed_for_good()  # the first attempt runs
+    retries.record_final_failure("dataset.root=/nowhere does not exist")
+    torchrun_worker.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(SystemExit) as exit_:
+        retries.exit_if_failed_for_good()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: dataset.root=/nowhere does not exist (not retried: every restart would stop on it)\n")
+
+
+def test_a_restart_after_another_failure_runs(torchrun_worker):
+    torchrun_worker.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # say, a worker was killed
+    retries.exit_if_failed_for_good()
+
+
+@pytest.mark.parametrize("unset", ["TORCHELASTIC_RUN_ID", "TORCHELASTIC_MAX_RESTARTS"])
+def test_nothing_is_recorded_without_restarts_to_save(torchrun_worker, unset: str):
+    torchrun_worker.delenv(unset)
+    retries.record_final_failure("a mistake")
+    assert not retries.RECORDS.exists()
+
+
+def test_records_of_launchers_that_are_gone_are_removed(torchrun_worker):
+    retries.RECORDS.mkdir()
+    (retries.RECORDS / "999999999-1").write_text("old")  # no such process
+    retries.record_final_failure("a mistake")
+    assert [path.read_text() for path in retries.RECORDS.iterdir()] == ["a mistake"]

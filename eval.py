@@ -25,7 +25,7 @@ from omegaconf.errors import ConfigKeyError
 
 from src.common import heap
 from src.common.errors import UsageError, exit_on_usage_error
-from src.config import data_fields, schema
+from src.config import data_fields, hydra_errors
 from src.parallel import launch
 
 log = logging.getLogger("eval")
@@ -44,7 +44,7 @@ ConfigStore.instance().store(group="dataset", name=FROM_CHECKPOINT, node=OmegaCo
 def main(cfg: DictConfig) -> float:
     """Hydra's entry point; returns the val value of the checkpoint's monitored metric."""
     # As in train.py, torch loads inside evaluate_checkpoint(), so `--help` stays fast.
-    schema.config_composed()  # from here on, errors are the run's (Hydra reports them as usual)
+    hydra_errors.config_composed()  # from here on, errors are the run's (Hydra reports them as usual)
     launch.adopt_cluster_env()  # submitit / SLURM tasks become torchrun-style workers
     hydra_cfg = HydraConfig.get()
     with exit_on_usage_error(launch.is_main_rank(), in_sweep=hydra_cfg.mode == RunMode.MULTIRUN):
@@ -127,5 +127,5 @@ def merge_dataset(saved_dataset: DictConfig, overrides: DictConfig, path: Path) 
 if __name__ == "__main__":
     heap.pause_collection()  # resumed in evaluate_checkpoint(), once the imports are done
     launch.adopt_cluster_env()
-    with schema.one_line_config_errors(launch.is_main_rank()):
+    with hydra_errors.one_line_config_errors(launch.is_main_rank()):
         main()

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.common import heap
 from src.common.errors import exit_on_usage_error
-from src.config import data_fields, schema
+from src.config import data_fields, hydra_errors, schema
 from src.parallel import launch
 
 log = logging.getLogger("train")
@@ -43,7 +43,7 @@ def main(cfg: DictConfig) -> float:
     """Hydra's entry point; returns the final value of the monitored metric (what sweepers optimise)."""
     # torch and everything built on it load inside train(), not at the top: `--help` and
     # `--cfg job` answer without paying seconds for imports they do not use.
-    schema.config_composed()  # from here on, errors are the run's (Hydra reports them as usual)
+    hydra_errors.config_composed()  # from here on, errors are the run's (Hydra reports them as usual)
     launch.adopt_cluster_env()  # submitit / SLURM tasks become torchrun-style workers
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -156,5 +156,5 @@ def run_task(cfg, run_dir, runtime, data, task, resumed, checkpointer) -> float:
 if __name__ == "__main__":
     heap.pause_collection()  # resumed in run(), once the imports are done
     launch.adopt_cluster_env()
-    with schema.one_line_config_errors(launch.is_main_rank()):
+    with hydra_errors.one_line_config_errors(launch.is_main_rank()):
         main()

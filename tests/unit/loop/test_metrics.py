@@ -10,9 +10,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from src.loop import metrics as metrics_module
 from src.common.errors import UsageError
 from src.components.tasks import Classification
+from src.loop import metrics as metrics_module
 from src.loop.evaluation import metrics_of
 from src.loop.metrics import MetricSums
 

@@ -25,7 +25,7 @@ from omegaconf.errors import ConfigKeyError
 
 from src.common import heap
 from src.common.errors import UsageError, exit_on_usage_error
-from src.config import data_fields, hydra_errors
+from src.config import data_fields, hydra_errors, schema  # noqa: F401 - importing schema registers eval_schema
 from src.parallel import launch
 
 log = logging.getLogger("eval")

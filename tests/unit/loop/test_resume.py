@@ -4,46 +4,14 @@ none of them trains at all."""
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TRAIN, check, metrics, run, torchrun, train, weights
 
 from src.common.errors import UsageError
 from src.loop import checkpoint, resume
 from src.loop.checkpoint import Checkpointer
-
-TWO_EPOCHS = ["trainer.epochs=2", "optimizer=sgd", "optimizer.lr=0.01", "scheduler=constant"]
-STOPPED = [*TWO_EPOCHS, "trainer.checkpoint_every_steps=5", "trainer.max_steps=27"]
-TIMING_KEYS = {"epoch_time_s", "samples_per_s"}
-
-
-def damage(checkpoints: Path) -> None:
-    """The two newest states unreadable: last.pt cut short, step 27 empty; step 25 is intact."""
-    last = checkpoints / "last.pt"
-    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
-    (checkpoints / "step_000000027.pt").write_bytes(b"")
-
-
-def without_timing(summary: dict) -> dict:
-    history = [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in summary["history"]]
-    return {**{k: v for k, v in summary.items() if k not in TIMING_KEYS}, "history": history}
-
-
-def assert_bitwise_equal(run_dir: Path, reference: Path) -> None:
-    assert without_timing(metrics(run_dir)) == without_timing(metrics(reference))
-    for name, tensor in weights(reference).items():
-        assert torch.equal(tensor, weights(run_dir)[name]), name
-
-
-# -- unit ---------------------------------------------------------------------------------------
 
 
 def save(saver: Checkpointer, step: int) -> None:
@@ -80,110 +48,3 @@ def test_an_explicit_damaged_path_is_an_error_not_a_fallback(tmp_path: Path):
         resume.load_resume_checkpoint(saver, str(saver.last_path), allowed=set())
     assert resume.load_resume_checkpoint(saver, "auto", allowed=set())[1]["step"] == 5
     assert checkpoint.load(tmp_path / "step_000000005.pt")["step"] == 5
-
-
-# -- the real command line ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def stopped(tmp_path_factory) -> Path:
-    """A one-process run stopped at step 27 with step checkpoints every 5 steps (25 and 27 kept)."""
-    workdir = tmp_path_factory.mktemp("stopped")
-    check(train([*STOPPED, "hydra.run.dir=run"], workdir))
-    return workdir / "run"
-
-
-@pytest.mark.slow
-def test_a_damaged_last_checkpoint_resumes_from_the_newest_that_loads_exactly(tmp_path: Path, stopped: Path):
-    check(train([*TWO_EPOCHS, "hydra.run.dir=straight"], tmp_path))
-    shutil.copytree(stopped, tmp_path / "run")
-    damage(tmp_path / "run" / "checkpoints")
-
-    explicit = train([*TWO_EPOCHS, "resume=run/checkpoints/last.pt", "hydra.run.dir=run"], tmp_path)
-    assert explicit.returncode == 2 and "Traceback" not in explicit.stderr
-    (error,) = [line for line in explicit.stderr.splitlines() if line.startswith("error:")]
-    assert error.startswith("error: checkpoint run/checkpoints/last.pt cannot be read")  # no fallback
-
-    result = check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], tmp_path))
-    log = (tmp_path / "run" / "train.log").read_text()
-    checkpoints = tmp_path / "run" / "checkpoints"
-    assert f"resume: skipping a damaged checkpoint: checkpoint {checkpoints / 'last.pt'} cannot be read" in log
-    assert f"resume: skipping a damaged checkpoint: checkpoint {checkpoints / 'step_000000027.pt'} cannot" in log
-    assert f"continuing from {checkpoints / 'step_000000025.pt'}, the newest checkpoint that loads" in log
-    assert "after epoch 1, step 25 (3 steps into epoch 2)" in result.stdout
-    assert_bitwise_equal(tmp_path / "run", tmp_path / "straight")
-
-
-@pytest.fixture(scope="module")
-def straight_two_ranks(tmp_path_factory) -> Path:
-    """Two ranks, two epochs, never interrupted."""
-    workdir = tmp_path_factory.mktemp("straight2")
-    check(torchrun(2, [*TWO_EPOCHS, "hydra.run.dir=run"], workdir))
-    return workdir / "run"
-
-
-@pytest.mark.slow
-def test_two_ranks_resume_from_the_file_rank_0_chose(tmp_path: Path, straight_two_ranks: Path):
-    check(torchrun(2, [*STOPPED, "hydra.run.dir=run"], tmp_path))
-    damage(tmp_path / "run" / "checkpoints")
-    check(torchrun(2, [*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], tmp_path))
-    log = (tmp_path / "run" / "train.log").read_text()
-    assert f"continuing from {tmp_path / 'run' / 'checkpoints' / 'step_000000025.pt'}" in log
-    assert_bitwise_equal(tmp_path / "run", straight_two_ranks)
-
-
-@pytest.mark.slow
-def test_a_torchrun_restart_after_a_damaged_last_checkpoint_ends_as_if_never_interrupted(
-        tmp_path: Path, straight_two_ranks: Path):
-    """No resume= anywhere: rank 1 damages last.pt and step 25 and dies at step 28; torchrun
-    restarts the group, which goes on from step 20 by itself."""
-    damaging = str(REPO / "tests" / "fixtures" / "damaging_worker.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-               damaging, *TWO_EPOCHS, "trainer.checkpoint_every_steps=5", "hydra.run.dir=run"]
-    check(run(command, tmp_path))
-    log = (tmp_path / "run" / "train.log").read_text()
-    checkpoints = tmp_path / "run" / "checkpoints"
-    assert f"resume: skipping a damaged checkpoint: checkpoint {checkpoints / 'last.pt'} cannot be read" in log
-    assert f"checkpoint {checkpoints / 'step_000000025.pt'} cannot be read" in log
-    assert f"resumed from {checkpoints / 'step_000000020.pt'} after epoch 0, step 20" in log
-    assert_bitwise_equal(tmp_path / "run", straight_two_ranks)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def digests(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
-
-
-@pytest.mark.slow
-def test_a_rank_that_cannot_see_the_chosen_checkpoint_stops_every_rank_before_any_step(tmp_path: Path,
-                                                                                      stopped: Path):
-    """Two "nodes" with their own disks: each rank launched by hand (as a cluster launcher would)
-    from its own folder, and only node A's holds the run's checkpoints."""
-    node_a, node_b = tmp_path / "a", tmp_path / "b"
-    node_b.mkdir()
-    shutil.copytree(stopped, node_a / "run")
-    before = digests(node_a / "run" / "checkpoints")
-    port = free_port()
-    ranks = []
-    for rank, node in enumerate((node_a, node_b)):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        ranks.append(subprocess.Popen([sys.executable, TRAIN, *TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"],
-                                      cwd=node, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = [process.communicate(timeout=120) for process in ranks]
-
-    assert [process.returncode for process in ranks] == [2, 2], outputs
-    errors = [[line for line in err.splitlines() if line.startswith("error:")] for _, err in outputs]
-    (error,) = errors[0]
-    last_a, last_b = (node / "run" / "checkpoints" / "last.pt" for node in (node_a, node_b))
-    assert error == (f"error: rank 1 cannot load {last_a}, the checkpoint rank 0 resumes from (checkpoint {last_b} "
-                     "does not exist); every rank must see the run dir: put hydra.run.dir on a filesystem all "
-                     "nodes share")
-    assert errors[1] == [] and not any("Traceback" in err for _, err in outputs)
-    assert digests(node_a / "run" / "checkpoints") == before
-    assert "resumed from" not in (node_a / "run" / "train.log").read_text()  # stopped before any step

@@ -62,6 +62,8 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> float:
     """Join the process group, run, leave it. `choices`: the option Hydra chose in each group."""
     from src.parallel import distributed
 
+    # Start-up's objects are frozen; what the run builds, the process group first, is collected as usual.
+    heap.resume_collection()
     with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s,
                                    cfg.dist.step_timeout_s) as runtime:
         # The run's objects (DDP's reducer among them) are freed when run() returns, before
@@ -77,7 +79,6 @@ def run(cfg: DictConfig, run_dir: Path, runtime, choices: dict[str, str]) -> flo
     from src.loop.setup import build_task, model_fields
     from src.reports import reporting
 
-    heap.resume_collection()  # start-up's objects are frozen; what the run builds is collected as usual
     reporting.setup_logging(run_dir, runtime.env.rank)
     checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", runtime.is_main_process, cfg.trainer.keep_last)
     # A restarted or requeued run picks up where it stopped; otherwise as configured. Every rank gets
@@ -154,7 +155,13 @@ def run_task(cfg, run_dir, runtime, data, task, resumed, checkpointer) -> float:
 
 
 if __name__ == "__main__":
-    heap.pause_collection()  # resumed in run(), once the imports are done
+    heap.pause_collection()  # resumed in train(), once the imports are done
     launch.adopt_cluster_env()
     with hydra_errors.one_line_config_errors(launch.is_main_rank()):
         main()
+    # A worker that ran a DDP group skips the interpreter's teardown, which the group's threads could
+    # abort (src/parallel/distributed.py). Only here, after every job: errors exit as usual above.
+    if launch.is_worker():
+        from src.parallel.distributed import exit_after_a_group
+
+        exit_after_a_group()

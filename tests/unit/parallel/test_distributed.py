@@ -2,6 +2,11 @@
 choice, and the single-process paths of the collectives (the multi-process paths run in the
 CLI tests)."""
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -62,3 +67,45 @@ def test_single_process_runtime_has_no_group(monkeypatch):
         assert distributed.broadcast_object({"a": 1}) == {"a": 1}
         with distributed.main_process_first():
             pass
+
+
+EXIT_SCRIPT = """
+import atexit, os, sys
+import torch
+sys.path.insert(0, {repo!r})
+from src.parallel import distributed
+
+class Teardown:
+    def __del__(self):
+        print("teardown ran", flush=True)
+
+kept_until_teardown = Teardown()
+atexit.register(lambda: print("atexit ran", flush=True))
+if {join}:
+    with distributed.process_group("cpu", "gloo", 60) as runtime:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
+        model(torch.ones(2, 3)).sum().backward()
+        del model
+distributed.exit_after_a_group()
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("join", [True, False])
+def test_a_process_that_ran_a_group_ends_without_the_interpreters_teardown(join: bool):
+    """After a DDP group, each rank exits at once: atexit handlers run, the teardown (where the group's
+    gloo threads could abort the process) does not. Without a group, nothing changes."""
+    from conftest import REPO
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = EXIT_SCRIPT.format(repo=str(REPO), join=join)
+    ranks = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for rank in range(2)]
+    for rank in ranks:
+        stdout, stderr = rank.communicate(timeout=120)
+        assert rank.returncode == 0, stderr[-3000:]
+        assert stdout.splitlines() == (["atexit ran"] if join else ["returned", "atexit ran", "teardown ran"])

@@ -26,9 +26,12 @@ import sys
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from omegaconf import OmegaConf
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
 
 _STORE_KEY = "ddp_template/run_started_at"
 _ENV_KEY = "DDP_TEMPLATE_RUN_STARTED_AT"
@@ -180,43 +183,46 @@ def launch_workers(
     this process. A port in use, or a device or backend the workers could not get, is refused
     here, before any worker starts.
     """
-    from src.common.errors import USAGE_ERROR_EXIT_CODE, UsageError, WorkersReportedUsageError
+    from src.common.errors import USAGE_ERROR_EXIT_CODE, WorkersReportedUsageError
 
-    if master_port is not None and not port_is_free(master_port):
-        raise UsageError(
-            f"dist.master_port={master_port} is in use on localhost; pick another port "
-            "or leave dist.master_port=null for a free one"
-        )
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    _refuse_a_busy_port(master_port)
+    from torch.distributed.launcher.api import elastic_launch
 
     from src.parallel import distributed
 
     # The workers' own checks, made once here rather than after starting them all.
     last_worker = distributed.DistEnv(rank=nproc - 1, local_rank=nproc - 1, world_size=nproc)
     distributed.select_backend(backend, distributed.select_device(device, last_worker))
-
-    if nproc > 1:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does: no thread oversubscription
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"localhost:{master_port or 0}",
-        max_restarts=0,
-        monitor_interval=0.5,
-    )
     overrides = [o for o in task_overrides if not o.startswith("dist.nproc_per_node=")]
     worker_args = [script, *overrides, f"hydra.run.dir={_quote(str(run_dir))}", "hydra.output_subdir=null"]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        elastic_launch(config, entrypoint=sys.executable)(*worker_args)
+        elastic_launch(_standalone_config(nproc, master_port), entrypoint=sys.executable)(*worker_args)
     except ChildFailedError as error:
         if all(failure.exitcode == USAGE_ERROR_EXIT_CODE for failure in error.failures.values()):
             raise WorkersReportedUsageError("the workers stopped on the error above") from None
         raise
+
+
+def _standalone_config(nproc: int, master_port: int | None) -> LaunchConfig:
+    """`torchrun --standalone --nproc_per_node=nproc`: one node, no restarts, a c10d rendezvous on
+    `master_port` (None: a free port the OS picks)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if nproc > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does: no thread oversubscription
+    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                        rdzv_backend="c10d", rdzv_endpoint=f"localhost:{master_port or 0}", max_restarts=0,
+                        monitor_interval=0.5)
+
+
+def _refuse_a_busy_port(master_port: int | None) -> None:
+    from src.common.errors import UsageError
+
+    if master_port is not None and not port_is_free(master_port):
+        raise UsageError(f"dist.master_port={master_port} is in use on localhost; pick another port "
+                         "or leave dist.master_port=null for a free one")
 
 
 def port_is_free(port: int) -> bool:

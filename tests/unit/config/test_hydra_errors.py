@@ -1,0 +1,159 @@
+"""src/config/hydra_errors.py: Hydra's compose errors as one line, checked against the config itself.
+
+Each test composes conf/ with Hydra's public `compose` and describes the error it raises, as
+train.py and eval.py do, in this process (no subprocess): the messages are checked exactly.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import hydra
+import pytest
+from conftest import REPO
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+
+import src.config.schema  # noqa: F401 - registers train_schema and eval_schema
+from src.common.errors import USAGE_ERROR_EXIT_CODE
+from src.config import hydra_errors
+
+
+@pytest.fixture
+def eval_dataset_option():
+    """eval.py's default dataset option (a stored config, not a file of conf/), for this test only."""
+    store = ConfigStore.instance()
+    stored_before = "checkpoint.yaml" in store.repo.get("dataset", {})
+    store.store(group="dataset", name="checkpoint", node=OmegaConf.create({}, flags={"struct": False}))
+    yield
+    if not stored_before:
+        del store.repo["dataset"]["checkpoint.yaml"]
+
+
+def error_of(overrides: list[str], config_name: str = "config", conf: Path = REPO / "conf") -> Exception:
+    """The error Hydra raises composing `config_name` with these command-line overrides."""
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        with pytest.raises(Exception) as caught:
+            compose(config_name, overrides)
+    return caught.value
+
+
+def described(overrides: list[str], config_name: str = "config", script: str = "train.py", **kwargs) -> str:
+    return hydra_errors.describe_config_error(error_of(overrides, config_name, **kwargs), script)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model=cnnn"], "model=cnnn is not an option of model (did you mean model=cnn?); "
+                     "choose one of cnn, linear, mlp, resnet18, two_input_cnn"),
+    (["model=cnn", "optimizer=adamm"], "optimizer=adamm is not an option of optimizer (did you mean optimizer=adam?); "
+                                       "choose one of adam, adamw, sgd"),
+    (["modell=mlp"], "modell is not a config key (did you mean model?); to add a new key, use +modell=mlp"),
+    (["trainer.epoch=3"], "trainer.epoch is not a config key (did you mean trainer.epochs?); "
+                          "to add a new key, use +trainer.epoch=3"),
+    (["trainer.nothing_like_it.x=1"], "trainer.nothing_like_it is not a config key (train.py --cfg job lists the "
+                                      "keys); to add a new key, use +trainer.nothing_like_it.x=1"),
+    (["trainer.epochs=abc"], "trainer.epochs=abc: trainer.epochs takes an integer, e.g. trainer.epochs=20"),
+    (["trainer.grad_clip=x"], "trainer.grad_clip=x: trainer.grad_clip takes a number or null"),
+    (["dist.sync_bn=maybe"], "dist.sync_bn=maybe: dist.sync_bn takes true or false, e.g. dist.sync_bn=true"),
+    (["trainer.epochs=null"], "trainer.epochs=null: trainer.epochs cannot be null; "
+                              "set it to an integer, e.g. trainer.epochs=20"),
+    (["dist.master_port=abc"], "dist.master_port=abc: dist.master_port takes an integer or null"),
+    (["model=mlp", "trainer.epochs=3", "trainer.epochs=x"], "trainer.epochs=x: trainer.epochs takes an integer, "
+                                                            "e.g. trainer.epochs=3"),
+    (["trainer.epochs=[1"], "cannot parse the override 'trainer.epochs=[1' (no viable alternative at input '[1'); "
+     "quote values holding special characters, e.g. key='a value' "
+     "(https://hydra.cc/docs/advanced/override_grammar/basic/)"),
+], ids=["unknown-option", "second-group", "typo-in-group", "typo-in-key", "unknown-key-no-suggestion",
+        "int-expected", "float-expected", "bool-expected", "null-not-allowed", "port-not-a-number",
+        "checked-after-the-overrides-before", "unparsable-override"])
+def test_train_command_line(overrides, message):
+    assert described(overrides) == message
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["checkpoint=x.pt", "dataset=nope"], "dataset=nope is not an option of dataset; choose one of breast_cancer, "
+     "checkpoint, cifar10, diabetes, digits, fashion_mnist, image_folder, mnist, synthetic, two_input_synthetic"),
+    (["checkpoint=x.pt", "trainer.devic=cpu"], "trainer.devic is not a config key (did you mean trainer.device?); "
+                                               "to add a new key, use +trainer.devic=cpu"),
+    (["checkpoint=x.pt", "model=mlp"], "eval.py has no model option to choose "
+                                       "(eval.py --help lists its config groups)"),
+    (["dataset.root=/data", "dataset.anything=1"], None),  # eval's dataset node is open: no error
+], ids=["eval-unknown-option", "eval-typo-in-key", "eval-no-model", "eval-open-dataset"])
+def test_eval_command_line(eval_dataset_option, overrides, message):
+    if message is None:
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            assert compose("eval", overrides).dataset.anything == 1
+        return
+    assert described(overrides, "eval", script="eval.py") == message
+
+
+def test_additions_and_deletions_keep_hydras_own_message():
+    for overrides in (["+trainer.epochs=3"], ["~trainer.epoch"]):
+        error = error_of(overrides)
+        one_line = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        assert hydra_errors.describe_config_error(error, "train.py") == one_line
+
+
+@pytest.fixture(scope="module")
+def conf_with_bad_files(tmp_path_factory) -> Path:
+    """conf/ plus experiment files that set a key the schema lacks, a value of the wrong type, a missing option."""
+    conf = tmp_path_factory.mktemp("conf") / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    (conf / "experiment" / "bad_type.yaml").write_text("# @package _global_\ntrainer:\n  epochs: abc\n")
+    (conf / "experiment" / "bad_key.yaml").write_text("# @package _global_\ntrainer:\n  epoch: 3\n")
+    (conf / "experiment" / "bad_option.yaml").write_text("# @package _global_\ndefaults:\n  - override /model: cnnn\n")
+    return conf
+
+
+@pytest.mark.parametrize("experiment,message", [
+    ("bad_type", "trainer.epochs (in experiment/bad_type.yaml): trainer.epochs takes an integer, "
+                 "e.g. trainer.epochs=20"),
+    ("bad_key", "trainer.epoch (in experiment/bad_key.yaml) is not a config key (did you mean trainer.epochs?)"),
+    ("bad_option", "model=cnnn is not an option of model (did you mean model=cnn?); "
+                   "choose one of cnn, linear, mlp, resnet18, two_input_cnn"),
+])
+def test_errors_in_config_files(conf_with_bad_files, experiment, message):
+    assert described([f"experiment={experiment}", "trainer.epochs=3"], conf=conf_with_bad_files) == message
+
+
+def reworded(error: Exception, text: str) -> Exception:
+    """`error` as a future Hydra might word it: the same type, cause, attributes and traceback, another text."""
+    if isinstance(error, MissingConfigException):
+        new = MissingConfigException(text, missing_cfg_file=error.missing_cfg_file, options=error.options)
+    else:
+        new = type(error)(text)
+    new.__cause__ = error.__cause__
+    return new.with_traceback(error.__traceback__)
+
+
+@pytest.mark.parametrize("overrides,config_name", [
+    (["model=cnnn"], "config"), (["modell=mlp"], "config"), (["trainer.epoch=3"], "config"),
+    (["trainer.epochs=abc"], "config"), (["trainer.epochs=null"], "config"), (["checkpoint=x.pt", "model=mlp"], "eval"),
+], ids=["unknown-option", "typo-in-group", "typo-in-key", "int-expected", "null-not-allowed", "eval-no-model"])
+def test_a_reworded_hydra_message_gets_the_same_description(eval_dataset_option, overrides, config_name):
+    error = error_of(overrides, config_name)
+    text = "Hydra 9 says something else entirely"
+    assert hydra_errors.describe_config_error(reworded(error, text), "x.py") == \
+        hydra_errors.describe_config_error(error, "x.py")
+    assert text not in hydra_errors.describe_config_error(reworded(error, text), "x.py")
+
+
+def test_without_a_composition_on_the_traceback_hydras_message_is_one_line():
+    error = ConfigCompositionException("Something Hydra says\n  over two lines")
+    assert hydra_errors.describe_config_error(error, "train.py") == "Something Hydra says over two lines"
+
+
+def test_a_hydra_main_script_exits_with_one_error_line(monkeypatch, capsys):
+    """The whole path of train.py: @hydra.main, its traceback, exit code 2 and one `error:` line."""
+    monkeypatch.setattr(sys, "argv", ["train.py", "trainer.epochs=abc"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    main = hydra.main(version_base="1.3", config_path=str(REPO / "conf"), config_name="config")(lambda cfg: None)
+    with pytest.raises(SystemExit) as exited, hydra_errors.one_line_config_errors(is_main_process=True):
+        main()
+    assert exited.value.code == USAGE_ERROR_EXIT_CODE
+    assert capsys.readouterr().err == ("error: trainer.epochs=abc: trainer.epochs takes an integer, "
+                                       "e.g. trainer.epochs=20\n")

@@ -66,13 +66,8 @@ def cosine_with_warmup(
     return LambdaLR(optimizer, factor)
 
 
-def step_decay(
-    optimizer: Optimizer,
-    total_steps: int,
-    steps_per_epoch: int,
-    step_epochs: float = 30.0,
-    gamma: float = 0.1,
-) -> LambdaLR:
+def step_decay(optimizer: Optimizer, total_steps: int, steps_per_epoch: int, step_epochs: float = 30.0,
+               gamma: float = 0.1) -> LambdaLR:
     """Multiply the LR by `gamma` every `step_epochs` epochs."""
     period = max(1, round(step_epochs * steps_per_epoch))
     return LambdaLR(optimizer, lambda step: gamma ** (step // period))

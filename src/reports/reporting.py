@@ -22,7 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from src.common.files import write_text_atomically
-from src.reports.progress import NoProgress, ProgressBar, shows_progress, track
+from src.reports.progress import progress_bar, shows_progress, track
 
 _FORMAT = "[%(asctime)s][%(levelname)s] %(message)s"
 # Colour of a confusion-matrix cell: white for none of a true class's samples, dark blue for all of them.
@@ -175,12 +175,12 @@ class Reporter:
 
             self._writer = SummaryWriter(log_dir=str(run_dir / "tb"))
         self._console = sys.stdout if shows_progress(progress, is_main_process, sys.stdout) else None
-        self._bar = NoProgress()
+        self._bar = tqdm(disable=True)  # no bar before progress() makes one
 
-    def progress(self, desc: str, total: int, done: int = 0) -> NoProgress:
-        """A bar of `total` steps, `done` of them already; without a console to draw on, one that
-        does nothing. `scalars()` shows each reported `train/loss` on it."""
-        self._bar = NoProgress() if self._console is None else ProgressBar(desc, total, done, self._console)
+    def progress(self, desc: str, total: int, done: int = 0) -> tqdm:
+        """A bar of `total` steps, `done` of them already; without a console to draw on, a disabled
+        one that does nothing. `scalars()` shows each reported `train/loss` on it."""
+        self._bar = progress_bar(desc, total, done, self._console)
         return self._bar
 
     def track(self, iterable: Iterable[T], desc: str) -> Iterable[T]:
@@ -189,7 +189,8 @@ class Reporter:
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         if "train/loss" in values:
-            self._bar.show_loss(values["train/loss"])  # already on the host: the bar costs no sync
+            # Already on the host: no sync. No redraw: the next update() draws it, within tqdm's rate limit.
+            self._bar.set_postfix(loss=f"{values['train/loss']:.4f}", refresh=False)
         if self._writer is None:
             return
         for tag, value in values.items():

@@ -70,13 +70,13 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("run_timestamp", lambda fmt: run_started_at().strftime(fmt), replace=True)
     # Hydra writes `.hydra/` before our code runs, in every process of a group; this
     # makes `hydra.output_subdir` null on the other ranks whichever launcher started them.
-    OmegaConf.register_new_resolver("main_rank_only", lambda value: value if is_main_rank() else None, replace=True)
+    OmegaConf.register_new_resolver("main_rank_only", lambda value: value if is_main_process() else None, replace=True)
     from src.config import data_fields
 
     data_fields.register_resolver()  # ${data:FIELD} in model YAMLs
 
 
-def is_main_rank() -> bool:
+def is_main_process() -> bool:
     """Whether this process is rank 0 (or the only process), whatever launched it."""
     adopt_cluster_env()
     return int(os.environ.get("RANK", "0")) == 0

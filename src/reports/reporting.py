@@ -168,9 +168,9 @@ class Reporter:
 
     def __init__(self, run_dir: Path, is_main_process: bool, tensorboard: bool = True, progress: bool = False) -> None:
         self.run_dir = run_dir
-        self.enabled = is_main_process
+        self.is_main_process = is_main_process
         self._writer = None
-        if self.enabled and tensorboard:
+        if self.is_main_process and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(run_dir / "tb"))
@@ -216,7 +216,7 @@ class Reporter:
     def confusion_matrix(self, counts: torch.Tensor, step: int) -> None:
         """A confusion matrix of counts (rows: true class): a heatmap under `val/confusion_matrix`
         and the raw counts in confusion_matrix.csv (replaced each time)."""
-        if not self.enabled:
+        if not self.is_main_process:
             return
         if self._writer is not None:
             self._writer.add_image("val/confusion_matrix", confusion_heatmap(counts), global_step=step)
@@ -241,7 +241,7 @@ class Reporter:
 
     def write_metrics(self, summary: Mapping[str, Any]) -> None:
         """Replace metrics.json atomically, so a reader never sees half a file."""
-        if self.enabled:
+        if self.is_main_process:
             write_text_atomically(self.run_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
 
     def close(self) -> None:

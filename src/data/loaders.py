@@ -23,12 +23,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
+from src.common.errors import UsageError
+from src.common.seeding import epoch_seed
 from src.data.batches import to_device
+from src.data.image_tensors import ImageTensorDataset
 from src.data.splits import DataSplits
 from src.parallel.distributed import main_process_first
-from src.common.errors import UsageError
-from src.data.image_tensors import ImageTensorDataset
-from src.common.seeding import epoch_seed
 
 # Keys of a `dataset` config read by the loaders; all others go to its `_target_` builder.
 LOADER_KEYS = ("batch_size", "val_batch_size", "num_workers")

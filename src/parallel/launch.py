@@ -180,43 +180,41 @@ def launch_workers(
     this process. A port in use, or a device or backend the workers could not get, is refused
     here, before any worker starts.
     """
-    from src.common.errors import USAGE_ERROR_EXIT_CODE, UsageError, WorkersReportedUsageError
+    from src.common.errors import USAGE_ERROR_EXIT_CODE, WorkersReportedUsageError
 
-    if master_port is not None and not port_is_free(master_port):
-        raise UsageError(
-            f"dist.master_port={master_port} is in use on localhost; pick another port "
-            "or leave dist.master_port=null for a free one"
-        )
+    _refuse_what_workers_could_not_use(nproc, master_port, device, backend)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from src.parallel import distributed
-
-    # The workers' own checks, made once here rather than after starting them all.
-    last_worker = distributed.DistEnv(rank=nproc - 1, local_rank=nproc - 1, world_size=nproc)
-    distributed.select_backend(backend, distributed.select_device(device, last_worker))
 
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does: no thread oversubscription
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"localhost:{master_port or 0}",
-        max_restarts=0,
-        monitor_interval=0.5,
-    )
+    # As `torchrun --standalone`: one node, a c10d rendezvous on localhost, no restarts.
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex, rdzv_backend="c10d",
+                          rdzv_endpoint=f"localhost:{master_port or 0}", max_restarts=0, monitor_interval=0.5)
     overrides = [o for o in task_overrides if not o.startswith("dist.nproc_per_node=")]
     worker_args = [script, *overrides, f"hydra.run.dir={_quote(str(run_dir))}", "hydra.output_subdir=null"]
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     try:
         elastic_launch(config, entrypoint=sys.executable)(*worker_args)
     except ChildFailedError as error:
         if all(failure.exitcode == USAGE_ERROR_EXIT_CODE for failure in error.failures.values()):
             raise WorkersReportedUsageError("the workers stopped on the error above") from None
         raise
+
+
+def _refuse_what_workers_could_not_use(nproc: int, master_port: int | None, device: str, backend: str) -> None:
+    """The workers' own checks (a port in use, a device or backend they could not get), made once here
+    rather than after starting them all."""
+    from src.common.errors import UsageError
+
+    if master_port is not None and not port_is_free(master_port):
+        raise UsageError(
+            f"dist.master_port={master_port} is in use on localhost; pick another port "
+            "or leave dist.master_port=null for a free one"
+        )
+    from src.parallel import distributed
+
+    last_worker = distributed.DistEnv(rank=nproc - 1, local_rank=nproc - 1, world_size=nproc)
+    distributed.select_backend(backend, distributed.select_device(device, last_worker))
 
 
 def port_is_free(port: int) -> bool:

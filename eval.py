@@ -47,7 +47,7 @@ def main(cfg: DictConfig) -> float:
     hydra_errors.config_composed()  # from here on, errors are the run's (Hydra reports them as usual)
     launch.adopt_cluster_env()  # submitit / SLURM tasks become torchrun-style workers
     hydra_cfg = HydraConfig.get()
-    with exit_on_usage_error(launch.is_main_rank(), in_sweep=hydra_cfg.mode == RunMode.MULTIRUN):
+    with exit_on_usage_error(launch.is_main_process(), in_sweep=hydra_cfg.mode == RunMode.MULTIRUN):
         evaluate_job = launch.recording_errors(evaluate_checkpoint)
         return evaluate_job(cfg, hydra_cfg.runtime.choices.dataset, Path(hydra_cfg.runtime.output_dir))
 
@@ -127,5 +127,5 @@ def merge_dataset(saved_dataset: DictConfig, overrides: DictConfig, path: Path) 
 if __name__ == "__main__":
     heap.pause_collection()  # resumed in evaluate_checkpoint(), once the imports are done
     launch.adopt_cluster_env()
-    with hydra_errors.one_line_config_errors(launch.is_main_rank()):
+    with hydra_errors.one_line_config_errors(launch.is_main_process()):
         main()

@@ -48,7 +48,7 @@ def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
-    with exit_on_usage_error(launch.is_main_rank(), in_sweep), launch.discard_unused_run_dir(run_dir, in_sweep):
+    with exit_on_usage_error(launch.is_main_process(), in_sweep), launch.discard_unused_run_dir(run_dir, in_sweep):
         schema.check_train_config(cfg)  # values the schema's types cannot refuse, before any work
         if cfg.dist.nproc_per_node > 1 and not launch.is_worker():
             heap.resume_collection()  # this process only waits on its workers, for as long as they run
@@ -157,7 +157,7 @@ def run_task(cfg, run_dir, runtime, data, task, resumed, checkpointer) -> float:
 if __name__ == "__main__":
     heap.pause_collection()  # resumed in train(), once the imports are done
     launch.adopt_cluster_env()
-    with hydra_errors.one_line_config_errors(launch.is_main_rank()):
+    with hydra_errors.one_line_config_errors(launch.is_main_process()):
         main()
     # A worker that ran a DDP group skips the interpreter's teardown, which the group's threads could
     # abort (src/parallel/distributed.py). Only here, after every job: errors exit as usual above.

@@ -4,6 +4,8 @@ never half-written, and durable once written.
 A file is written to a temp file beside it, fsync'ed, renamed over the target, and the directory
 is fsync'ed: after a crash, power loss included, the target holds the old bytes or the new ones.
 A write that fails (a full disk) removes its temp file and leaves the target as it was.
+Where several processes may write one file at once (every rank of a group), `shared=True` gives each
+its own temp file; the last rename wins, and the file is always one writer's whole content.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[BinaryIO]:
-    """A binary file to write `path`'s new content into; it replaces `path` when the block ends."""
-    tmp = path.with_name(path.name + ".tmp")
+def atomic_file(path: Path, shared: bool = False) -> Iterator[BinaryIO]:
+    """A binary file to write `path`'s new content into; it replaces `path` when the block ends.
+    `shared`: other processes may write `path` at the same time (the temp file is named with the pid)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp" if shared else f"{path.name}.tmp")
     try:
         with open(tmp, "wb") as file:
             yield file
@@ -43,9 +46,9 @@ def fsync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write `text` (UTF-8) to `path` atomically and durably."""
-    with atomic_file(path) as file:
+def write_text_atomically(path: Path, text: str, shared: bool = False) -> None:
+    """Write `text` (UTF-8) to `path` atomically and durably (`shared`: see `atomic_file`)."""
+    with atomic_file(path, shared) as file:
         file.write(text.encode("utf-8"))
 
 

@@ -279,7 +279,7 @@ def cifar10(
         _verify_cifar10_checksums(folder)
         dataset_class = CIFAR10
     else:
-        from src.components.cifar10_files import CIFAR10WithoutMD5 as dataset_class
+        from src.data.cifar10_files import CIFAR10WithoutMD5 as dataset_class
     if in_memory:
         train = _cifar10_tensors(dataset_class(root, train=True), augment)
         val = _cifar10_tensors(dataset_class(root, train=False), augment=False)

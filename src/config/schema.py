@@ -203,8 +203,8 @@ class CheckBeforeWriting(Callback):
         if not run_dir.exists():  # a refused run may remove it (launch.discard_unused_run_dir)
             created_run_dirs.add(run_dir.resolve())
         # Hydra turns a callback's exception into a warning and goes on; SystemExit it lets through.
-        with exit_on_usage_error(launch.is_main_rank()):
+        with exit_on_usage_error(launch.is_main_process()):
             check_train_config(OmegaConf.masked_copy(config, [key for key in config if key != "hydra"]))
-            if launch.is_main_rank():  # a late rank could see the checkpoint rank 0 has just written
+            if launch.is_main_process():  # a late rank could see the checkpoint rank 0 has just written
                 checkpoints = Path(config.hydra.run.dir) / "checkpoints"
                 Checkpointer(checkpoints, is_main_process=False).resume_path(launch.resume_setting(config.resume))

@@ -241,11 +241,6 @@ def gather_objects(obj: object) -> list[object]:
     return gathered
 
 
-def barrier() -> None:
-    if is_initialized():
-        dist.barrier()
-
-
 @contextlib.contextmanager
 def main_process_first() -> Iterator[None]:
     """Rank 0 runs the block before the others (say, a download), so they find its files."""

@@ -73,13 +73,13 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("run_timestamp", lambda fmt: run_started_at().strftime(fmt), replace=True)
     # Hydra writes `.hydra/` before our code runs, in every process of a group; this
     # makes `hydra.output_subdir` null on the other ranks whichever launcher started them.
-    OmegaConf.register_new_resolver("main_rank_only", lambda value: value if is_main_rank() else None, replace=True)
+    OmegaConf.register_new_resolver("main_rank_only", lambda value: value if is_main_process() else None, replace=True)
     from src.config import data_fields
 
     data_fields.register_resolver()  # ${data:FIELD} in model YAMLs
 
 
-def is_main_rank() -> bool:
+def is_main_process() -> bool:
     """Whether this process is rank 0 (or the only process), whatever launched it."""
     adopt_cluster_env()
     return int(os.environ.get("RANK", "0")) == 0
@@ -186,6 +186,7 @@ def launch_workers(
     from src.common.errors import USAGE_ERROR_EXIT_CODE, WorkersReportedUsageError
 
     _refuse_a_busy_port(master_port)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     from src.parallel import distributed
@@ -195,8 +196,6 @@ def launch_workers(
     distributed.select_backend(backend, distributed.select_device(device, last_worker))
     overrides = [o for o in task_overrides if not o.startswith("dist.nproc_per_node=")]
     worker_args = [script, *overrides, f"hydra.run.dir={_quote(str(run_dir))}", "hydra.output_subdir=null"]
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     try:
         elastic_launch(_standalone_config(nproc, master_port), entrypoint=sys.executable)(*worker_args)
     except ChildFailedError as error:

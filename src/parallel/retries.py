@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from src.common.errors import USAGE_ERROR_EXIT_CODE
+from src.common.files import write_text_atomically
 
 RECORDS = Path(tempfile.gettempdir()) / "ddp-template-final-failures"
 
@@ -35,9 +36,7 @@ def record_final_failure(message: str) -> None:
         pid, started_at = stale.name.split(".")[0].split("-")
         if _process_started_at(int(pid)) != started_at:
             stale.unlink(missing_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(message)
-    os.replace(tmp, path)
+    write_text_atomically(path, message, shared=True)  # every rank of the group may record at once
 
 
 def exit_if_failed_for_good() -> None:
@@ -49,7 +48,8 @@ def exit_if_failed_for_good() -> None:
     if path is None or not path.exists():
         return
     if os.environ.get("RANK", "0") == "0":
-        print(f"error: {path.read_text()} (not retried: every restart would stop on it)", file=sys.stderr)
+        message = path.read_text(encoding="utf-8")
+        print(f"error: {message} (not retried: every restart would stop on it)", file=sys.stderr)
     sys.exit(USAGE_ERROR_EXIT_CODE)
 
 

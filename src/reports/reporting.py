@@ -22,7 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from src.common.files import write_text_atomically
-from src.reports.progress import NoProgress, ProgressBar, shows_progress, track
+from src.reports.progress import progress_bar, shows_progress, track
 
 _FORMAT = "[%(asctime)s][%(levelname)s] %(message)s"
 # Colour of a confusion-matrix cell: white for none of a true class's samples, dark blue for all of them.
@@ -98,16 +98,16 @@ def model_summary(module: nn.Module) -> str:
 
 
 def image_grid(images: torch.Tensor, min_side: int = 32) -> torch.Tensor:
-    """A (3, H, W) grid in [0, 1] of `images` (N, C, H, W), eight to a row.
+    """A (3, H, W) grid in [0, 1] of `images` (N, C, H, W), eight to a row, 2 white pixels around each.
 
     Each image is min-max scaled on its own, since normalised inputs are not in [0, 1], and
     enlarged by a whole factor to at least `min_side` pixels (8x8 digits are specks otherwise).
     """
+    from torchvision.utils import make_grid  # on first use: its import takes 0.4 s, kept out of start-up
+
     factor = -(-min_side // min(images.shape[-2:]))
     images = images.float().repeat_interleave(factor, dim=-2).repeat_interleave(factor, dim=-1)
-    low = images.amin(dim=(1, 2, 3), keepdim=True)
-    high = images.amax(dim=(1, 2, 3), keepdim=True)
-    return tile((images - low) / (high - low).clamp(min=1e-5), columns=8, padding=2, pad_value=1.0)
+    return make_grid(images, nrow=8, padding=2, pad_value=1.0, normalize=True, scale_each=True)
 
 
 def confusion_heatmap(counts: torch.Tensor, max_side: int = 512) -> torch.Tensor:
@@ -119,28 +119,15 @@ def confusion_heatmap(counts: torch.Tensor, max_side: int = 512) -> torch.Tensor
     diagonal whatever the class sizes. Cells are squares of up to 32 pixels (the image at most
     about `max_side` pixels wide), separated by 1-pixel grey lines.
     """
+    from torchvision.utils import make_grid  # on first use: its import takes 0.4 s, kept out of start-up
+
     classes = counts.shape[0]
     shares = counts.double() / counts.sum(dim=1, keepdim=True).clamp(min=1)  # a class never seen: all white
     empty, full = torch.tensor(EMPTY_CELL_RGB), torch.tensor(FULL_CELL_RGB)
     colours = empty + shares.float().unsqueeze(-1) * (full - empty)  # (C, C, 3)
     side = max(1, min(32, max_side // classes))
     cells = colours.view(classes * classes, 3, 1, 1).expand(-1, -1, side, side)
-    return tile(cells, columns=classes, padding=1, pad_value=GRID_RGB_VALUE)
-
-
-def tile(images: torch.Tensor, columns: int, padding: int, pad_value: float) -> torch.Tensor:
-    """(N, C, H, W) images, C = 1 or 3, as one RGB (3, H', W') grid of `columns` per row, with
-    `padding` pixels of `pad_value` around each: torchvision's make_grid, without importing
-    torchvision (0.4 s of every run's start-up)."""
-    count, _, height, width = images.shape
-    columns = min(columns, count)
-    rows = -(-count // columns)
-    grid = images.new_full((3, rows * (height + padding) + padding, columns * (width + padding) + padding), pad_value)
-    for index, image in enumerate(images):
-        row, column = divmod(index, columns)
-        top, left = padding + row * (height + padding), padding + column * (width + padding)
-        grid[:, top : top + height, left : left + width] = image  # a grey image broadcasts to RGB
-    return grid
+    return make_grid(cells, nrow=classes, padding=1, pad_value=GRID_RGB_VALUE)
 
 
 def confusion_csv(counts: torch.Tensor) -> str:
@@ -181,19 +168,19 @@ class Reporter:
 
     def __init__(self, run_dir: Path, is_main_process: bool, tensorboard: bool = True, progress: bool = False) -> None:
         self.run_dir = run_dir
-        self.enabled = is_main_process
+        self.is_main_process = is_main_process
         self._writer = None
-        if self.enabled and tensorboard:
+        if self.is_main_process and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(run_dir / "tb"))
         self._console = sys.stdout if shows_progress(progress, is_main_process, sys.stdout) else None
-        self._bar = NoProgress()
+        self._bar = tqdm(disable=True)  # no bar before progress() makes one
 
-    def progress(self, desc: str, total: int, done: int = 0) -> NoProgress:
-        """A bar of `total` steps, `done` of them already; without a console to draw on, one that
-        does nothing. `scalars()` shows each reported `train/loss` on it."""
-        self._bar = NoProgress() if self._console is None else ProgressBar(desc, total, done, self._console)
+    def progress(self, desc: str, total: int, done: int = 0) -> tqdm:
+        """A bar of `total` steps, `done` of them already; without a console to draw on, a disabled
+        one that does nothing. `scalars()` shows each reported `train/loss` on it."""
+        self._bar = progress_bar(desc, total, done, self._console)
         return self._bar
 
     def track(self, iterable: Iterable[T], desc: str) -> Iterable[T]:
@@ -202,7 +189,8 @@ class Reporter:
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         if "train/loss" in values:
-            self._bar.show_loss(values["train/loss"])  # already on the host: the bar costs no sync
+            # Already on the host: no sync. No redraw: the next update() draws it, within tqdm's rate limit.
+            self._bar.set_postfix(loss=f"{values['train/loss']:.4f}", refresh=False)
         if self._writer is None:
             return
         for tag, value in values.items():
@@ -228,7 +216,7 @@ class Reporter:
     def confusion_matrix(self, counts: torch.Tensor, step: int) -> None:
         """A confusion matrix of counts (rows: true class): a heatmap under `val/confusion_matrix`
         and the raw counts in confusion_matrix.csv (replaced each time)."""
-        if not self.enabled:
+        if not self.is_main_process:
             return
         if self._writer is not None:
             self._writer.add_image("val/confusion_matrix", confusion_heatmap(counts), global_step=step)
@@ -253,7 +241,7 @@ class Reporter:
 
     def write_metrics(self, summary: Mapping[str, Any]) -> None:
         """Replace metrics.json atomically, so a reader never sees half a file."""
-        if self.enabled:
+        if self.is_main_process:
             write_text_atomically(self.run_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from src.common.files import write_text_atomically
-from src.parallel.launch import is_main_rank
+from src.parallel.launch import is_main_process
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class SweepSummary(Callback):
         return table
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        if config.hydra.mode != RunMode.MULTIRUN or not is_main_rank():
+        if config.hydra.mode != RunMode.MULTIRUN or not is_main_process():
             return
         job_dir = Path(config.hydra.runtime.output_dir)
         if job_return.status == JobStatus.FAILED:
@@ -125,7 +125,7 @@ class SweepSummary(Callback):
         self.write(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if not is_main_rank():
+        if not is_main_process():
             return
         sweep_dir = Path(config.hydra.sweep.dir)
         table = self.write(sweep_dir)

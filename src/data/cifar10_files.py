@@ -1,7 +1,8 @@
 """torchvision's CIFAR10 reader that checks only that its files exist, not their md5 sums.
 
 torchvision checks every batch and batches.meta against the official release's md5 sums,
-which test fixtures and re-encoded copies cannot match. Its own module, imported only by
+which test fixtures and re-encoded copies cannot match. Machinery for `dataset.verify_checksums=false`,
+not part of the fork surface: its own module, imported only by
 `src.components.datasets.cifar10(verify_checksums=False)`, so torchvision stays out of start-up and
 DataLoader workers can still unpickle the class by name.
 """

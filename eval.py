@@ -61,7 +61,8 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
     from src.config import trusted_targets
     from src.data.loaders import build_splits, make_val_loader
     from src.loop import checkpoint
-    from src.loop.evaluation import autocast_dtype, evaluate
+    from src.loop.evaluation import evaluate
+    from src.loop.precision import autocast_dtype
     from src.loop.setup import build_model, check_fit, model_fields
     from src.parallel import distributed
     from src.reports import reporting

@@ -17,14 +17,15 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.common.seeding import epoch_seed, seed_step
+from src.common.seeding import epoch_seed, seed_generators, step_seed
 from src.data.batches import tree_map
 from src.data.loaders import Data, train_batch_to_device
 from src.loop.checkpoint import Checkpointer
 from src.loop.divergence import NonFiniteLossWatch, TrainingDiverged, diverged_message
-from src.loop.evaluation import autocast, autocast_dtype, evaluate, metrics_of
+from src.loop.evaluation import evaluate, metrics_of
 from src.loop.metrics import MetricSums
 from src.loop.performance import Utilization
+from src.loop.precision import autocast, autocast_dtype
 from src.loop.task import Task
 from src.parallel.distributed import Runtime
 from src.parallel.preemption import Preemption
@@ -191,7 +192,7 @@ class Trainer:
             if micro_step % accum == 0:
                 # Seeded per optimizer step (differently per rank): dropout and augmentation
                 # draw the same after a resume at any step, and independently across ranks.
-                seed_step(epoch_seed(self.options.seed, self.runtime.env.rank, state.step), self.runtime.device)
+                seed_generators(step_seed(self.options.seed, self.runtime.env.rank, state.step), self.runtime.device)
             batch = train_batch_to_device(self.data.train_loader, batch, self.runtime.device)
             is_step_end = (micro_step + 1) % accum == 0
             self._forward_backward(batch, accum, sync=is_step_end, step=state.step + 1)

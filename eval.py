@@ -25,7 +25,7 @@ from omegaconf.errors import ConfigKeyError
 
 from src.common import heap
 from src.common.errors import UsageError, exit_on_usage_error
-from src.config import data_fields, hydra_errors
+from src.config import data_fields, hydra_errors, schema
 from src.parallel import launch
 
 log = logging.getLogger("eval")
@@ -48,6 +48,7 @@ def main(cfg: DictConfig) -> float:
     launch.adopt_cluster_env()  # submitit / SLURM tasks become torchrun-style workers
     hydra_cfg = HydraConfig.get()
     with exit_on_usage_error(launch.is_main_rank(), in_sweep=hydra_cfg.mode == RunMode.MULTIRUN):
+        schema.check_eval_config(cfg)  # values the schema's types cannot refuse, before any work
         evaluate_job = launch.recording_errors(evaluate_checkpoint)
         return evaluate_job(cfg, hydra_cfg.runtime.choices.dataset, Path(hydra_cfg.runtime.output_dir))
 

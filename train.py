@@ -72,7 +72,7 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> float:
 def run(cfg: DictConfig, run_dir: Path, runtime, choices: dict[str, str]) -> float:  # noqa: ANN001 - Runtime
     from src.common.seeding import seed_everything
     from src.config import trusted_targets
-    from src.data.loaders import DataLimits, build_data
+    from src.data.loaders import build_data
     from src.loop import checkpoint, resume
     from src.loop.setup import build_task, model_fields
     from src.reports import reporting
@@ -86,8 +86,8 @@ def run(cfg: DictConfig, run_dir: Path, runtime, choices: dict[str, str]) -> flo
                                             trusted_targets.trusted(cfg.trusted_targets, cfg))
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
-    data = build_data(cfg.dataset, runtime.env.rank, runtime.world_size, cfg.trainer.grad_accum,
-                      runtime.device, cfg.seed, DataLimits.from_config(cfg.trainer))
+    data = build_data(cfg.dataset, runtime.env.rank, runtime.world_size, runtime.device, cfg.seed,
+                      OmegaConf.to_object(cfg.trainer))
     # The task must fit the dataset, and produce the monitored metric; the model takes its
     # shapes from what the dataset provides (`${data:FIELD}` in its YAML).
     task = build_task(cfg.task, data.splits.info, choices, cfg.trainer.monitor)

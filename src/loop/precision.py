@@ -1,6 +1,7 @@
 """Mixed precision: the autocast dtype of each `trainer.precision` and the autocast context.
 
-Each allowed value of the setting gets its dtype.
+The allowed values are declared with the setting (src/config/schema.py, `PRECISIONS`) and checked
+when the run starts; here each one gets its dtype.
 """
 
 from __future__ import annotations
@@ -10,17 +11,12 @@ from typing import Any, ContextManager
 
 import torch
 
-from src.common.errors import UsageError
-
 PRECISIONS: dict[str, torch.dtype | None] = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
 
 
 def autocast_dtype(precision: Any) -> torch.dtype | None:
-    """The autocast dtype for `trainer.precision` (32 -> None: autocast off)."""
-    key = str(precision)
-    if key not in PRECISIONS:
-        raise UsageError(f"trainer.precision={precision} is not one of 32, bf16, 16")
-    return PRECISIONS[key]
+    """The autocast dtype for a checked `trainer.precision` (32 -> None: autocast off)."""
+    return PRECISIONS[str(precision)]
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> ContextManager[Any]:

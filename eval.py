@@ -59,22 +59,12 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
     `dataset_choice` is the `dataset` option Hydra composed."""
     from hydra.utils import instantiate
 
-    from src.config import trusted_targets
-    from src.data.loaders import build_splits, make_val_loader
-    from src.loop import checkpoint
-    from src.loop.evaluation import evaluate
     from src.loop.precision import autocast_dtype
-    from src.loop.setup import build_model, check_fit, model_fields
     from src.parallel import distributed
     from src.reports import reporting
 
     heap.resume_collection()  # start-up's objects are frozen; what the evaluation builds is collected as usual
-    if OmegaConf.is_missing(cfg, "checkpoint"):
-        raise UsageError("name the checkpoint to evaluate: python eval.py checkpoint=PATH")
-    path = Path(cfg.checkpoint)
-    payload = checkpoint.load(path)  # refuse a wrong file before any work is done
-    # Checkpoints are data: the callables its saved config names must be ones the user trusts.
-    trusted_targets.check_saved_config(payload.get("config"), path, trusted_targets.trusted(cfg.trusted_targets, cfg))
+    path, payload = read_checkpoint(cfg)
     saved = OmegaConf.create(payload["config"])  # the resolved config of the run that saved it
     dataset_cfg = cfg.dataset if dataset_choice != FROM_CHECKPOINT else merge_dataset(saved.dataset, cfg.dataset, path)
     amp_dtype = autocast_dtype(saved.trainer.precision if cfg.trainer.precision is None else cfg.trainer.precision)
@@ -86,28 +76,60 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
 
     with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
         reporting.setup_logging(run_dir, runtime.env.rank, name="eval")
-        splits = build_splits(dataset_cfg)
-        check_fit(task, splits.info, saved.task._target_, f"{dataset_choice} ({dataset_cfg._target_})")
-        data_fields.check_same(payload["config"].get("data_fields"), model_fields(task, splits.info),
-                               f"checkpoint {path}", f"dataset={dataset_choice}")
-        # The plain module, not DDP: evaluation syncs no gradients, only the metric sums. Its config
-        # was saved resolved, with the shapes it was built with.
-        module = build_model(saved.model)
-        checkpoint.load_model_state(module, payload["model"], path)
-        module.to(runtime.device)
-        val_batch = dataset_cfg.get("val_batch_size") or dataset_cfg.batch_size
-        loader = make_val_loader(splits, val_batch, runtime.env.rank, runtime.world_size,
-                                 runtime.device, dataset_cfg.num_workers, saved.seed)
-        val = evaluate(module, loader, task, splits.info, runtime.device, amp_dtype)
+        val = evaluate_saved_model(path, payload, task, dataset_cfg, dataset_choice, runtime, amp_dtype)
+        return report(val, path, payload["epoch"], runtime, run_dir)[monitored]
 
-        metrics = {f"val/{name}": value for name, value in val.items() if isinstance(value, float)}
-        result = {**metrics, "num_samples": val["count"], "world_size": runtime.world_size,
-                  "checkpoint": str(path.resolve()), "epoch": payload["epoch"]}
-        reporting.Reporter(run_dir, runtime.is_main_process, tensorboard=False).write_metrics(result)
-        log.info("%s  num_samples=%d  world_size=%d  checkpoint %s (epoch %d)  run dir: %s",
-                 "  ".join(f"{k}={v:.6f}" for k, v in metrics.items()), val["count"], runtime.world_size, path,
-                 payload["epoch"], run_dir)
-        return result[monitored]
+
+def read_checkpoint(cfg: DictConfig) -> tuple[Path, dict]:
+    """The checkpoint `cfg` names, refused before any work if it is not one or names untrusted code."""
+    from src.config import trusted_targets
+    from src.loop import checkpoint
+
+    if OmegaConf.is_missing(cfg, "checkpoint"):
+        raise UsageError("name the checkpoint to evaluate: python eval.py checkpoint=PATH")
+    path = Path(cfg.checkpoint)
+    payload = checkpoint.load(path)  # refuse a wrong file before any work is done
+    # Checkpoints are data: the callables its saved config names must be ones the user trusts.
+    trusted_targets.check_saved_config(payload.get("config"), path, trusted_targets.trusted(cfg.trusted_targets, cfg))
+    return path, payload
+
+
+def evaluate_saved_model(path, payload, task, dataset_cfg, dataset_choice, runtime, amp_dtype) -> dict:  # noqa: ANN001
+    """The checkpoint's model, on the val split of `dataset_cfg` (which must fit it): this rank's shard,
+    the metrics over all ranks."""
+    from src.data.loaders import build_splits, make_val_loader
+    from src.loop import checkpoint
+    from src.loop.evaluation import evaluate
+    from src.loop.setup import build_model, check_fit, model_fields
+
+    saved = OmegaConf.create(payload["config"])
+    splits = build_splits(dataset_cfg)
+    check_fit(task, splits.info, saved.task._target_, f"{dataset_choice} ({dataset_cfg._target_})")
+    data_fields.check_same(payload["config"].get("data_fields"), model_fields(task, splits.info),
+                           f"checkpoint {path}", f"dataset={dataset_choice}")
+    # The plain module, not DDP: evaluation syncs no gradients, only the metric sums. Its config
+    # was saved resolved, with the shapes it was built with.
+    module = build_model(saved.model)
+    checkpoint.load_model_state(module, payload["model"], path)
+    module.to(runtime.device)
+    val_batch = dataset_cfg.get("val_batch_size") or dataset_cfg.batch_size
+    loader = make_val_loader(splits, val_batch, runtime.env.rank, runtime.world_size,
+                             runtime.device, dataset_cfg.num_workers, saved.seed)
+    return evaluate(module, loader, task, splits.info, runtime.device, amp_dtype)
+
+
+def report(val: dict, path: Path, epoch: int, runtime, run_dir: Path) -> dict:  # noqa: ANN001 - Runtime
+    """Write the val metrics to this evaluation's metrics.json and the log; returns what was written."""
+    from src.reports import reporting
+
+    metrics = {f"val/{name}": value for name, value in val.items() if isinstance(value, float)}
+    result = {**metrics, "num_samples": val["count"], "world_size": runtime.world_size,
+              "checkpoint": str(path.resolve()), "epoch": epoch}
+    reporting.Reporter(run_dir, runtime.is_main_process, tensorboard=False).write_metrics(result)
+    log.info("%s  num_samples=%d  world_size=%d  checkpoint %s (epoch %d)  run dir: %s",
+             "  ".join(f"{k}={v:.6f}" for k, v in metrics.items()), val["count"], runtime.world_size, path,
+             epoch, run_dir)
+    return result
 
 
 def merge_dataset(saved_dataset: DictConfig, overrides: DictConfig, path: Path) -> DictConfig:

@@ -120,17 +120,7 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    global _groups_started
-    _groups_started += 1
-    # A fresh key namespace per group: a sweep run under torchrun starts one group per job
-    # in the same processes, and the previous group's keys in the shared store would
-    # otherwise satisfy (or wedge) the next group's rendezvous.
-    # The agent's store outlives a restarted group, so the restart count separates their keys; a store
-    # that rank 0 hosts is new with every group, and the count could differ between nodes (an agent
-    # started again after its node was lost counts from 0).
-    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_serves else "0"
-    store = dist.PrefixStore(f"ddp_template/restart{restart}/group{_groups_started}", rendezvous_store(env))
+    store = _new_group_store(env)
     dist.init_process_group(
         backend=backend,
         store=store,
@@ -145,6 +135,20 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
             yield Runtime(env, device, backend)
     finally:
         dist.destroy_process_group()
+
+
+def _new_group_store(env: DistEnv) -> dist.Store:
+    """The rendezvous store, under a fresh key namespace for this group: a sweep run under torchrun
+    starts one group per job in the same processes, and the previous group's keys in the shared store
+    would otherwise satisfy (or wedge) the next group's rendezvous."""
+    global _groups_started
+    _groups_started += 1
+    # The agent's store outlives a restarted group, so the restart count separates their keys; a store
+    # that rank 0 hosts is new with every group, and the count could differ between nodes (an agent
+    # started again after its node was lost counts from 0).
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_serves else "0"
+    return dist.PrefixStore(f"ddp_template/restart{restart}/group{_groups_started}", rendezvous_store(env))
 
 
 def prepare_model(

@@ -14,9 +14,7 @@ processes (every val sample counted once) and land in this run's own dir.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -27,7 +25,7 @@ from omegaconf.errors import ConfigKeyError
 
 from src.common import heap
 from src.common.errors import UsageError, exit_on_usage_error
-from src.config import data_fields, hydra_errors, schema  # noqa: F401 - importing schema registers eval_schema
+from src.config import data_fields, hydra_errors, schema
 from src.parallel import launch
 
 log = logging.getLogger("eval")
@@ -50,6 +48,7 @@ def main(cfg: DictConfig) -> float:
     launch.adopt_cluster_env()  # submitit / SLURM tasks become torchrun-style workers
     hydra_cfg = HydraConfig.get()
     with exit_on_usage_error(launch.is_main_process(), in_sweep=hydra_cfg.mode == RunMode.MULTIRUN):
+        schema.check_eval_config(cfg)  # values the schema's types cannot refuse, before any work
         evaluate_job = launch.recording_errors(evaluate_checkpoint)
         return evaluate_job(cfg, hydra_cfg.runtime.choices.dataset, Path(hydra_cfg.runtime.output_dir))
 
@@ -60,84 +59,77 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
     `dataset_choice` is the `dataset` option Hydra composed."""
     from hydra.utils import instantiate
 
+    from src.loop.precision import autocast_dtype
     from src.parallel import distributed
+    from src.reports import reporting
 
     heap.resume_collection()  # start-up's objects are frozen; what the evaluation builds is collected as usual
-    run = read_checkpoint(cfg)
-    saved = run.config
-    from_checkpoint = dataset_choice == FROM_CHECKPOINT
-    dataset_cfg = merge_dataset(saved.dataset, cfg.dataset, run.path) if from_checkpoint else cfg.dataset
-    precision = saved.trainer.precision if cfg.trainer.precision is None else cfg.trainer.precision
+    path, payload = read_checkpoint(cfg)
+    saved = OmegaConf.create(payload["config"])  # the resolved config of the run that saved it
+    dataset_cfg = cfg.dataset if dataset_choice != FROM_CHECKPOINT else merge_dataset(saved.dataset, cfg.dataset, path)
+    amp_dtype = autocast_dtype(saved.trainer.precision if cfg.trainer.precision is None else cfg.trainer.precision)
+
+    if "task" not in saved:
+        raise UsageError(f"{path} was saved before tasks existed (no task in its config): train it again")
     task = instantiate(saved.task)
+    monitored = f"val/{saved.trainer.monitor.split('/', 1)[1]}"  # val/<name>: what this split can measure
+
     with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
-        val = evaluate_on_this_rank(runtime, run_dir, run, task, dataset_cfg, dataset_choice, precision)
-        metrics = {f"val/{name}": value for name, value in val.items() if isinstance(value, float)}
-        report(run_dir, runtime, metrics, val["count"], run)
-    return metrics[f"val/{saved.trainer.monitor.split('/', 1)[1]}"]  # val/<name>: what this split can measure
+        reporting.setup_logging(run_dir, runtime.env.rank, name="eval")
+        val = evaluate_saved_model(path, payload, task, dataset_cfg, dataset_choice, runtime, amp_dtype)
+        return report(val, path, payload["epoch"], runtime, run_dir)[monitored]
 
 
-@dataclass(frozen=True)
-class SavedRun:
-    """A checkpoint to evaluate: its file, its contents, and the resolved config of the run that saved it."""
-
-    path: Path
-    payload: dict[str, Any]
-    config: DictConfig
-
-
-def read_checkpoint(cfg: DictConfig) -> SavedRun:
-    """`cfg.checkpoint`, read: a wrong file, a callable the user does not trust, or a checkpoint without a
-    task is refused before any work is done."""
+def read_checkpoint(cfg: DictConfig) -> tuple[Path, dict]:
+    """The checkpoint `cfg` names, refused before any work if it is not one or names untrusted code."""
     from src.config import trusted_targets
     from src.loop import checkpoint
 
     if OmegaConf.is_missing(cfg, "checkpoint"):
         raise UsageError("name the checkpoint to evaluate: python eval.py checkpoint=PATH")
     path = Path(cfg.checkpoint)
-    payload = checkpoint.load(path)
+    payload = checkpoint.load(path)  # refuse a wrong file before any work is done
     # Checkpoints are data: the callables its saved config names must be ones the user trusts.
     trusted_targets.check_saved_config(payload.get("config"), path, trusted_targets.trusted(cfg.trusted_targets, cfg))
-    saved = OmegaConf.create(payload["config"])
-    if "task" not in saved:
-        raise UsageError(f"{path} was saved before tasks existed (no task in its config): train it again")
-    return SavedRun(path, payload, saved)
+    return path, payload
 
 
-def evaluate_on_this_rank(runtime, run_dir: Path, run: SavedRun, task, dataset_cfg: DictConfig,  # noqa: ANN001
-                          dataset_choice: str, precision: object) -> dict[str, Any]:
-    """The task's metrics over the whole val split (this rank evaluates its shard; the sums are all-reduced)."""
+def evaluate_saved_model(path, payload, task, dataset_cfg, dataset_choice, runtime, amp_dtype) -> dict:  # noqa: ANN001
+    """The checkpoint's model, on the val split of `dataset_cfg` (which must fit it): this rank's shard,
+    the metrics over all ranks."""
     from src.data.loaders import build_splits, make_val_loader
     from src.loop import checkpoint
-    from src.loop.evaluation import autocast_dtype, evaluate
+    from src.loop.evaluation import evaluate
     from src.loop.setup import build_model, check_fit, model_fields
-    from src.reports import reporting
 
-    reporting.setup_logging(run_dir, runtime.env.rank, name="eval")
+    saved = OmegaConf.create(payload["config"])
     splits = build_splits(dataset_cfg)
-    check_fit(task, splits.info, run.config.task._target_, f"{dataset_choice} ({dataset_cfg._target_})")
-    data_fields.check_same(run.payload["config"].get("data_fields"), model_fields(task, splits.info),
-                           f"checkpoint {run.path}", f"dataset={dataset_choice}")
+    check_fit(task, splits.info, saved.task._target_, f"{dataset_choice} ({dataset_cfg._target_})")
+    data_fields.check_same(payload["config"].get("data_fields"), model_fields(task, splits.info),
+                           f"checkpoint {path}", f"dataset={dataset_choice}")
     # The plain module, not DDP: evaluation syncs no gradients, only the metric sums. Its config
     # was saved resolved, with the shapes it was built with.
-    module = build_model(run.config.model)
-    checkpoint.load_model_state(module, run.payload["model"], run.path)
+    module = build_model(saved.model)
+    checkpoint.load_model_state(module, payload["model"], path)
     module.to(runtime.device)
     val_batch = dataset_cfg.get("val_batch_size") or dataset_cfg.batch_size
     loader = make_val_loader(splits, val_batch, runtime.env.rank, runtime.world_size,
-                             runtime.device, dataset_cfg.num_workers, run.config.seed)
-    return evaluate(module, loader, task, splits.info, runtime.device, autocast_dtype(precision))
+                             runtime.device, dataset_cfg.num_workers, saved.seed)
+    return evaluate(module, loader, task, splits.info, runtime.device, amp_dtype)
 
 
-def report(run_dir: Path, runtime, metrics: dict[str, float], count: int, run: SavedRun) -> None:  # noqa: ANN001
-    """metrics.json in the run dir (rank 0) and one log line."""
+def report(val: dict, path: Path, epoch: int, runtime, run_dir: Path) -> dict:  # noqa: ANN001 - Runtime
+    """Write the val metrics to this evaluation's metrics.json and the log; returns what was written."""
     from src.reports import reporting
 
-    path, epoch = run.path, run.payload["epoch"]
-    result = {**metrics, "num_samples": count, "world_size": runtime.world_size,
+    metrics = {f"val/{name}": value for name, value in val.items() if isinstance(value, float)}
+    result = {**metrics, "num_samples": val["count"], "world_size": runtime.world_size,
               "checkpoint": str(path.resolve()), "epoch": epoch}
     reporting.Reporter(run_dir, runtime.is_main_process, tensorboard=False).write_metrics(result)
     log.info("%s  num_samples=%d  world_size=%d  checkpoint %s (epoch %d)  run dir: %s",
-             "  ".join(f"{k}={v:.6f}" for k, v in metrics.items()), count, runtime.world_size, path, epoch, run_dir)
+             "  ".join(f"{k}={v:.6f}" for k, v in metrics.items()), val["count"], runtime.world_size, path,
+             epoch, run_dir)
+    return result
 
 
 def merge_dataset(saved_dataset: DictConfig, overrides: DictConfig, path: Path) -> DictConfig:

@@ -74,84 +74,99 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> float:
 def run(cfg: DictConfig, run_dir: Path, runtime, choices: dict[str, str]) -> float:  # noqa: ANN001 - Runtime
     from src.common.seeding import seed_everything
     from src.config import trusted_targets
-    from src.data.loaders import DataLimits, build_data
+    from src.data.loaders import build_data
     from src.loop import checkpoint, resume
     from src.loop.setup import build_task, model_fields
     from src.reports import reporting
 
     reporting.setup_logging(run_dir, runtime.env.rank)
-    checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", runtime.is_main_process, cfg.trainer.keep_last)
+    trainer_cfg: schema.TrainerConfig = OmegaConf.to_object(cfg.trainer)  # the `trainer` settings, typed
+    checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", runtime.is_main_process, trainer_cfg.keep_last)
     # A restarted or requeued run picks up where it stopped; otherwise as configured. Every rank gets
     # the same checkpoint (with auto: the newest that loads), or the run stops here, before any work.
     resumed = resume.load_resume_checkpoint(checkpointer, launch.resume_setting(cfg.resume),
                                             trusted_targets.trusted(cfg.trusted_targets, cfg))
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
-    data = build_data(cfg.dataset, runtime.env.rank, runtime.world_size, cfg.trainer.grad_accum,
-                      runtime.device, cfg.seed, DataLimits.from_config(cfg.trainer))
+    data = build_data(cfg.dataset, runtime.env.rank, runtime.world_size, runtime.device, cfg.seed, trainer_cfg)
     # The task must fit the dataset, and produce the monitored metric; the model takes its
     # shapes from what the dataset provides (`${data:FIELD}` in its YAML).
-    task = build_task(cfg.task, data.splits.info, choices, cfg.trainer.monitor)
+    task = build_task(cfg.task, data.splits.info, choices, trainer_cfg.monitor)
     with data_fields.providing(model_fields(task, data.splits.info), f"dataset={choices['dataset']}"):
-        return run_task(cfg, run_dir, runtime, data, task, resumed, checkpointer)
+        parts = build_parts(cfg, trainer_cfg, run_dir, runtime, data, task, resumed, checkpointer)
+        return train_and_report(trainer_cfg, parts, resumed, run_dir)
 
 
-def run_task(cfg, run_dir, runtime, data, task, resumed, checkpointer) -> float:  # noqa: ANN001
-    """The rest of the run, once the data and task are known: model, optimizer, train, report."""
+def build_parts(cfg, trainer_cfg, run_dir, runtime, data, task, resumed, checkpointer):  # noqa: ANN001, ANN201
+    """What the loop needs once the data and task are known: the model (resumed weights loaded, wrapped
+    for DDP and compilation), the optimizer and schedule, the reporter and profiler (a TrainParts)."""
     import torch
 
     from src.loop import checkpoint, performance
     from src.loop.optim import build_optimizer
     from src.loop.setup import build_model
-    from src.loop.trainer import Trainer, TrainerOptions, TrainState
+    from src.loop.trainer import TrainParts
     from src.parallel import distributed
     from src.reports import reporting
 
-    performance.set_backend_flags(runtime.device, cfg.trainer.tf32, cfg.trainer.deterministic)
-    model = performance.with_memory_format(build_model(cfg.model), cfg.trainer.channels_last)
+    performance.set_backend_flags(runtime.device, trainer_cfg.tf32, trainer_cfg.deterministic)
+    model = performance.with_memory_format(build_model(cfg.model), trainer_cfg.channels_last)
     if resumed is not None:  # weights that do not fit are refused before the run writes anything
         checkpoint.load_model_state(model, resumed[1]["model"], resumed[0])
     module, train_model = distributed.prepare_model(model, runtime, cfg.dist.sync_bn, cfg.dist.find_unused_parameters)
-    if cfg.trainer.compile:
+    if trainer_cfg.compile:
         train_model = torch.compile(train_model)
     optimizer = build_optimizer(cfg.optimizer, module.parameters())
     steps_per_epoch = data.train_sampler.steps_per_epoch
-    scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=steps_per_epoch * cfg.trainer.epochs,
+    scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=steps_per_epoch * trainer_cfg.epochs,
                                            steps_per_epoch=steps_per_epoch)
-
-    reporter = reporting.Reporter(run_dir, runtime.is_main_process, progress=cfg.trainer.progress)
+    reporter = reporting.Reporter(run_dir, runtime.is_main_process, progress=trainer_cfg.progress)
     profiler = None
-    if cfg.trainer.profile:
+    if trainer_cfg.profile:
         from src.reports.profiling import step_profiler
 
         profiler = step_profiler(run_dir / "tb" / "profile", runtime.env.rank)
-    trainer = Trainer(TrainerOptions.from_config(cfg.trainer, cfg.seed), runtime, task, module, train_model,
-                      optimizer, scheduler, data, checkpointer, reporter, profiler)
+    saved_config = {**OmegaConf.to_container(cfg, resolve=True), "data_fields": data_fields.used_by(cfg.model)}
+    return TrainParts(runtime, task, module, train_model, optimizer, scheduler, data, checkpointer, reporter,
+                      seed=cfg.seed, saved_config=saved_config, profiler=profiler)
+
+
+def train_and_report(trainer_cfg, parts, resumed, run_dir: Path) -> float:  # noqa: ANN001
+    """Train (from the resumed state, if any), then report; returns the last monitored value."""
+    from src.loop.stopping import StopReason
+    from src.loop.trainer import Trainer, TrainState
+    from src.reports import reporting
+
+    trainer = Trainer(trainer_cfg, parts)
     state = TrainState()
     if resumed is not None:
         resume_from, payload = resumed
         state = trainer.load_state_dict(payload)
         log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", resume_from, state.epoch,
                  state.step, state.step_in_epoch, state.epoch + 1)
-
-    config = {**OmegaConf.to_container(cfg, resolve=True), "data_fields": data_fields.used_by(cfg.model)}
-    reporting.log_run_start(run_dir, runtime, module, data, cfg.trainer.grad_accum, config)
-    reporter.model_summary(module)
-    reporter.input_images(data.splits, data.train_sampler, task)
-    state = trainer.fit(state, config)
-    monitor = cfg.trainer.monitor
-    if state.stopped_early:
+    reporting.log_run_start(run_dir, parts.runtime, parts.module, parts.data, trainer_cfg.grad_accum,
+                            parts.saved_config)
+    parts.reporter.model_summary(parts.module)
+    parts.reporter.input_images(parts.data.splits, parts.data.train_sampler, parts.task)
+    if trainer.fit(state) is not StopReason.COMPLETED:  # max_steps or preemption, with a checkpoint
         log.info("stopped at step %d with a checkpoint; continue with: resume=auto hydra.run.dir=%s",
                  state.step, run_dir)
-        return state.history[-1][monitor] if state.history else float("nan")
+        return state.history[-1][trainer_cfg.monitor] if state.history else float("nan")
+    return report_final(trainer, state, run_dir)
 
-    summary = trainer.summary(state, data.num_val_samples)
+
+def report_final(trainer, state, run_dir: Path) -> float:  # noqa: ANN001 - Trainer, TrainState
+    """The finished run's hparams and final metrics; returns the monitored one."""
+    from src.reports import reporting
+
+    parts = trainer.parts
+    summary = trainer.summary(state, parts.data.num_val_samples)
     final = {k: v for k, v in summary.items() if k.startswith(("train/", "val/")) and k != "val/num_samples"}
-    reporter.hparams(reporting.flatten(config), final)
-    reporter.close()
+    parts.reporter.hparams(reporting.flatten(parts.saved_config), final)
+    parts.reporter.close()
     log.info("final: %s", "  ".join(f"{k}={v:.4f}" for k, v in final.items()))
     log.info("run dir: %s", run_dir)
-    return summary[monitor]
+    return summary[trainer.config.monitor]
 
 
 if __name__ == "__main__":

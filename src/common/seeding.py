@@ -15,7 +15,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def seed_step(seed: int, device: torch.device) -> None:
+def seed_generators(seed: int, device: torch.device) -> None:
     """Seed Python, NumPy, the CPU and `device`'s generator: cheap enough for every step.
 
     `torch.manual_seed` also queues a seed for every CUDA/XPU/MTIA device, recording a stack
@@ -29,5 +29,18 @@ def seed_step(seed: int, device: torch.device) -> None:
 
 
 def epoch_seed(seed: int, rank: int, epoch: int) -> int:
-    """A distinct, reproducible seed for each (run seed, rank, epoch or step)."""
-    return (seed * 1_000_003 + rank * 10_007 + epoch) % 2**63
+    """A distinct, reproducible seed for each (run seed, rank, epoch): a DataLoader's generator, which
+    seeds its workers (augmentation drawn there); epoch -1 seeds it before the first epoch."""
+    return _derived_seed(seed, rank, epoch)
+
+
+def step_seed(seed: int, rank: int, step: int) -> int:
+    """A distinct, reproducible seed for each (run seed, rank, optimizer step): dropout and on-device
+    augmentation of that step, so a run resumed at any step draws the same."""
+    return _derived_seed(seed, rank, step)
+
+
+def _derived_seed(seed: int, rank: int, index: int) -> int:
+    # One formula for epochs and steps, unchanged since checkpoints began to depend on it: a resumed
+    # run must draw exactly what the interrupted one would have.
+    return (seed * 1_000_003 + rank * 10_007 + index) % 2**63

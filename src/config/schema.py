@@ -1,133 +1,61 @@
-"""What a valid config is, and one line telling the user what to change when it is not.
+"""Every `trainer` and `dist` setting, declared once; what a valid config is; and one line telling the
+user what to change when it is not.
 
-Three layers, each catching what the one before cannot:
+Each setting of train.py's `trainer` block and `dist` group is one field below: its name, type,
+default, meaning (the comment beside it) and, where the type lets more through than the setting
+takes, the rule its value must pass (the field's metadata). The YAML files do not repeat them:
+conf/config.yaml names `train_schema` first in its defaults list, so these defaults are the config's
+and the YAML files and presets (conf/experiment/, conf/debug/) only override them. eval.py's config
+reuses the same field declarations for the few keys it shares. The loop, the data loaders and train.py
+read the typed objects (`OmegaConf.to_object(cfg.trainer)` is a `TrainerConfig`).
 
-1. Types, at compose time. The dataclasses below are registered in Hydra's ConfigStore and named
-   first in the defaults lists of conf/config.yaml and conf/eval.yaml (Hydra's "structured config
-   schema" pattern), so `trainer.epochs=abc` or `dist.sync_bn=maybe` fails before anything runs.
-   They hold types only: values and their meaning live in the YAML files, in one place.
+Three layers check a config, each catching what the one before cannot:
+
+1. Types, at compose time. The dataclasses are registered in Hydra's ConfigStore (Hydra's
+   "structured config schema" pattern), so `trainer.epochs=abc` or `dist.sync_bn=maybe` fails
+   before anything runs.
 2. Hydra's compose errors (unknown option, unknown key, wrong type, unparsable override) are
    multi-line reports; `src/config/hydra_errors.py` turns each into one `error:` line and exit code 2.
 3. Values types cannot express (`trainer.epochs=0`, a negative learning rate) are refused by
-   `check_train_config` when the run starts, before any work.
+   `check_train_config` / `check_eval_config` when the run starts, before any work, from the rules
+   in the fields' metadata. Nothing else checks them again.
 
 The groups whose options name a `_target_` (model, dataset, optimizer, scheduler) stay open: each
 option has its own keys (SGD's momentum, Adam's betas), a dataclass node refuses keys it does not
 declare, and "add a model = one class + one YAML" should not grow a third file. Their keys are
-still closed to typos (Hydra's struct mode), and the few values that matter are checked in layer 3.
+still closed to typos (Hydra's struct mode), and the few values that matter have a rule in
+`OPEN_GROUP_RULES`.
 
 Nothing here imports torch: `python train.py --help` and `--cfg job` stay fast.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
 from hydra.core.config_store import ConfigStore
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from src.common.errors import UsageError, exit_on_usage_error
 
-
-@dataclass
-class TrainerSchema:
-    """The `trainer` block of conf/config.yaml (meanings and units are commented there)."""
-
-    epochs: int
-    precision: Any  # 32 | bf16 | 16: a typed node would turn 32 into "32"; checked by check_train_config
-    grad_accum: int
-    grad_clip: float | None
-    compile: bool
-    log_every_steps: int
-    device: str
-    save_checkpoints: bool
-    monitor: str
-    monitor_mode: str
-    checkpoint_every_steps: int | None
-    keep_last: int
-    max_steps: int | None
-    limit_train_batches: int | None
-    limit_val_batches: int | None
-    overfit_batches: int
-    progress: bool
-    detect_anomaly: bool
-    profile: bool
-    channels_last: bool
-    tf32: bool
-    deterministic: bool
-
-
-@dataclass
-class DistSchema:
-    """The `dist` group's options (conf/dist/)."""
-
-    backend: str
-    sync_bn: bool
-    find_unused_parameters: bool
-    timeout_s: float
-    step_timeout_s: float | None
-    nproc_per_node: int
-    master_port: int | None
-
-
-@dataclass
-class TrainSchema:
-    """conf/config.yaml: train.py's config."""
-
-    task: Any
-    model: Any
-    dataset: Any
-    optimizer: Any
-    scheduler: Any
-    dist: DistSchema
-    seed: int
-    resume: str | None
-    trusted_targets: list[str]
-    trainer: TrainerSchema
-
-
-@dataclass
-class EvalTrainerSchema:
-    precision: Any  # null | 32 | bf16 | 16 (see TrainerSchema)
-    device: str
-
-
-@dataclass
-class EvalDistSchema:
-    backend: str
-    timeout_s: float
-
-
-@dataclass
-class EvalSchema:
-    """conf/eval.yaml: eval.py's config."""
-
-    checkpoint: str
-    trusted_targets: list[str]
-    dataset: Any
-    trainer: EvalTrainerSchema
-    dist: EvalDistSchema
-
-
-# Registered on import, as Hydra's docs do: train.py and eval.py import this module before Hydra
-# composes, and the defaults lists name these entries.
-ConfigStore.instance().store(name="train_schema", node=TrainSchema)
-ConfigStore.instance().store(name="eval_schema", node=EvalSchema)
-
-
-# -- layer 3: values ------------------------------------------------------------------------------
+# -- rules: what a value may be, beyond its type ----------------------------------------------------
 
 Rule = Callable[[Any], str | None]  # a value -> what is wrong with it, or None
 
 
-def _one_of(*allowed: str) -> Rule:
-    return lambda value: None if str(value) in allowed else f"is not one of {', '.join(allowed)}"
+def one_of(*allowed: str, or_null: bool = False) -> Rule:
+    def rule(value: Any) -> str | None:
+        if (value is None and or_null) or (value is not None and str(value) in allowed):
+            return None
+        return f"is not one of {', '.join(allowed)}" + (" (or null)" if or_null else "")
+
+    return rule
 
 
-def _at_least(minimum: int, or_null: bool = False) -> Rule:
+def at_least(minimum: int, or_null: bool = False) -> Rule:
     def rule(value: Any) -> str | None:
         if (value is None and or_null) or (value is not None and value >= minimum):
             return None
@@ -136,7 +64,7 @@ def _at_least(minimum: int, or_null: bool = False) -> Rule:
     return rule
 
 
-def _number_or_null(zero_allowed: bool) -> Rule:
+def number_or_null(zero_allowed: bool) -> Rule:
     def rule(value: Any) -> str | None:
         # Also a type check: optimizer.lr lives in an open group, so `optimizer.lr=abc` gets this far.
         is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -147,42 +75,207 @@ def _number_or_null(zero_allowed: bool) -> Rule:
     return rule
 
 
-def _port_or_null(value: Any) -> str | None:
+def port_or_null(value: Any) -> str | None:
     return None if value is None or 1 <= value <= 65535 else "is not a port (1-65535); leave it null for a free one"
 
 
-VALUE_RULES: dict[str, Rule] = {
-    "trainer.epochs": _at_least(1),
-    "trainer.precision": _one_of("32", "bf16", "16"),
-    "trainer.grad_accum": _at_least(1),
-    "trainer.grad_clip": _number_or_null(zero_allowed=False),
-    "trainer.log_every_steps": _at_least(1),
-    "trainer.device": _one_of("auto", "cpu", "cuda"),
-    "trainer.monitor_mode": _one_of("max", "min"),
-    "trainer.checkpoint_every_steps": _at_least(1, or_null=True),
-    "trainer.keep_last": _at_least(1),
-    "trainer.max_steps": _at_least(1, or_null=True),
-    "trainer.limit_train_batches": _at_least(1, or_null=True),
-    "trainer.limit_val_batches": _at_least(1, or_null=True),
-    "trainer.overfit_batches": _at_least(0),
-    "dist.backend": _one_of("auto", "nccl", "gloo"),
-    "dist.timeout_s": _number_or_null(zero_allowed=False),
-    "dist.step_timeout_s": _number_or_null(zero_allowed=False),
-    "dist.nproc_per_node": _at_least(1),
-    "dist.master_port": _port_or_null,
-    "optimizer.lr": _number_or_null(zero_allowed=True),  # lr=0 freezes the weights; absent: the optimizer has none
+def setting(default: Any, rule: Rule | None = None) -> Any:
+    """A field's default and the rule its value must pass (none: its type says it all)."""
+    return field(default=default, metadata={"rule": rule} if rule else {})
+
+
+# -- settings train.py and eval.py share -------------------------------------------------------------
+
+PRECISIONS = ("32", "bf16", "16")  # float32 | autocast to bfloat16 | to float16 (src/loop/precision.py)
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+def precision_setting(default: Any) -> Any:
+    """`trainer.precision`: 32 | bf16 | 16 (fp16 autocast with gradient scaling; for GPUs). Typed Any:
+    a str node would turn 32 into "32". A null default (eval.py) means "the checkpoint's", and null is
+    then allowed."""
+    return setting(default, one_of(*PRECISIONS, or_null=default is None))
+
+
+def device_setting() -> Any:
+    """`trainer.device`: auto (cuda:LOCAL_RANK if a GPU is visible, else cpu) | cpu | cuda."""
+    return setting("auto", one_of(*DEVICES))
+
+
+def backend_setting() -> Any:
+    """`dist.backend`: auto (nccl on GPUs, gloo on CPU) | nccl | gloo."""
+    return setting("auto", one_of(*BACKENDS))
+
+
+def timeout_setting() -> Any:
+    """`dist.timeout_s`: seconds a collective may wait for the other ranks before failing."""
+    return setting(1800.0, number_or_null(zero_allowed=False))
+
+
+# -- train.py's settings --------------------------------------------------------------------------
+
+
+@dataclass
+class TrainerConfig:
+    """The `trainer` block: how the loop trains, checkpoints and reports. `train.py trainer.KEY=VALUE`
+    sets one. Built directly (tests), `monitor`/`monitor_mode` stay the interpolations below: pass them."""
+
+    epochs: int = setting(20, at_least(1))  # passes over the training set
+    precision: Any = precision_setting(32)  # 32 | bf16 | 16 (fp16 autocast with gradient scaling; for GPUs)
+    grad_accum: int = setting(1, at_least(1))  # micro-steps per optimizer step; dataset.batch_size stays the
+    # global batch per step
+    grad_clip: float | None = setting(None, number_or_null(zero_allowed=False))  # clip the global gradient L2
+    # norm to this value; null = no clipping
+    compile: bool = False  # wrap the model in torch.compile (TorchInductor: builds kernels with the system C++
+    # compiler, ~30 s at a run's start on a CPU, cached for the next; pays off on GPUs)
+    log_every_steps: int = setting(50, at_least(1))  # optimizer steps between TensorBoard train/* scalars
+    # (SIGTERM/SIGUSR2 are also checked here and every ~2 s between log steps: src/parallel/preemption.py)
+    device: str = device_setting()  # auto: cuda:LOCAL_RANK if a GPU is visible, else cpu | cpu | cuda
+    save_checkpoints: bool = True  # write checkpoints/last.pt every epoch and best.pt on improvement
+    monitor: str = "${task.monitor}"  # metric that decides best.pt, what train.py returns and sweeps sort by:
+    # val/<name> or train/<name> for a name the task computes; default: the task's
+    monitor_mode: str = setting("${task.mode}", one_of("max", "min"))  # max | min: whether a larger or a
+    # smaller monitor value is better; default: the task's
+    checkpoint_every_steps: int | None = setting(None, at_least(1, or_null=True))  # also checkpoint mid-epoch
+    # every N optimizer steps (null: at epoch ends only); resume goes on from that very step with the same
+    # remaining data
+    keep_last: int = setting(2, at_least(1))  # newest mid-epoch checkpoints kept as checkpoints/step_<N>.pt
+    # (last.pt is always kept)
+    max_steps: int | None = setting(None, at_least(1, or_null=True))  # stop after this many optimizer steps in
+    # all, with a checkpoint (e.g. to fit a time limit; continue later with resume=auto); null: all epochs
+    limit_train_batches: int | None = setting(None, at_least(1, or_null=True))  # at most this many optimizer
+    # steps per epoch (null: the whole train split)
+    limit_val_batches: int | None = setting(None, at_least(1, or_null=True))  # at most this many val batches
+    # per rank (null: the whole val split)
+    overfit_batches: int = setting(0, at_least(0))  # >0: train AND validate on the same first N global
+    # batches of the train split, to check that the model can drive the loss to ~0 (0: off)
+    progress: bool = True  # rank-0 progress bars for train and val (shown only when stdout is a terminal)
+    detect_anomaly: bool = False  # torch.autograd anomaly detection: names the op that made a NaN/inf (slow;
+    # debugging)
+    profile: bool = False  # torch.profiler trace of a few steps into the run dir's tb/ (open in TensorBoard)
+    channels_last: bool = False  # NHWC memory format for the model and images (faster convolutions on recent
+    # GPUs)
+    tf32: bool = True  # allow TensorFloat-32 matmuls/convolutions on Ampere+ GPUs (no effect on CPU)
+    deterministic: bool = False  # deterministic cuDNN algorithms; false lets cudnn.benchmark pick the fastest
+
+
+@dataclass
+class DistConfig:
+    """The `dist` group: DistributedDataParallel, used when the launcher starts more than one process
+    (torchrun sets RANK / LOCAL_RANK / WORLD_SIZE); a single process ignores these keys. Its one option,
+    conf/dist/ddp.yaml, takes these defaults."""
+
+    backend: str = backend_setting()  # auto: nccl on GPUs, gloo on CPU | nccl | gloo
+    sync_bn: bool = True  # BatchNorm statistics over the global batch (nn.SyncBatchNorm on GPUs,
+    # src/parallel/sync_batchnorm.py on CPU); false = per-rank statistics
+    find_unused_parameters: bool = False  # set true if some parameters get no gradient in a step (slower)
+    timeout_s: float = timeout_setting()  # seconds a collective may wait for the other ranks until this
+    # rank's first optimizer step: start-up may hold ranks apart for long (rendezvous, rank 0 downloading the
+    # dataset, torch.compile), and failing it wastes the whole wait
+    step_timeout_s: float | None = setting(300.0, number_or_null(zero_allowed=False))  # seconds after the
+    # first step: a frozen or hung rank stops the group this soon (then `timeout: ... rank(s) N did not arrive`
+    # in the log). It must exceed the longest gap between collectives: a step, rank 0 writing a checkpoint,
+    # an eval pass. null: keep timeout_s all run
+    nproc_per_node: int = setting(1, at_least(1))  # >1: `python train.py` itself starts this many local
+    # workers as one DDP group (torch's elastic launcher, like torchrun --standalone); ignored under torchrun
+    master_port: int | None = setting(None, port_or_null)  # with nproc_per_node>1: the rendezvous port on
+    # localhost (null: a free port the OS picks, so several runs on one machine never collide)
+
+
+@dataclass
+class TrainSchema:
+    """conf/config.yaml: train.py's config (the top-level keys' meanings are commented there)."""
+
+    task: Any
+    model: Any
+    dataset: Any
+    optimizer: Any
+    scheduler: Any
+    dist: DistConfig = field(default_factory=DistConfig)
+    seed: int = MISSING  # MISSING: the top-level keys' values are conf/config.yaml's
+    resume: str | None = MISSING
+    trusted_targets: list[str] = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# Values in the open groups (see the module's docstring) that the run depends on.
+OPEN_GROUP_RULES: dict[str, Rule] = {
+    "optimizer.lr": number_or_null(zero_allowed=True),  # lr=0 freezes the weights; absent: the optimizer has none
 }
+
+
+# -- eval.py's settings: the same declarations, for the keys it shares ---------------------------------
+
+
+@dataclass
+class EvalTrainerConfig:
+    """eval.py's `trainer` keys: what may differ from the run that saved the checkpoint."""
+
+    precision: Any = precision_setting(None)  # null: the checkpoint's trainer.precision | 32 | bf16 | 16
+    device: str = device_setting()  # auto: cuda:LOCAL_RANK if a GPU is visible, else cpu | cpu | cuda
+
+
+@dataclass
+class EvalDistConfig:
+    """The process group under torchrun (one process needs none). Evaluation syncs no gradients, so the
+    training-only keys of DistConfig (sync_bn, nproc_per_node, ...) do not apply."""
+
+    backend: str = backend_setting()  # auto: nccl on GPUs, gloo on CPU | nccl | gloo
+    timeout_s: float = timeout_setting()  # seconds a collective may wait for the other ranks before failing
+
+
+@dataclass
+class EvalSchema:
+    """conf/eval.yaml: eval.py's config."""
+
+    checkpoint: str
+    trusted_targets: list[str]
+    dataset: Any
+    trainer: EvalTrainerConfig = field(default_factory=EvalTrainerConfig)
+    dist: EvalDistConfig = field(default_factory=EvalDistConfig)
+
+
+# Registered on import, as Hydra's docs do: train.py and eval.py import this module before Hydra
+# composes, and the defaults lists name these entries.
+ConfigStore.instance().store(name="train_schema", node=TrainSchema)
+ConfigStore.instance().store(name="eval_schema", node=EvalSchema)
+
+
+# -- layer 3: values ------------------------------------------------------------------------------
 
 
 def check_train_config(cfg: DictConfig) -> None:
     """Refuse values the schema's types let through, naming every key to change at once."""
     missing = OmegaConf.missing_keys(cfg)
     problems = [f"{key} is required: add {key}=VALUE" for key in sorted(missing)]
-    for key, rule in VALUE_RULES.items():
-        value = OmegaConf.select(cfg, key)
-        problem = None if key in missing else rule(value)
+    rules = {**rules_of("trainer", TrainerConfig), **rules_of("dist", DistConfig), **OPEN_GROUP_RULES}
+    _refuse(problems + value_problems(cfg, rules, skip=missing))
+
+
+def check_eval_config(cfg: DictConfig) -> None:
+    """eval.py's `check_train_config`, for the keys it shares (its `checkpoint` it checks itself)."""
+    rules = {**rules_of("trainer", EvalTrainerConfig), **rules_of("dist", EvalDistConfig)}
+    _refuse(value_problems(cfg, rules))
+
+
+def rules_of(prefix: str, settings: type) -> dict[str, Rule]:
+    """`prefix.KEY` -> the rule of each field of `settings` that has one."""
+    return {f"{prefix}.{f.name}": f.metadata["rule"] for f in fields(settings) if "rule" in f.metadata}
+
+
+def value_problems(cfg: DictConfig, rules: dict[str, Rule], skip: set[str] = frozenset()) -> list[str]:
+    """`KEY=VALUE what is wrong` for each key whose value breaks its rule (keys in `skip` are not read)."""
+    problems = []
+    for key, rule in rules.items():
+        value = None if key in skip else OmegaConf.select(cfg, key)
+        problem = None if key in skip else rule(value)
         if problem:
             problems.append(f"{key}={value} {problem}")
+    return problems
+
+
+def _refuse(problems: list[str]) -> None:
     if problems:
         raise UsageError("; ".join(problems))
 

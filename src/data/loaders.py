@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from src.common.errors import UsageError
 from src.common.seeding import epoch_seed
+from src.config.schema import TrainerConfig
 from src.data.batches import to_device
 from src.data.image_tensors import ImageTensorDataset
 from src.data.splits import DataSplits
@@ -231,40 +232,29 @@ class Data:
     num_val_samples: int
 
 
-@dataclass(frozen=True)
-class DataLimits:
-    """Cuts of the data for smoke tests and debugging (`trainer.limit_*`, `trainer.overfit_batches`)."""
-
-    train_batches: int | None = None  # optimizer steps per epoch, at most
-    val_batches: int | None = None  # val batches per rank, at most
-    overfit_batches: int = 0  # >0: train and validate on the train split's first N global batches
-
-    @classmethod
-    def from_config(cls, trainer_cfg: Any) -> "DataLimits":
-        return cls(trainer_cfg.limit_train_batches, trainer_cfg.limit_val_batches, trainer_cfg.overfit_batches)
-
-
 def build_data(
     dataset_cfg: DictConfig,
     rank: int,
     world_size: int,
-    grad_accum: int,
     device: torch.device,
     seed: int,
-    limits: DataLimits = DataLimits(),
+    trainer: TrainerConfig | None = None,
 ) -> Data:
-    """Build the dataset named by `dataset_cfg` and this rank's train and val loaders."""
+    """Build the dataset named by `dataset_cfg` and this rank's train and val loaders, `trainer.grad_accum`
+    micro-batches per step, cut as `trainer.limit_train_batches`, `limit_val_batches` and
+    `overfit_batches` say (smoke tests and debugging; by default: none)."""
+    trainer = trainer or TrainerConfig()
     global_batch_size = int(dataset_cfg.batch_size)
-    per_rank_micro_batch_size(global_batch_size, world_size, grad_accum)  # refuse before a download
+    per_rank_micro_batch_size(global_batch_size, world_size, trainer.grad_accum)  # refuse before a download
     splits = build_splits(dataset_cfg)
-    if limits.overfit_batches:
+    if trainer.overfit_batches:
         # Lightning's overfit_batches: the same fixed samples for training and validation, so a
         # model that can learn at all drives both losses towards zero.
-        fixed = first_samples(splits.train, limits.overfit_batches * global_batch_size)
+        fixed = first_samples(splits.train, trainer.overfit_batches * global_batch_size)
         splits = dataclasses.replace(splits, train=fixed, val=fixed)
     train_sampler = GlobalBatchSampler(
-        len(splits.train), global_batch_size, rank, world_size, grad_accum, shuffle=True, seed=seed,
-        max_steps_per_epoch=limits.train_batches,
+        len(splits.train), global_batch_size, rank, world_size, trainer.grad_accum, shuffle=True, seed=seed,
+        max_steps_per_epoch=trainer.limit_train_batches,
     )
     num_workers = int(dataset_cfg.num_workers)
     global_val_batch = int(dataset_cfg.get("val_batch_size") or global_batch_size)
@@ -274,15 +264,17 @@ def build_data(
         train_sampler=train_sampler,
         train_loader=make_loader(splits.train, train_sampler, device, num_workers, worker_seed),
         val_loader=make_val_loader(
-            splits, global_val_batch, rank, world_size, device, num_workers, worker_seed, limits.val_batches
+            splits, global_val_batch, rank, world_size, device, num_workers, worker_seed, trainer.limit_val_batches
         ),
-        # What the val metrics cover: all of the val split unless limit_val_batches cuts it.
-        num_val_samples=sum(
-            EvalShardSampler(len(splits.val), val_batch_size(global_val_batch, world_size), r, world_size,
-                             limits.val_batches).num_samples
-            for r in range(world_size)
-        ),
+        num_val_samples=num_val_samples(len(splits.val), global_val_batch, world_size, trainer.limit_val_batches),
     )
+
+
+def num_val_samples(num_samples: int, global_batch_size: int, world_size: int, max_batches: int | None) -> int:
+    """What the val metrics cover: all of the val split unless `max_batches` per rank cuts it."""
+    batch_size = val_batch_size(global_batch_size, world_size)
+    return sum(EvalShardSampler(num_samples, batch_size, r, world_size, max_batches).num_samples
+               for r in range(world_size))
 
 
 def first_samples(dataset: Dataset, count: int) -> Dataset:

@@ -2,34 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
-from typing import Any, ContextManager, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from src.common.errors import UsageError
 from src.data.batches import to_device
 from src.loop.metrics import MetricSums
+from src.loop.precision import autocast
 from src.loop.task import Task
-
-PRECISIONS = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
-
-
-def autocast_dtype(precision: Any) -> torch.dtype | None:
-    """The autocast dtype for `trainer.precision` (32 -> None: autocast off)."""
-    key = str(precision)
-    if key not in PRECISIONS:
-        raise UsageError(f"trainer.precision={precision} is not one of 32, bf16, 16")
-    return PRECISIONS[key]
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None) -> ContextManager[Any]:
-    """Mixed precision for the block when `dtype` is set, else nothing."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from copy import deepcopy
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from src.data.batches import tree_map
 
 # Dense peak TFLOP/s (no 2:4 sparsity) per GPU, by the compute precision of its matmuls: "fp32" on
 # CUDA cores, "tf32" / "bf16" / "fp16" on tensor cores with fp32 accumulation (what PyTorch uses).
@@ -151,3 +154,24 @@ class Utilization:
             "perf/mfu": mfu(self.flops_per_sample, samples_per_s, self.peak, self.world_size),
             "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(self.device) / GIB,
         }
+
+
+class FirstWindowUtilization:
+    """`Utilization` built at the first log window, from the shapes of the first micro-batch it was shown
+    (kept on the meta device: no memory); a GPU counts the model's FLOPs then, the CPU nothing, ever."""
+
+    def __init__(self, model: nn.Module, device: torch.device, precision: Any, world_size: int,
+                 micro_batch_size: int) -> None:
+        self.build = functools.partial(Utilization, model, device, str(precision), world_size)
+        self.micro_batch_size = micro_batch_size
+        self.example_inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.utilization: Utilization | None = None
+
+    def see_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.example_inputs is None:
+            self.example_inputs = tree_map(lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
+
+    def scalars(self, samples_per_s: float) -> dict[str, float]:
+        if self.utilization is None:
+            self.utilization = self.build(self.example_inputs, self.micro_batch_size)
+        return self.utilization.scalars(samples_per_s)

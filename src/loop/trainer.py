@@ -1,13 +1,14 @@
 """The training loop: epochs of optimizer steps, evaluation, checkpoints and reports.
 
-The loop only sees prepared components (model, optimizer, scheduler, loaders,
-checkpointer, reporter); it does not know how they were configured or launched.
+The loop only sees its settings (`TrainerConfig`) and the parts the run built (`TrainParts`: model,
+optimizer, scheduler, data, checkpointer, reporter); it does not know how they were configured or
+launched. Its story, in `fit`: for each epoch, train its steps (`train_one_epoch`), evaluate, record,
+checkpoint, report; stop early, with a checkpoint, when `StopRule` says so (src/loop/stopping.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,17 +18,19 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.common.seeding import epoch_seed, seed_step
-from src.data.batches import tree_map
+from src.common.seeding import epoch_seed, seed_generators, step_seed
+from src.config.schema import TrainerConfig
 from src.data.loaders import Data, train_batch_to_device
+from src.loop import records
 from src.loop.checkpoint import Checkpointer
 from src.loop.divergence import NonFiniteLossWatch, TrainingDiverged, diverged_message
-from src.loop.evaluation import autocast, autocast_dtype, evaluate, metrics_of
+from src.loop.evaluation import evaluate, metrics_of
 from src.loop.metrics import MetricSums
-from src.loop.performance import Utilization
+from src.loop.performance import FirstWindowUtilization
+from src.loop.precision import autocast, autocast_dtype
+from src.loop.stopping import StopReason, StopRule
 from src.loop.task import Task
 from src.parallel.distributed import Runtime
-from src.parallel.preemption import Preemption
 from src.reports.reporting import Reporter
 
 log = logging.getLogger(__name__)
@@ -35,7 +38,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainState:
-    """What the loop has done so far; saved in every checkpoint."""
+    """What the loop has done so far; saved in every checkpoint (as its top-level keys)."""
 
     epoch: int = 0  # epochs completed
     step: int = 0  # optimizer steps taken
@@ -45,315 +48,281 @@ class TrainState:
     history: list[dict[str, float]] = field(default_factory=list)
     step_in_epoch: int = 0  # optimizer steps already taken in the unfinished epoch `epoch`
     epoch_totals: dict[str, list[float]] | None = None  # its train metric sums by name, over all ranks
-    stopped_early: bool = False  # the run stopped before its last epoch (max_steps, SIGTERM)
+
+    @classmethod
+    def from_checkpoint(cls, payload: dict[str, Any]) -> "TrainState":
+        """The state saved in `payload`. Other keys are ignored: those of the model and optimizer, and
+        `stopped_early`, which checkpoints of earlier versions hold (always false there: a stop's
+        checkpoint was written before it was set)."""
+        defaults = cls()
+        return cls(**{key: payload.get(key, getattr(defaults, key)) for key in cls.__dataclass_fields__})
 
 
 @dataclass
-class TrainerOptions:
-    epochs: int
-    seed: int = 0
-    precision: str = "32"
-    grad_accum: int = 1
-    grad_clip: float | None = None
-    log_every_steps: int = 50
-    save_checkpoints: bool = True
-    monitor: str = "val/acc"
-    monitor_mode: str = "max"
-    checkpoint_every_steps: int | None = None  # also checkpoint mid-epoch every N optimizer steps
-    max_steps: int | None = None  # stop (with a checkpoint) after this many optimizer steps in all
-    detect_anomaly: bool = False  # autograd anomaly mode, and a NaN check every step (slow; for debugging)
+class TrainParts:
+    """What the run built for the loop (train.py; tests build small ones)."""
 
-    @classmethod
-    def from_config(cls, trainer_cfg: Any, seed: int) -> "TrainerOptions":
-        """Options from the config's `trainer` block (keys not used by the loop are skipped)."""
-        return cls(seed=seed, **{name: trainer_cfg[name] for name in cls.__dataclass_fields__ if name != "seed"})
+    runtime: Runtime
+    task: Task
+    module: nn.Module  # unwrapped: evaluated and saved
+    train_model: nn.Module  # DDP and/or compiled wrapper of `module`
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: Data
+    checkpointer: Checkpointer
+    reporter: Reporter
+    seed: int = 0  # the run's `seed`: the loop derives per-rank epoch and step seeds from it
+    saved_config: dict[str, Any] = field(default_factory=dict)  # the resolved run config, saved in checkpoints
+    profiler: torch.profiler.profile | None = None  # stepped after every optimizer step while fit() runs
+
+
+class LogWindow:
+    """The optimizer steps since the last train/* scalars: the epoch's sums and the clock when it began."""
+
+    def __init__(self, totals: torch.Tensor) -> None:
+        self.totals = totals
+        self.started = time.perf_counter()
 
 
 class Trainer:
     """Runs `fit()` on every rank; all ranks execute the same collectives in the same order."""
 
-    def __init__(
-        self,
-        options: TrainerOptions,
-        runtime: Runtime,
-        task: Task,
-        module: nn.Module,
-        train_model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-        data: Data,
-        checkpointer: Checkpointer,
-        reporter: Reporter,
-        profiler: torch.profiler.profile | None = None,
-    ) -> None:
-        self.options = options
-        self.runtime = runtime
-        self.task = task
-        self.module = module  # unwrapped: evaluated and saved
-        self.train_model = train_model  # DDP and/or compiled wrapper of `module`
-        self.ddp = _find_ddp(train_model)
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.data = data
-        self.checkpointer = checkpointer
-        self.reporter = reporter
-        self.profiler = profiler  # stepped after every optimizer step while fit() runs
-        self.loss_watch = NonFiniteLossWatch(runtime.device)
-        self.amp_dtype = autocast_dtype(options.precision)
+    def __init__(self, config: TrainerConfig, parts: TrainParts) -> None:
+        self.config = config
+        self.parts = parts
+        device = parts.runtime.device
+        self.ddp = _find_ddp(parts.train_model)
+        self.loss_watch = NonFiniteLossWatch(device)
+        self.amp_dtype = autocast_dtype(config.precision)
         # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not.
-        self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=self.amp_dtype == torch.float16)
-        self.preemption = Preemption(runtime.device, options.log_every_steps)  # armed while fit() runs
-        self.run_config: dict[str, Any] = {}  # the resolved config, saved in checkpoints
-        self.epoch_metrics = MetricSums(task.sum_shapes(data.splits.info), runtime.device)
-        self.window_start = self.epoch_metrics.totals()  # the epoch totals when the log window began
-        self.example_inputs: tuple[Any, ...] | None = None  # the first micro-batch's inputs, on the meta device
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
+        self.stopping = StopRule(config.max_steps, device, config.log_every_steps)  # armed while fit() runs
+        self.epoch_metrics = MetricSums(parts.task.sum_shapes(parts.data.splits.info), device)
+        self.utilization = FirstWindowUtilization(parts.module, device, config.precision, parts.runtime.world_size,
+                                                  parts.data.train_sampler.micro_batch_size)
 
     # -- state -------------------------------------------------------------------------
 
-    def state_dict(self, state: TrainState, config: dict[str, Any]) -> dict[str, Any]:
+    def state_dict(self, state: TrainState) -> dict[str, Any]:
+        parts = self.parts
         return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "model": parts.module.state_dict(),
+            "optimizer": parts.optimizer.state_dict(),
+            "scheduler": parts.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "config": config,
+            "config": parts.saved_config,
             **asdict(state),
         }
 
     def load_state_dict(self, payload: dict[str, Any]) -> TrainState:
-        self.optimizer.load_state_dict(payload["optimizer"])
-        self.scheduler.load_state_dict(payload["scheduler"])
+        self.parts.optimizer.load_state_dict(payload["optimizer"])
+        self.parts.scheduler.load_state_dict(payload["scheduler"])
         self.scaler.load_state_dict(payload["scaler"])
-        defaults = TrainState()
-        return TrainState(**{key: payload.get(key, getattr(defaults, key)) for key in TrainState.__dataclass_fields__})
+        return TrainState.from_checkpoint(payload)
 
     # -- the run -----------------------------------------------------------------------
 
-    def fit(self, state: TrainState, config: dict[str, Any]) -> TrainState:
-        """Train from `state` to `options.epochs`, evaluating and checkpointing every epoch.
-
-        Stops early, with a checkpoint to resume from, after `options.max_steps` optimizer
-        steps or when the process is asked to terminate (SIGTERM: preemption).
-        """
-        self.run_config = config
-        profiling = self.profiler if self.profiler is not None else contextlib.nullcontext()
-        with self.preemption, profiling, torch.autograd.set_detect_anomaly(self.options.detect_anomaly):
-            for epoch in range(state.epoch, self.options.epochs):
+    def fit(self, state: TrainState) -> StopReason:
+        """Train from `state` (updated in place) to `config.epochs`, evaluating and checkpointing every
+        epoch. Stops early, with a checkpoint to resume from, after `config.max_steps` optimizer steps
+        or when the process is asked to terminate (SIGTERM: preemption). Returns why it stopped."""
+        profiling = self.parts.profiler if self.parts.profiler is not None else contextlib.nullcontext()
+        with self.stopping, profiling, torch.autograd.set_detect_anomaly(self.config.detect_anomaly):
+            for epoch in range(state.epoch, self.config.epochs):
                 started = time.perf_counter()
                 train = self.train_one_epoch(epoch, state)
-                if state.stopped_early:
-                    return state
-                train_seconds = time.perf_counter() - started
-                val = self.evaluate()
-                state.epoch = epoch + 1
-                state.train_samples += train["timed_count"]
-                state.train_seconds += train_seconds
-                record = {
-                    "epoch": state.epoch,
-                    "step": state.step,
-                    **metric_values("train", train),  # train/loss and the task's metrics
-                    **metric_values("val", val),
-                    "lr": self.optimizer.param_groups[0]["lr"],
-                    "epoch_time_s": time.perf_counter() - started,
-                    "samples_per_s": train["timed_count"] / train_seconds,
-                }
-                state.history.append(record)
-                is_best = self._improves(state, record[self.options.monitor])
-                self._report_epoch(record, val["count"])
-                if self.options.save_checkpoints:
-                    self.checkpointer.save(self.state_dict(state, config), is_best)
-                # After the checkpoint: metrics.json never reports an epoch a restart would lose.
-                self.reporter.write_metrics(self.summary(state, val["count"]))
-                if "confusion" in val:
-                    self.reporter.confusion_matrix(val["confusion"], state.step)
-        return state
+                if isinstance(train, StopReason):
+                    return train
+                self._end_epoch(epoch, state, train, started)
+        return StopReason.COMPLETED
 
-    def train_one_epoch(self, epoch: int, state: TrainState) -> dict[str, float]:
-        """One epoch's optimizer steps, from `state.step_in_epoch` on (a resumed epoch goes on
-        where it stopped, with the same remaining samples). Returns its train metrics."""
-        sampler = self.data.train_sampler
-        sampler.set_epoch(epoch, start_step=state.step_in_epoch)
-        generator = getattr(self.data.train_loader, "generator", None)  # a DataLoader's: seeds its workers
-        if generator is not None:
-            generator.manual_seed(epoch_seed(self.options.seed, self.runtime.env.rank, epoch))
-        self.train_model.train()
-        self.epoch_metrics.reset()
-        restored = _named_totals(state.epoch_totals)  # the sums of a resumed epoch's first steps
-        if restored is not None and self.runtime.is_main_process:
-            self.epoch_metrics.load_state_dict(restored)  # all ranks' sums: added once, on rank 0
-        state.epoch_totals = None
-        self.window_start = self.epoch_metrics.totals()
-        window_started = time.perf_counter()
-        progress = self.reporter.progress(f"epoch {epoch + 1}/{self.options.epochs}", sampler.steps_per_epoch,
-                                          done=state.step_in_epoch)
-        accum = self.options.grad_accum
-        for micro_step, batch in enumerate(self.data.train_loader):
-            if micro_step % accum == 0:
-                # Seeded per optimizer step (differently per rank): dropout and augmentation
-                # draw the same after a resume at any step, and independently across ranks.
-                seed_step(epoch_seed(self.options.seed, self.runtime.env.rank, state.step), self.runtime.device)
-            batch = train_batch_to_device(self.data.train_loader, batch, self.runtime.device)
-            is_step_end = (micro_step + 1) % accum == 0
-            self._forward_backward(batch, accum, sync=is_step_end, step=state.step + 1)
-            if not is_step_end:
-                continue
-            self._optimizer_step()
-            state.step += 1
-            if self.profiler is not None:
-                self.profiler.step()
-            if self.options.detect_anomaly:
-                self.loss_watch.check_now()
-            state.step_in_epoch += 1
+    def train_one_epoch(self, epoch: int, state: TrainState) -> dict[str, float] | StopReason:
+        """One epoch's optimizer steps, from `state.step_in_epoch` on (a resumed epoch goes on where it
+        stopped, with the same remaining samples). Returns its train metrics, or why the run stopped
+        before the epoch's end (after a step checkpoint)."""
+        restored = self._start_epoch(epoch, state)
+        window = LogWindow(self.epoch_metrics.totals())
+        steps_per_epoch = self.parts.data.train_sampler.steps_per_epoch
+        progress = self.parts.reporter.progress(f"epoch {epoch + 1}/{self.config.epochs}", steps_per_epoch,
+                                                done=state.step_in_epoch)
+        for micro_step, batch in enumerate(self.parts.data.train_loader):
+            if not self._micro_step(micro_step, batch, state):
+                continue  # gradients accumulate: no optimizer step yet
             progress.update()
-            if state.step % self.options.log_every_steps == 0:
-                self._report_window(state.step, time.perf_counter() - window_started)
-                window_started = time.perf_counter()
-            if self._should_stop(state):
+            stop = self._after_step(state, window)
+            if stop is not None:
                 progress.close()
                 self._save_mid_epoch(state)
-                state.stopped_early = True
-                return {}
-            every = self.options.checkpoint_every_steps
-            if every and state.step % every == 0 and state.step_in_epoch < sampler.steps_per_epoch:
-                self._save_mid_epoch(state)
+                return stop
         state.step_in_epoch = 0
         progress.close()
-        metrics = metrics_of(self.task, self.epoch_metrics.reduce())
+        return self._epoch_train_metrics(restored)
+
+    def evaluate(self) -> dict[str, Any]:
+        """The task's metrics (and val tables) over the whole val split, each sample counted once."""
+        parts = self.parts
+        return evaluate(parts.module, parts.reporter.track(parts.data.val_loader, "val"), parts.task,
+                        parts.data.splits.info, parts.runtime.device, self.amp_dtype)
+
+    def summary(self, state: TrainState, num_val_samples: int) -> dict[str, Any]:
+        """The run so far, as written to metrics.json: the last epoch's metrics and the history."""
+        return records.run_summary(state.history, num_val_samples, self.parts.runtime.world_size,
+                                   self.parts.data.train_sampler.global_batch_size,
+                                   state.train_samples / state.train_seconds)
+
+    # -- an epoch ----------------------------------------------------------------------
+
+    def _start_epoch(self, epoch: int, state: TrainState) -> dict[str, list[float]] | None:
+        """Point the sampler at the epoch (and the resumed step), reseed the loader's workers, and start
+        the epoch's sums: from zero, or those a step checkpoint saved. Returns those restored sums."""
+        data, rank = self.parts.data, self.parts.runtime.env.rank
+        data.train_sampler.set_epoch(epoch, start_step=state.step_in_epoch)
+        generator = getattr(data.train_loader, "generator", None)  # a DataLoader's: seeds its workers
+        if generator is not None:
+            generator.manual_seed(epoch_seed(self.parts.seed, rank, epoch))
+        self.parts.train_model.train()
+        self.epoch_metrics.reset()
+        restored = _named_totals(state.epoch_totals)  # the sums of a resumed epoch's first steps
+        if restored is not None and self.parts.runtime.is_main_process:
+            self.epoch_metrics.load_state_dict(restored)  # all ranks' sums: added once, on rank 0
+        state.epoch_totals = None
+        return restored
+
+    def _micro_step(self, micro_step: int, batch: Any, state: TrainState) -> bool:
+        """Forward and backward one micro-batch; on the step's last one, the optimizer step too.
+        Returns whether an optimizer step was taken."""
+        accum, device = self.config.grad_accum, self.parts.runtime.device
+        if micro_step % accum == 0:
+            # Seeded per optimizer step (differently per rank): dropout and augmentation
+            # draw the same after a resume at any step, and independently across ranks.
+            seed_generators(step_seed(self.parts.seed, self.parts.runtime.env.rank, state.step), device)
+        batch = train_batch_to_device(self.parts.data.train_loader, batch, device)
+        is_step_end = (micro_step + 1) % accum == 0
+        self._forward_backward(batch, sync=is_step_end, step=state.step + 1)
+        if is_step_end:
+            self._optimizer_step()
+            state.step += 1
+            if self.parts.profiler is not None:
+                self.parts.profiler.step()
+            if self.config.detect_anomaly:
+                self.loss_watch.check_now()
+            state.step_in_epoch += 1
+        return is_step_end
+
+    def _after_step(self, state: TrainState, window: LogWindow) -> StopReason | None:
+        """After an optimizer step: the log window's scalars, then why to stop (the caller checkpoints),
+        or else a periodic step checkpoint if one is due."""
+        if state.step % self.config.log_every_steps == 0:
+            self._report_window(state.step, window)
+        stop = self.stopping.reason(state.step)
+        if stop is not None:
+            return stop
+        every = self.config.checkpoint_every_steps
+        if every and state.step % every == 0 and state.step_in_epoch < self.parts.data.train_sampler.steps_per_epoch:
+            self._save_mid_epoch(state)
+        return None
+
+    def _epoch_train_metrics(self, restored: dict[str, list[float]] | None) -> dict[str, float]:
+        """The finished epoch's train metrics over all ranks, with `timed_count`: the samples trained
+        (and timed) by this run, not those restored from a checkpoint."""
+        metrics = metrics_of(self.parts.task, self.epoch_metrics.reduce())
         self.loss_watch.check(metrics["loss"])
-        # Samples trained (and timed) by this run, not those restored from a checkpoint.
         metrics["timed_count"] = metrics["count"] - (int(restored["count"][0]) if restored is not None else 0)
         return metrics
 
-    def _should_stop(self, state: TrainState) -> bool:
-        """max_steps reached, or a rank got SIGTERM or SIGUSR2 (agreed at steps every rank
-        computes alike, see src/parallel/preemption.py), so every rank stops at the same step."""
-        if self.options.max_steps is not None and state.step >= self.options.max_steps:
-            return True
-        return self.preemption.stop_requested(state.step)
+    def _end_epoch(self, epoch: int, state: TrainState, train: dict[str, float], started: float) -> None:
+        """Evaluate, record the epoch in `state`, report it and checkpoint."""
+        train_seconds = time.perf_counter() - started
+        val = self.evaluate()
+        state.epoch = epoch + 1
+        state.train_samples += train["timed_count"]
+        state.train_seconds += train_seconds
+        record = records.epoch_record(state.epoch, state.step, train, val, self._lr(),
+                                      time.perf_counter() - started, train_seconds)
+        state.history.append(record)
+        is_best = self._improves(state, record[self.config.monitor])
+        self.parts.reporter.scalars(records.epoch_scalars(record), record["step"])
+        log.info("%s", records.epoch_line(record, self.config.epochs, val["count"]))
+        if self.config.save_checkpoints:
+            self.parts.checkpointer.save(self.state_dict(state), is_best)
+        # After the checkpoint: metrics.json never reports an epoch a restart would lose.
+        self.parts.reporter.write_metrics(self.summary(state, val["count"]))
+        if "confusion" in val:
+            self.parts.reporter.confusion_matrix(val["confusion"], state.step)
 
-    def _save_mid_epoch(self, state: TrainState) -> None:
-        """A step checkpoint: the model and everything needed to go on from this very step."""
-        state.epoch_totals = self.epoch_metrics.state_dict()
-        self.loss_watch.check(state.epoch_totals["loss"][0])  # never checkpoint a diverged model
-        if self.options.save_checkpoints:
-            self.checkpointer.save(self.state_dict(state, self.run_config), is_best=False, step=state.step)
-        state.epoch_totals = None
-        log.info("checkpoint at step %d (epoch %d, step %d of %d)", state.step, state.epoch + 1,
-                 state.step_in_epoch, self.data.train_sampler.steps_per_epoch)
+    # -- a step ------------------------------------------------------------------------
 
-    def _forward_backward(self, batch: Any, accum: int, sync: bool, step: int) -> None:
-        args, kwargs, target = self.task.split(batch)
-        if self.example_inputs is None:  # shapes for counting FLOPs (src/loop/performance.py), no memory
-            self.example_inputs = tree_map(lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
+    def _forward_backward(self, batch: Any, sync: bool, step: int) -> None:
+        task, accum = self.parts.task, self.config.grad_accum
+        args, kwargs, target = task.split(batch)
+        self.utilization.see_inputs(args, kwargs)  # shapes for counting FLOPs (src/loop/performance.py)
         # On micro-steps before the last one, DDP must not all-reduce gradients yet.
         sync_context: ContextManager[Any] = contextlib.nullcontext()
         if self.ddp is not None and not sync:
             sync_context = self.ddp.no_sync()
         with sync_context:
-            with autocast(self.runtime.device, self.amp_dtype):
-                outputs = self.train_model(*args, **kwargs)
-            loss_sum, count = self.task.loss(outputs, target)
+            with autocast(self.parts.runtime.device, self.amp_dtype):
+                outputs = self.parts.train_model(*args, **kwargs)
+            loss_sum, count = task.loss(outputs, target)
             # Each micro-batch holds 1/accum of the rank's samples; DDP averages over ranks,
             # so the gradient is the mean over the global batch.
             loss = loss_sum / (count * accum)
             self.loss_watch.observe(loss_sum, step)
-            try:
-                self.scaler.scale(loss).backward()
-            except RuntimeError as error:  # anomaly mode names the backward op that made a NaN
-                if not self.options.detect_anomaly or "nan values" not in str(error):
-                    raise
-                what = str(error).splitlines()[0].rstrip(".")
-                raise TrainingDiverged(diverged_message(step, what, names_the_op=True)) from None
-        self.epoch_metrics.add(self.task.batch_sums(outputs, target, loss_sum, count))
+            self._backward(loss, step)
+        self.epoch_metrics.add(task.batch_sums(outputs, target, loss_sum, count))
+
+    def _backward(self, loss: torch.Tensor, step: int) -> None:
+        try:
+            self.scaler.scale(loss).backward()
+        except RuntimeError as error:  # anomaly mode names the backward op that made a NaN
+            if not self.config.detect_anomaly or "nan values" not in str(error):
+                raise
+            what = str(error).splitlines()[0].rstrip(".")
+            raise TrainingDiverged(diverged_message(step, what, names_the_op=True)) from None
 
     def _optimizer_step(self) -> None:
-        if self.options.grad_clip is not None:
-            self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.options.grad_clip)
-        self.scaler.step(self.optimizer)
+        optimizer = self.parts.optimizer
+        if self.config.grad_clip is not None:
+            self.scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(self.parts.module.parameters(), self.config.grad_clip)
+        self.scaler.step(optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.parts.scheduler.step()
 
-    def evaluate(self) -> dict[str, Any]:
-        """The task's metrics (and val tables) over the whole val split, each sample counted once."""
-        return evaluate(self.module, self.reporter.track(self.data.val_loader, "val"), self.task,
-                        self.data.splits.info, self.runtime.device, self.amp_dtype)
-
-    def summary(self, state: TrainState, num_val_samples: int) -> dict[str, Any]:
-        """The run so far, as written to metrics.json: the last epoch's metrics and the history."""
-        last = state.history[-1]
-        return {
-            **{key: value for key, value in last.items() if key.startswith(("train/", "val/"))},
-            "epoch": last["epoch"],
-            "step": last["step"],
-            "val/num_samples": num_val_samples,
-            "world_size": self.runtime.world_size,
-            "global_batch_size": self.data.train_sampler.global_batch_size,
-            "samples_per_s": state.train_samples / state.train_seconds,
-            "history": state.history,
-        }
+    def _save_mid_epoch(self, state: TrainState) -> None:
+        """A step checkpoint: the model and everything needed to go on from this very step."""
+        state.epoch_totals = self.epoch_metrics.state_dict()
+        self.loss_watch.check(state.epoch_totals["loss"][0])  # never checkpoint a diverged model
+        if self.config.save_checkpoints:
+            self.parts.checkpointer.save(self.state_dict(state), is_best=False, step=state.step)
+        state.epoch_totals = None
+        log.info("checkpoint at step %d (epoch %d, step %d of %d)", state.step, state.epoch + 1,
+                 state.step_in_epoch, self.parts.data.train_sampler.steps_per_epoch)
 
     # -- helpers -----------------------------------------------------------------------
 
+    def _lr(self) -> float:
+        return self.parts.optimizer.param_groups[0]["lr"]
+
     def _improves(self, state: TrainState, value: float) -> bool:
         better = state.best is None or (
-            value > state.best if self.options.monitor_mode == "max" else value < state.best
+            value > state.best if self.config.monitor_mode == "max" else value < state.best
         )
         if better:
             state.best = value
         return better
 
-    def _report_window(self, step: int, seconds: float) -> None:
-        window = metrics_of(self.task, self.epoch_metrics.reduce(baseline=self.window_start))
-        self.loss_watch.check(window["loss"])
-        self.window_start = self.epoch_metrics.totals()
-        samples_per_s = window["count"] / seconds
-        self.reporter.scalars(
-            {
-                **metric_values("train", window),
-                "lr": self.optimizer.param_groups[0]["lr"],
-                "throughput/samples_per_s": samples_per_s,
-                **self._utilization.scalars(samples_per_s),  # MFU and peak memory on GPUs of known peak
-            },
-            step,
-        )
-
-    @functools.cached_property
-    def _utilization(self) -> Utilization:
-        """Built at the first log window (a GPU counts the model's FLOPs then; the CPU nothing, ever)."""
-        return Utilization(self.module, self.runtime.device, self.options.precision, self.runtime.world_size,
-                           self.example_inputs, self.data.train_sampler.micro_batch_size)
-
-    def _report_epoch(self, record: dict[str, float], num_val: int) -> None:
-        self.reporter.scalars(
-            {
-                **{key.replace("train/", "epoch/train_"): v for key, v in record.items() if key.startswith("train/")},
-                **{key: v for key, v in record.items() if key.startswith("val/")},
-                "time/epoch_s": record["epoch_time_s"],
-                "throughput/epoch_samples_per_s": record["samples_per_s"],
-            },
-            record["step"],
-        )
-        log.info("epoch %d/%d  step %d  %s  %s (%d samples)  %.0f samples/s", record["epoch"], self.options.epochs,
-                 record["step"], format_metrics(record, "train"), format_metrics(record, "val"), num_val,
-                 record["samples_per_s"])
-
-
-def metric_values(split: str, metrics: dict[str, Any]) -> dict[str, float]:
-    """`split/<name>` for each metric the task computed; counts and tables (e.g. the confusion
-    matrix) are reported on their own."""
-    return {f"{split}/{name}": value for name, value in metrics.items()
-            if name not in _NOT_METRICS and isinstance(value, float)}
-
-
-_NOT_METRICS = ("count", "timed_count")
-
-
-def format_metrics(record: dict[str, Any], split: str) -> str:
-    """`train loss 0.1234 acc 0.9876`: a split's metrics of an epoch record, for the log."""
-    values = [f"{key.split('/', 1)[1]} {value:.4f}" for key, value in record.items() if key.startswith(f"{split}/")]
-    return f"{split} {' '.join(values)}"
+    def _report_window(self, step: int, window: LogWindow) -> None:
+        seconds = time.perf_counter() - window.started
+        metrics = metrics_of(self.parts.task, self.epoch_metrics.reduce(baseline=window.totals))
+        self.loss_watch.check(metrics["loss"])
+        window.totals = self.epoch_metrics.totals()
+        samples_per_s = metrics["count"] / seconds
+        scalars = records.window_scalars(metrics, self._lr(), samples_per_s)
+        # MFU and peak memory on GPUs of known peak
+        self.parts.reporter.scalars({**scalars, **self.utilization.scalars(samples_per_s)}, step)
+        window.started = time.perf_counter()
 
 
 def _named_totals(saved: Any) -> dict[str, list[float]] | None:

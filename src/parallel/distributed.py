@@ -58,9 +58,8 @@ def read_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
 
 
 def select_device(requested: str, env: DistEnv) -> torch.device:
-    """`auto` takes this rank's GPU (cuda:LOCAL_RANK) when there is one, else the CPU."""
-    if requested not in ("auto", "cpu", "cuda"):
-        raise UsageError(f"trainer.device={requested!r} is not one of auto, cpu, cuda")
+    """`auto` takes this rank's GPU (cuda:LOCAL_RANK) when there is one, else the CPU. `requested` is
+    one of the checked `trainer.device` values (src/config/schema.py); this checks what the machine has."""
     if requested == "cuda" and not torch.cuda.is_available():
         raise UsageError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu or auto")
     if requested == "cpu" or not torch.cuda.is_available():
@@ -74,9 +73,8 @@ def select_device(requested: str, env: DistEnv) -> torch.device:
 
 
 def select_backend(requested: str, device: torch.device) -> str:
-    """`auto` is nccl for GPUs and gloo for the CPU; nccl cannot move CPU tensors."""
-    if requested not in ("auto", "nccl", "gloo"):
-        raise UsageError(f"dist.backend={requested!r} is not one of auto, nccl, gloo")
+    """`auto` is nccl for GPUs and gloo for the CPU; nccl cannot move CPU tensors. `requested` is one
+    of the checked `dist.backend` values (src/config/schema.py)."""
     if requested == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     if requested == "nccl" and device.type != "cuda":

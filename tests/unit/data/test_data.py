@@ -6,8 +6,8 @@ from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
 from src.common.errors import UsageError
+from src.config.schema import TrainerConfig
 from src.data.loaders import (
-    DataLimits,
     EvalShardSampler,
     GlobalBatchSampler,
     TensorBatchLoader,
@@ -182,7 +182,7 @@ def test_first_samples_keeps_tensor_datasets_on_the_fast_path():
 
 def test_overfit_batches_trains_and_validates_on_the_same_fixed_samples():
     cfg = OmegaConf.create({"_target_": "src.components.datasets.digits", "batch_size": 64, "num_workers": 0})
-    data = build_data(cfg, 0, 1, 1, torch.device("cpu"), seed=0, limits=DataLimits(overfit_batches=2))
+    data = build_data(cfg, 0, 1, torch.device("cpu"), seed=0, trainer=TrainerConfig(overfit_batches=2))
     assert data.train_sampler.steps_per_epoch == 2 and data.num_val_samples == 128
     train_images = torch.cat([images for images, _ in data.train_loader])
     val_images = torch.cat([images for images, _ in data.val_loader])
@@ -194,8 +194,8 @@ def test_overfit_batches_trains_and_validates_on_the_same_fixed_samples():
 
 def test_limits_count_the_val_samples_of_every_rank():
     cfg = OmegaConf.create({"_target_": "src.components.datasets.digits", "batch_size": 64, "num_workers": 0})
-    limits = DataLimits(train_batches=3, val_batches=2)
-    data = build_data(cfg, 1, 2, 1, torch.device("cpu"), seed=0, limits=limits)
+    limits = TrainerConfig(limit_train_batches=3, limit_val_batches=2)
+    data = build_data(cfg, 1, 2, torch.device("cpu"), seed=0, trainer=limits)
     assert data.train_sampler.steps_per_epoch == 3
     assert data.num_val_samples == 2 * (2 * 32)  # 2 ranks x 2 batches x 32 samples
     assert sum(len(targets) for _, targets in data.val_loader) == 64  # this rank's share

@@ -1,20 +1,12 @@
-"""src/loop/evaluation.py and src/common/seeding.py on one process."""
+"""src/loop/evaluation.py and src/common/seeding.py on one process (the precision names: test_precision.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from src.common.errors import UsageError
-from src.common.seeding import epoch_seed, seed_everything
+from src.common.seeding import epoch_seed, seed_everything, step_seed
 from src.components.tasks import Classification, Regression
-from src.loop.evaluation import autocast_dtype, evaluate
-
-
-def test_precision_names():
-    assert autocast_dtype(32) is None and autocast_dtype("32") is None
-    assert autocast_dtype("bf16") is torch.bfloat16 and autocast_dtype(16) is torch.float16
-    with pytest.raises(UsageError, match="trainer.precision=8 is not one of 32, bf16, 16"):
-        autocast_dtype(8)
+from src.loop.evaluation import evaluate
 
 
 def test_evaluate_matches_a_direct_computation_and_restores_train_mode():
@@ -37,6 +29,10 @@ def test_epoch_seeds_differ_by_rank_and_epoch_and_repeat():
     seeds = {epoch_seed(0, rank, epoch) for rank in range(8) for epoch in range(100)}
     assert len(seeds) == 800
     assert epoch_seed(3, 1, 2) == epoch_seed(3, 1, 2) != epoch_seed(4, 1, 2)
+    # Step seeds: the numbers checkpoints saved before step_seed existed were made with (epoch_seed's
+    # formula, then named for both), so a resumed run draws what the interrupted one would have.
+    assert {step_seed(0, rank, step) for rank in range(8) for step in range(100)} == seeds
+    assert step_seed(3, 1, 2) == (3 * 1_000_003 + 1 * 10_007 + 2) % 2**63 == epoch_seed(3, 1, 2)
     seed_everything(7)
     first = torch.rand(3)
     seed_everything(7)
@@ -48,16 +44,16 @@ def test_step_seeding_repeats_torch_numpy_and_python_draws():
 
     import numpy as np
 
-    from src.common.seeding import seed_step
+    from src.common.seeding import seed_generators
 
     def draw():
         return torch.rand(2).tolist(), float(np.random.rand()), random.random()
 
-    seed_step(11, torch.device("cpu"))
+    seed_generators(11, torch.device("cpu"))
     first = draw()
-    seed_step(11, torch.device("cpu"))
+    seed_generators(11, torch.device("cpu"))
     assert draw() == first
-    seed_step(12, torch.device("cpu"))
+    seed_generators(12, torch.device("cpu"))
     assert draw() != first
 
 

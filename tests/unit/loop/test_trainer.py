@@ -18,10 +18,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 from src.components.tasks import Classification
+from src.config.schema import TrainerConfig
 from src.data.loaders import Data, GlobalBatchSampler, TensorBatchLoader
 from src.data.splits import DataSplits
 from src.loop.checkpoint import Checkpointer
-from src.loop.trainer import Trainer, TrainerOptions, TrainState
+from src.loop.trainer import Trainer, TrainParts, TrainState
 from src.parallel.distributed import DistEnv, Runtime
 from src.reports.reporting import Reporter
 
@@ -65,9 +66,10 @@ def test_gradients_are_all_reduced_on_the_last_micro_step_only(one_rank_group, t
     # trainer.compile=true wraps the DDP model (train.py); no_sync must still reach the DDP inside.
     # aot_eager: dynamo and autograd tracing as with inductor, without building C++ kernels.
     train_model = torch.compile(ddp, backend="aot_eager") if compiled else ddp
-    trainer = Trainer(TrainerOptions(epochs=1, grad_accum=grad_accum), runtime, Classification(), model, train_model,
-                      optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), tiny_data(grad_accum),
-                      Checkpointer(tmp_path / "checkpoints", False), Reporter(tmp_path, False))
+    trainer = Trainer(TrainerConfig(epochs=1, grad_accum=grad_accum),
+                      TrainParts(runtime, Classification(), model, train_model, optimizer,
+                                 torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), tiny_data(grad_accum),
+                                 Checkpointer(tmp_path / "checkpoints", False), Reporter(tmp_path, False)))
     assert trainer.ddp is ddp
     state = TrainState()
     trainer.train_one_epoch(0, state)
@@ -100,12 +102,25 @@ def test_an_added_metric_is_reported_for_train_and_val(tmp_path: Path):
                 val_loader=TensorBatchLoader(data.splits.val, [list(range(GLOBAL_BATCH * STEPS))], torch.device("cpu")),
                 num_val_samples=GLOBAL_BATCH * STEPS)
     runtime = Runtime(DistEnv(), torch.device("cpu"), backend=None)
-    trainer = Trainer(TrainerOptions(epochs=1, save_checkpoints=False, monitor="val/top2"), runtime, WithTop2(),
-                      model, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
-                      Checkpointer(tmp_path / "checkpoints", True), Reporter(tmp_path, True, tensorboard=False))
-    state = trainer.fit(TrainState(), config={})
+    trainer = Trainer(TrainerConfig(epochs=1, save_checkpoints=False, monitor="val/top2", monitor_mode="max"),
+                      TrainParts(runtime, WithTop2(), model, model, optimizer,
+                                 torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
+                                 Checkpointer(tmp_path / "checkpoints", True),
+                                 Reporter(tmp_path, True, tensorboard=False)))
+    state = TrainState()
+    trainer.fit(state)
     record = state.history[-1]
     assert 0 < record["train/top2"] <= 1 and record["train/acc"] <= record["train/top2"]
     assert record["val/acc"] <= record["val/top2"] <= 1 and state.best == record["val/top2"]
     summary = json.loads((tmp_path / "metrics.json").read_text())
     assert summary["val/top2"] == record["val/top2"]
+
+
+def test_a_checkpoint_of_an_earlier_version_still_gives_its_state():
+    """Checkpoints saved before the stop reason existed hold `stopped_early` among the state's keys."""
+    old = {"model": {}, "optimizer": {}, "epoch": 1, "step": 25, "best": 0.5, "train_samples": 1600,
+           "train_seconds": 2.0, "history": [{"epoch": 1}], "step_in_epoch": 3, "epoch_totals": None,
+           "stopped_early": False}
+    state = TrainState.from_checkpoint(old)
+    assert (state.epoch, state.step, state.step_in_epoch, state.best) == (1, 25, 3, 0.5)
+    assert "stopped_early" not in vars(state)

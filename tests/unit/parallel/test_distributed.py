@@ -31,8 +31,6 @@ def test_auto_device_is_the_cpu_without_cuda(monkeypatch):
     assert distributed.select_device("auto", distributed.DistEnv()) == torch.device("cpu")
     with pytest.raises(UsageError, match="trainer.device=cuda but no CUDA GPU is visible"):
         distributed.select_device("cuda", distributed.DistEnv())
-    with pytest.raises(UsageError, match="not one of auto, cpu, cuda"):
-        distributed.select_device("tpu", distributed.DistEnv())
 
 
 def test_auto_device_is_this_ranks_gpu(monkeypatch):
@@ -51,8 +49,6 @@ def test_backend_follows_the_device():
     assert distributed.select_backend("gloo", torch.device("cuda", 0)) == "gloo"
     with pytest.raises(UsageError, match="dist.backend=nccl needs CUDA"):
         distributed.select_backend("nccl", torch.device("cpu"))
-    with pytest.raises(UsageError, match="not one of auto, nccl, gloo"):
-        distributed.select_backend("mpi", torch.device("cpu"))
 
 
 def test_single_process_runtime_has_no_group(monkeypatch):

@@ -16,10 +16,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from src.components.tasks import Classification
+from src.config.schema import TrainerConfig
 from src.data.loaders import Data, GlobalBatchSampler, TensorBatchLoader
 from src.data.splits import DataSplits
 from src.loop.checkpoint import Checkpointer
-from src.loop.trainer import Trainer, TrainerOptions, TrainState
+from src.loop.trainer import Trainer, TrainParts, TrainState
 from src.parallel.distributed import DistEnv, Runtime
 from src.reports import progress
 from src.reports.progress import shows_progress
@@ -102,10 +103,10 @@ def test_a_training_epoch_bar_ends_at_its_steps_also_when_resumed(terminal, monk
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reporter = Reporter(tmp_path, is_main_process=True, tensorboard=False, progress=True)
-    trainer = Trainer(TrainerOptions(epochs=1), Runtime(DistEnv(), cpu, backend=None), Classification(), model, model,
-                      optimizer,
-                      torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
-                      Checkpointer(tmp_path / "checkpoints", False), reporter)
+    trainer = Trainer(TrainerConfig(epochs=1),
+                      TrainParts(Runtime(DistEnv(), cpu, backend=None), Classification(), model, model, optimizer,
+                                 torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
+                                 Checkpointer(tmp_path / "checkpoints", False), reporter))
     trainer.train_one_epoch(0, TrainState(step=step_in_epoch, step_in_epoch=step_in_epoch))
     drawn = bar_states(terminal.getvalue(), "epoch 1/1")
     assert drawn == [f"{n}/{steps}" for n in range(step_in_epoch, steps + 1)]

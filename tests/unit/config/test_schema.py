@@ -1,0 +1,81 @@
+"""src/config/schema.py: each setting declared once, its default what the config composes to, its value
+checked once when the run starts (the command-line rows are in tests/integration/test_bad_input.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from src.common.errors import UsageError
+from src.config import schema
+from src.parallel import launch
+
+launch.register_resolvers()  # ${data:} ... as train.py registers them
+
+CONF = Path(__file__).resolve().parents[3] / "conf"
+
+
+def composed(config_name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name, overrides=overrides)
+    return cfg
+
+
+def test_the_composed_trainer_and_dist_keys_are_the_dataclasses_defaults():
+    cfg = composed("config", [])
+    trainer = OmegaConf.to_object(cfg.trainer)
+    assert isinstance(trainer, schema.TrainerConfig)
+    defaults = schema.TrainerConfig()
+    for f in dataclasses.fields(schema.TrainerConfig):
+        if f.name not in ("monitor", "monitor_mode"):  # interpolations of the task's: resolved here
+            assert getattr(trainer, f.name) == getattr(defaults, f.name), f.name
+    assert (trainer.epochs, trainer.precision, trainer.monitor, trainer.monitor_mode) == (20, 32, "val/acc", "max")
+    assert OmegaConf.to_object(cfg.dist) == schema.DistConfig()
+
+
+def test_presets_and_overrides_still_set_the_keys():
+    cfg = composed("config", ["debug=fast", "trainer.epochs=3", "dist.sync_bn=false", "task=regression"])
+    assert (cfg.trainer.epochs, cfg.trainer.limit_train_batches, cfg.trainer.save_checkpoints) == (3, 2, False)
+    assert cfg.dist.sync_bn is False and cfg.trainer.monitor_mode == "min"
+
+
+def test_eval_shares_the_declarations():
+    cfg = composed("eval", ["checkpoint=x.pt", "dataset=digits"])
+    assert OmegaConf.to_object(cfg.trainer) == schema.EvalTrainerConfig(precision=None, device="auto")
+    assert OmegaConf.to_object(cfg.dist) == schema.EvalDistConfig(backend="auto", timeout_s=1800.0)
+    for train_settings, eval_settings in ((schema.TrainerConfig, schema.EvalTrainerConfig),
+                                          (schema.DistConfig, schema.EvalDistConfig)):
+        train_fields = {f.name: f for f in dataclasses.fields(train_settings)}
+        for f in dataclasses.fields(eval_settings):
+            assert f.type == train_fields[f.name].type, f.name
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.device=tpu", "trainer.device=tpu is not one of auto, cpu, cuda"),  # was select_device's check
+    ("dist.backend=mpi", "dist.backend=mpi is not one of auto, nccl, gloo"),  # was select_backend's check
+    ("trainer.precision=8", "trainer.precision=8 is not one of 32, bf16, 16"),  # was autocast_dtype's check
+])
+def test_device_backend_and_precision_are_checked_once_at_run_start(override, message):
+    with pytest.raises(UsageError, match=message):
+        schema.check_train_config(composed("config", [override]))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.device=tpu", "not one of auto, cpu, cuda"),
+    ("dist.backend=mpi", "not one of auto, nccl, gloo"),
+    ("trainer.precision=8", "trainer.precision=8 is not one of 32, bf16, 16"),
+])
+def test_eval_checks_the_same_values(override, message):
+    with pytest.raises(UsageError, match=message):
+        schema.check_eval_config(composed("eval", ["checkpoint=x.pt", "dataset=digits", override]))
+    schema.check_eval_config(composed("eval", ["checkpoint=x.pt", "dataset=digits", "trainer.precision=null"]))
+
+
+def test_every_problem_is_named_at_once_in_declaration_order():
+    with pytest.raises(UsageError) as error:
+        schema.check_train_config(composed("config", ["trainer.keep_last=0", "trainer.epochs=0"]))
+    assert str(error.value) == "trainer.epochs=0 must be at least 1; trainer.keep_last=0 must be at least 1"

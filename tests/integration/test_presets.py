@@ -11,7 +11,10 @@ from conftest import REPO, check, metrics, train
 from dataset_files import write_cifar10, write_mnist
 from hydra import compose, initialize_config_dir
 
-from src.config import schema  # noqa: F401 - registers the schema and the resolvers
+from src.config import schema  # noqa: F401 - registers the schema
+from src.parallel import launch
+
+launch.register_resolvers()  # ${run_timestamp:}, ${data:} ... as train.py registers them
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 

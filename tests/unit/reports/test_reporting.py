@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -191,3 +192,13 @@ def test_run_start_logs_the_resolved_config_then_one_summary_line(tmp_path: Path
                  "1437 train / 360 val samples", "global batch 64 = 2 ranks x 16 per rank x 2 accum", "22 steps/epoch"):
         assert part in line, line
 
+
+@pytest.mark.parametrize("count,channels,columns,padding", [(5, 1, 8, 2), (16, 3, 8, 2), (9, 3, 3, 1)])
+def test_tile_is_torchvisions_make_grid(count, channels, columns, padding):
+    from torchvision.utils import make_grid
+
+    from src.reports.reporting import tile
+
+    images = torch.rand(count, channels, 6, 7, generator=torch.Generator().manual_seed(count))
+    expected = make_grid(images, nrow=columns, padding=padding, pad_value=0.25)
+    assert torch.equal(tile(images, columns=columns, padding=padding, pad_value=0.25), expected)

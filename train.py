@@ -150,7 +150,6 @@ def initial_model(cfg, trainer_cfg, resumed):  # noqa: ANN001, ANN201 - DictConf
 
 def train_and_report(trainer_cfg, parts, resumed, run_dir: Path) -> float:  # noqa: ANN001
     """Train (from the resumed state, if any), then report; returns the last monitored value."""
-    from src.loop.stopping import StopReason
     from src.loop.trainer import Trainer, TrainState
     from src.reports import reporting
 
@@ -165,7 +164,7 @@ def train_and_report(trainer_cfg, parts, resumed, run_dir: Path) -> float:  # no
                             parts.saved_config)
     parts.reporter.model_summary(parts.module)
     parts.reporter.input_images(parts.data.splits, parts.data.train_sampler, parts.task)
-    if trainer.fit(state) is not StopReason.COMPLETED:  # max_steps or preemption, with a checkpoint
+    if not trainer.fit(state).is_final:  # max_steps or preemption, with a checkpoint
         log.info("stopped at step %d with a checkpoint; continue with: resume=auto hydra.run.dir=%s",
                  state.step, run_dir)
         return state.history[-1][trainer_cfg.monitor] if state.history else float("nan")

@@ -192,6 +192,8 @@ TORCHRUN_ROWS = [
     pytest.param(TRAIN, ["dist.backend=nccl"], "dist.backend=nccl needs CUDA devices", id="train-nccl-on-cpu",
                  marks=NO_GPU),
     pytest.param(EVAL, ["checkpoint=missing.pt"], "checkpoint missing.pt does not exist", id="eval-missing-checkpoint"),
+    # Every rank reads init_from; the group agrees on the failure and rank 0 alone reports it.
+    pytest.param(TRAIN, ["init_from=missing.pt"], "init_from=missing.pt does not exist", id="train-init-from-missing"),
 ]
 
 

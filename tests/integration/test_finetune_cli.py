@@ -6,6 +6,7 @@ every rank, for good: `resume=auto` afterwards trains no more."""
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,18 @@ def test_strict_init_from_refuses_another_head(workdir_with_a_source: Path):
     assert "does not fit the model (2 shape differs: classifier.5.weight file[10, 128] model[4, 128]" in error
     assert "pass init_from_strict=false" in error
     assert not (workdir_with_a_source / "strict").exists()
+
+
+def test_init_from_applies_to_a_fresh_start_only(workdir_with_a_source: Path):
+    """With resume=auto and a checkpoint in the run dir (a restarted worker's case too), the run resumes."""
+    workdir = workdir_with_a_source
+    shutil.copytree(workdir / "source", workdir / "resumable")
+    before = (workdir / "resumable" / "checkpoints" / "last.pt").read_bytes()
+    result = check(train(["init_from=source/checkpoints/last.pt", "resume=auto", "trainer.epochs=1",
+                          "hydra.run.dir=resumable"], workdir))
+    assert "init_from=source/checkpoints/last.pt not applied: the run resumes from " in result.stdout
+    assert "init_from: loaded" not in result.stdout
+    assert (workdir / "resumable" / "checkpoints" / "last.pt").read_bytes() == before  # its 1 epoch was done
 
 
 # 2 steps an epoch; val/acc cannot improve by more than 1.0 after epoch 1, so patience=2 ends epoch 3.

@@ -102,21 +102,19 @@ def build_parts(cfg, trainer_cfg, run_dir, runtime, data, task, resumed, checkpo
     for DDP and compilation), the optimizer and schedule, the reporter and profiler (a TrainParts)."""
     import torch
 
-    from src.loop import checkpoint, performance
+    from src.loop import performance
     from src.loop.optim import build_optimizer
-    from src.loop.setup import build_model
     from src.loop.trainer import TrainParts
     from src.parallel import distributed
     from src.reports import reporting
 
     performance.set_backend_flags(runtime.device, trainer_cfg.tf32, trainer_cfg.deterministic)
-    model = performance.with_memory_format(build_model(cfg.model), trainer_cfg.channels_last)
-    if resumed is not None:  # weights that do not fit are refused before the run writes anything
-        checkpoint.load_model_state(model, resumed[1]["model"], resumed[0])
+    model = initial_model(cfg, trainer_cfg, resumed)
     module, train_model = distributed.prepare_model(model, runtime, cfg.dist.sync_bn, cfg.dist.find_unused_parameters)
     if trainer_cfg.compile:
         train_model = torch.compile(train_model)
-    optimizer = build_optimizer(cfg.optimizer, module.parameters())
+    # Frozen parameters (trainer.freeze) get no optimizer state.
+    optimizer = build_optimizer(cfg.optimizer, [p for p in module.parameters() if p.requires_grad])
     steps_per_epoch = data.train_sampler.steps_per_epoch
     scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=steps_per_epoch * trainer_cfg.epochs,
                                            steps_per_epoch=steps_per_epoch)
@@ -131,9 +129,27 @@ def build_parts(cfg, trainer_cfg, run_dir, runtime, data, task, resumed, checkpo
                       seed=cfg.seed, saved_config=saved_config, profiler=profiler)
 
 
+def initial_model(cfg, trainer_cfg, resumed):  # noqa: ANN001, ANN201 - DictConfig, TrainerConfig, Resumed
+    """The model and the weights it starts from: the resumed run's; else, on a fresh start, those of
+    `init_from` (weights only: the optimizer, schedule and step count start afresh); else its fresh
+    initialisation. Then the parameters `trainer.freeze` names are frozen, before DDP and the optimizer
+    see them. Weights that do not fit are refused before the run writes anything."""
+    from src.loop import checkpoint, init_from, performance
+    from src.loop.setup import build_model
+
+    model = performance.with_memory_format(build_model(cfg.model), trainer_cfg.channels_last)
+    if resumed is not None:
+        checkpoint.load_model_state(model, resumed[1]["model"], resumed[0])
+        if cfg.init_from is not None:
+            log.info("init_from=%s not applied: the run resumes from %s", cfg.init_from, resumed[0])
+    elif cfg.init_from is not None:
+        init_from.load_on_every_rank(model, Path(cfg.init_from), cfg.init_from_strict)
+    init_from.freeze(model, trainer_cfg.freeze)
+    return model
+
+
 def train_and_report(trainer_cfg, parts, resumed, run_dir: Path) -> float:  # noqa: ANN001
     """Train (from the resumed state, if any), then report; returns the last monitored value."""
-    from src.loop.stopping import StopReason
     from src.loop.trainer import Trainer, TrainState
     from src.reports import reporting
 
@@ -148,7 +164,7 @@ def train_and_report(trainer_cfg, parts, resumed, run_dir: Path) -> float:  # no
                             parts.saved_config)
     parts.reporter.model_summary(parts.module)
     parts.reporter.input_images(parts.data.splits, parts.data.train_sampler, parts.task)
-    if trainer.fit(state) is not StopReason.COMPLETED:  # max_steps or preemption, with a checkpoint
+    if not trainer.fit(state).is_final:  # max_steps or preemption, with a checkpoint
         log.info("stopped at step %d with a checkpoint; continue with: resume=auto hydra.run.dir=%s",
                  state.step, run_dir)
         return state.history[-1][trainer_cfg.monitor] if state.history else float("nan")

@@ -117,6 +117,17 @@ def timeout_setting() -> Any:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    """`trainer.early_stopping`: end the run when the monitored metric (`trainer.monitor`, in the direction of
+    `trainer.monitor_mode`) has stopped improving (src/loop/stopping.py)."""
+
+    patience: int | None = setting(None, at_least(1, or_null=True))  # stop after this many epochs in a row
+    # without an improvement beyond min_delta over the best value so far (null: never stop early)
+    min_delta: float = setting(0.0, number_or_null(zero_allowed=True))  # an epoch improves only by more than
+    # this much (in the metric's units)
+
+
+@dataclass
 class TrainerConfig:
     """The `trainer` block: how the loop trains, checkpoints and reports. `train.py trainer.KEY=VALUE`
     sets one. Built directly (tests), `monitor`/`monitor_mode` stay the interpolations below: pass them."""
@@ -158,6 +169,10 @@ class TrainerConfig:
     # GPUs)
     tf32: bool = True  # allow TensorFloat-32 matmuls/convolutions on Ampere+ GPUs (no effect on CPU)
     deterministic: bool = False  # deterministic cuDNN algorithms; false lets cudnn.benchmark pick the fastest
+    freeze: list[str] = field(default_factory=list)  # parameter-name prefixes (e.g. [features]) whose parameters
+    # get no gradient and no optimizer state: linear probing / partial fine-tuning (a prefix matching no
+    # parameter is an error). BatchNorm running statistics of frozen layers still update while training
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)  # patience, min_delta
 
 
 @dataclass
@@ -195,6 +210,13 @@ class TrainSchema:
     dist: DistConfig = field(default_factory=DistConfig)
     seed: int = MISSING  # MISSING: the top-level keys' values are conf/config.yaml's
     resume: str | None = MISSING
+    init_from: str | None = None  # fine-tune: a fresh run (new optimizer, schedule and step count) that starts
+    # from the MODEL WEIGHTS of this file: a checkpoint of this template (its `model`), a state_dict saved
+    # with torch.save, or a .safetensors file (needs the safetensors package). Only for a fresh start: with
+    # resume=auto and a checkpoint in the run dir the run resumes instead; with resume=PATH it is refused
+    init_from_strict: bool = True  # true: every key and shape must match the model, else one error line.
+    # false: load the weights that match, keep a fresh initialisation for the rest (listed in the log):
+    # the way to say "re-initialise the head" when the class count differs
     trusted_targets: list[str] = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -250,7 +272,18 @@ def check_train_config(cfg: DictConfig) -> None:
     missing = OmegaConf.missing_keys(cfg)
     problems = [f"{key} is required: add {key}=VALUE" for key in sorted(missing)]
     rules = {**rules_of("trainer", TrainerConfig), **rules_of("dist", DistConfig), **OPEN_GROUP_RULES}
+    rules.update(rules_of("trainer.early_stopping", EarlyStoppingConfig))
+    problems += init_from_problems(cfg)
     _refuse(problems + value_problems(cfg, rules, skip=missing))
+
+
+def init_from_problems(cfg: DictConfig) -> list[str]:
+    """init_from starts a fresh run; resuming a given checkpoint is another run's state: not both."""
+    init_from, resume = OmegaConf.select(cfg, "init_from"), OmegaConf.select(cfg, "resume")
+    if init_from is not None and resume not in (None, "auto"):
+        return [f"init_from={init_from} starts a fresh run from weights, resume={resume} continues a run: pass only "
+                "one (with resume=auto, init_from applies only when the run dir holds no checkpoint yet)"]
+    return []
 
 
 def check_eval_config(cfg: DictConfig) -> None:

@@ -28,7 +28,7 @@ from src.loop.evaluation import evaluate, metrics_of
 from src.loop.metrics import MetricSums
 from src.loop.performance import FirstWindowUtilization
 from src.loop.precision import autocast, autocast_dtype
-from src.loop.stopping import StopReason, StopRule
+from src.loop.stopping import StopReason, StopRule, early_stop_due
 from src.loop.task import Task
 from src.parallel.distributed import Runtime
 from src.reports.reporting import Reporter
@@ -48,6 +48,7 @@ class TrainState:
     history: list[dict[str, float]] = field(default_factory=list)
     step_in_epoch: int = 0  # optimizer steps already taken in the unfinished epoch `epoch`
     epoch_totals: dict[str, list[float]] | None = None  # its train metric sums by name, over all ranks
+    early_stopped_at: int | None = None  # the epoch after which trainer.early_stopping ended the run
 
     @classmethod
     def from_checkpoint(cls, payload: dict[str, Any]) -> "TrainState":
@@ -125,7 +126,12 @@ class Trainer:
     def fit(self, state: TrainState) -> StopReason:
         """Train from `state` (updated in place) to `config.epochs`, evaluating and checkpointing every
         epoch. Stops early, with a checkpoint to resume from, after `config.max_steps` optimizer steps
-        or when the process is asked to terminate (SIGTERM: preemption). Returns why it stopped."""
+        or when the process is asked to terminate (SIGTERM: preemption); or, after an epoch's checkpoint,
+        when `config.early_stopping` says the monitored metric stopped improving (a run resumed after that
+        trains no more). Returns why it stopped."""
+        if state.early_stopped_at is not None:
+            log.info("early stopping had ended this run after epoch %d: nothing more to train", state.early_stopped_at)
+            return StopReason.EARLY_STOPPED
         profiling = self.parts.profiler if self.parts.profiler is not None else contextlib.nullcontext()
         with self.stopping, profiling, torch.autograd.set_detect_anomaly(self.config.detect_anomaly):
             for epoch in range(state.epoch, self.config.epochs):
@@ -134,6 +140,8 @@ class Trainer:
                 if isinstance(train, StopReason):
                     return train
                 self._end_epoch(epoch, state, train, started)
+                if state.early_stopped_at is not None:
+                    return StopReason.EARLY_STOPPED
         return StopReason.COMPLETED
 
     def train_one_epoch(self, epoch: int, state: TrainState) -> dict[str, float] | StopReason:
@@ -165,10 +173,15 @@ class Trainer:
                         parts.data.splits.info, parts.runtime.device, self.amp_dtype)
 
     def summary(self, state: TrainState, num_val_samples: int) -> dict[str, Any]:
-        """The run so far, as written to metrics.json: the last epoch's metrics and the history."""
-        return records.run_summary(state.history, num_val_samples, self.parts.runtime.world_size,
-                                   self.parts.data.train_sampler.global_batch_size,
-                                   state.train_samples / state.train_seconds)
+        """The run so far, as written to metrics.json: the last epoch's metrics and the history, the
+        parameter elements trainer.freeze froze, and whether (and after which epoch) early stopping ended it."""
+        summary = records.run_summary(state.history, num_val_samples, self.parts.runtime.world_size,
+                                      self.parts.data.train_sampler.global_batch_size,
+                                      state.train_samples / state.train_seconds)
+        summary["frozen_parameters"] = sum(p.numel() for p in self.parts.module.parameters() if not p.requires_grad)
+        if state.early_stopped_at is not None:
+            summary.update(stop_reason=StopReason.EARLY_STOPPED.value, stopped_at_epoch=state.early_stopped_at)
+        return summary
 
     # -- an epoch ----------------------------------------------------------------------
 
@@ -241,6 +254,7 @@ class Trainer:
                                       time.perf_counter() - started, train_seconds)
         state.history.append(record)
         is_best = self._improves(state, record[self.config.monitor])
+        self._check_early_stop(state)  # before the checkpoint, which then holds the decision
         self.parts.reporter.scalars(records.epoch_scalars(record), record["step"])
         log.info("%s", records.epoch_line(record, self.config.epochs, val["count"]))
         if self.config.save_checkpoints:
@@ -312,6 +326,17 @@ class Trainer:
         if better:
             state.best = value
         return better
+
+    def _check_early_stop(self, state: TrainState) -> None:
+        """Mark the run early stopped if the monitored metric has not improved for `patience` epochs (and
+        epochs remain). Every rank decides alike: the history's metrics are all-reduced."""
+        rule, monitor = self.config.early_stopping, self.config.monitor
+        values = [record[monitor] for record in state.history]
+        if state.epoch < self.config.epochs and early_stop_due(values, self.config.monitor_mode, rule.patience,
+                                                                rule.min_delta):
+            state.early_stopped_at = state.epoch
+            log.info("early stopping after epoch %d: %s has not improved by more than %g for %d epochs",
+                     state.epoch, monitor, rule.min_delta, rule.patience)
 
     def _report_window(self, step: int, window: LogWindow) -> None:
         seconds = time.perf_counter() - window.started

@@ -67,13 +67,14 @@ def log_run_start(
     log.info("config:\n%s", OmegaConf.to_yaml(config).rstrip())
     sampler = data.train_sampler
     total, trainable = parameter_counts(module)
+    frozen = f", {total - trainable:,} frozen" if total > trainable else ""  # trainer.freeze
     log.info(
         "run dir %s | world size %d | device %s | backend %s | task %s (best.pt by %s, %s) | "
-        "model %s (%s parameters, %s trainable) | "
+        "model %s (%s parameters, %s trainable%s) | "
         "%d train / %d val samples | global batch %d = %d ranks x %d per rank x %d accum | %d steps/epoch",
         run_dir, runtime.world_size, runtime.device, runtime.backend or "none (single process)",
         config["task"]["_target_"].rsplit(".", 1)[-1], config["trainer"]["monitor"], config["trainer"]["monitor_mode"],
-        type(module).__name__, f"{total:,}", f"{trainable:,}",
+        type(module).__name__, f"{total:,}", f"{trainable:,}", frozen,
         len(data.splits.train), len(data.splits.val), sampler.global_batch_size, runtime.world_size,
         sampler.micro_batch_size, grad_accum, sampler.steps_per_epoch,
     )

@@ -75,6 +75,21 @@ ROWS = [
     row(TRAIN, ["resume=missing.pt"], "checkpoint missing.pt does not exist", "missing-checkpoint"),
     row(TRAIN, ["resume={checkpoint}", "model=mlp"], "does not fit this model (Missing key(s) in state_dict: ",
         "resume-another-model"),
+    # Fine-tuning and early stopping (src/loop/init_from.py, src/loop/stopping.py).
+    row(TRAIN, ["init_from=missing.pt"], "init_from=missing.pt does not exist", "init-from-missing"),
+    row(TRAIN, ["init_from=empty.pt"], "init_from=empty.pt cannot be read (", "init-from-empty-file"),
+    row(TRAIN, ["init_from=foo.pt"], "init_from=foo.pt: none of its 1 keys matches a weight of the model (foo)",
+        "init-from-no-matching-key"),
+    row(TRAIN, ["init_from=foo.pt", "init_from_strict=false"], "none of its 1 keys matches a weight of the model",
+        "init-from-no-matching-key-not-strict"),
+    row(TRAIN, ["init_from={checkpoint}", "resume={checkpoint}"], "starts a fresh run from weights, resume=",
+        "init-from-and-resume-path"),
+    row(TRAIN, ["trainer.freeze=[backbone]"], "trainer.freeze: no parameter name starts with backbone; the model's "
+        "parameter names start with classifier, features", "freeze-matches-nothing"),
+    row(TRAIN, ["trainer.early_stopping.patience=0"], "trainer.early_stopping.patience=0 must be at least 1 (or null)",
+        "patience-zero"),
+    row(TRAIN, ["trainer.early_stopping.min_delta=-0.5"], "trainer.early_stopping.min_delta=-0.5 must be a number >= 0",
+        "negative-min-delta"),
     row(TRAIN, ["trainer.device=cuda"], "trainer.device=cuda but no CUDA GPU is visible", "cuda-absent",
         marks=NO_GPU),
     row(TRAIN, ["dist.nproc_per_node=2", "dist.backend=nccl"], "dist.backend=nccl needs CUDA devices; "
@@ -118,6 +133,8 @@ def workdir_with_a_run(tmp_path_factory) -> tuple[Path, Path]:
     (run_dir,) = (workdir / "outputs").glob("*/*")
     (workdir / "images" / "train").mkdir(parents=True)
     (workdir / "images" / "val").mkdir()
+    (workdir / "empty.pt").write_bytes(b"")  # init_from rows: a file cut to nothing, one with no model weights
+    torch.save({"foo": torch.zeros(3)}, workdir / "foo.pt")
     return workdir, run_dir
 
 
@@ -175,6 +192,8 @@ TORCHRUN_ROWS = [
     pytest.param(TRAIN, ["dist.backend=nccl"], "dist.backend=nccl needs CUDA devices", id="train-nccl-on-cpu",
                  marks=NO_GPU),
     pytest.param(EVAL, ["checkpoint=missing.pt"], "checkpoint missing.pt does not exist", id="eval-missing-checkpoint"),
+    # Every rank reads init_from; the group agrees on the failure and rank 0 alone reports it.
+    pytest.param(TRAIN, ["init_from=missing.pt"], "init_from=missing.pt does not exist", id="train-init-from-missing"),
 ]
 
 

@@ -60,6 +60,9 @@ EXERCISED_BY = {
     "python train.py model=mlp optimizer=sgd optimizer.lr=0.05": "test_train_modes.py::test_readme_mlp_command",
     "python train.py resume=auto hydra.run.dir=outputs/2026-11-22/10-00-00":
         "test_fault_tolerance.py::test_a_step_checkpoint_resumes_mid_epoch_exactly",
+    "python train.py init_from=outputs/DATE/TIME/checkpoints/best.pt init_from_strict=false dataset=synthetic "
+    "dataset.num_classes=4 trainer.freeze=[features]":
+        "test_finetune_cli.py::test_finetune_into_four_classes_reinitialises_the_head_and_probes_linearly",
     "python train.py trainer.max_steps=10000":
         "test_fault_tolerance.py::test_a_step_checkpoint_resumes_mid_epoch_exactly",
     "tensorboard --logdir outputs": "test_train_cli.py::test_tensorboard_events_are_readable",

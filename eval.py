@@ -76,8 +76,8 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
 
     with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
         reporting.setup_logging(run_dir, runtime.env.rank, name="eval")
-        val = evaluate_saved_model(path, payload, task, dataset_cfg, dataset_choice, runtime, amp_dtype)
-        return report(val, path, payload["epoch"], runtime, run_dir)[monitored]
+        val = evaluate_saved_model(path, payload, task, dataset_cfg, dataset_choice, runtime, amp_dtype, cfg.weights)
+        return report(val, path, payload["epoch"], runtime, run_dir, cfg.weights)[monitored]
 
 
 def read_checkpoint(cfg: DictConfig) -> tuple[Path, dict]:
@@ -91,12 +91,16 @@ def read_checkpoint(cfg: DictConfig) -> tuple[Path, dict]:
     payload = checkpoint.load(path)  # refuse a wrong file before any work is done
     # Checkpoints are data: the callables its saved config names must be ones the user trusts.
     trusted_targets.check_saved_config(payload.get("config"), path, trusted_targets.trusted(cfg.trusted_targets, cfg))
+    if cfg.weights == "ema" and "ema" not in payload:
+        raise UsageError(f"{path} holds no EMA weights (its run had trainer.ema.decay=null): evaluate its model "
+                         "with weights=model")
     return path, payload
 
 
-def evaluate_saved_model(path, payload, task, dataset_cfg, dataset_choice, runtime, amp_dtype) -> dict:  # noqa: ANN001
-    """The checkpoint's model, on the val split of `dataset_cfg` (which must fit it): this rank's shard,
-    the metrics over all ranks."""
+def evaluate_saved_model(path, payload, task, dataset_cfg, dataset_choice, runtime, amp_dtype,  # noqa: ANN001
+                         weights: str = "model") -> dict:
+    """The checkpoint's model with its `weights` (model or ema), on the val split of `dataset_cfg` (which must
+    fit it): this rank's shard, the metrics over all ranks."""
     from src.data.loaders import build_splits, make_val_loader
     from src.loop import checkpoint
     from src.loop.evaluation import evaluate
@@ -110,7 +114,7 @@ def evaluate_saved_model(path, payload, task, dataset_cfg, dataset_choice, runti
     # The plain module, not DDP: evaluation syncs no gradients, only the metric sums. Its config
     # was saved resolved, with the shapes it was built with.
     module = build_model(saved.model)
-    checkpoint.load_model_state(module, payload["model"], path)
+    checkpoint.load_model_state(module, payload[weights], path)
     module.to(runtime.device)
     val_batch = dataset_cfg.get("val_batch_size") or dataset_cfg.batch_size
     loader = make_val_loader(splits, val_batch, runtime.env.rank, runtime.world_size,
@@ -118,17 +122,18 @@ def evaluate_saved_model(path, payload, task, dataset_cfg, dataset_choice, runti
     return evaluate(module, loader, task, splits.info, runtime.device, amp_dtype)
 
 
-def report(val: dict, path: Path, epoch: int, runtime, run_dir: Path) -> dict:  # noqa: ANN001 - Runtime
+def report(val: dict, path: Path, epoch: int, runtime, run_dir: Path,  # noqa: ANN001 - Runtime
+           weights: str = "model") -> dict:
     """Write the val metrics to this evaluation's metrics.json and the log; returns what was written."""
     from src.reports import reporting
 
     metrics = {f"val/{name}": value for name, value in val.items() if isinstance(value, float)}
     result = {**metrics, "num_samples": val["count"], "world_size": runtime.world_size,
-              "checkpoint": str(path.resolve()), "epoch": epoch}
+              "checkpoint": str(path.resolve()), "epoch": epoch, "weights": weights}
     reporting.Reporter(run_dir, runtime.is_main_process, tensorboard=False).write_metrics(result)
-    log.info("%s  num_samples=%d  world_size=%d  checkpoint %s (epoch %d)  run dir: %s",
+    log.info("%s  num_samples=%d  world_size=%d  checkpoint %s (epoch %d, %s weights)  run dir: %s",
              "  ".join(f"{k}={v:.6f}" for k, v in metrics.items()), val["count"], runtime.world_size, path,
-             epoch, run_dir)
+             epoch, weights, run_dir)
     return result
 
 

@@ -91,7 +91,7 @@ def run(cfg: DictConfig, run_dir: Path, runtime, choices: dict[str, str]) -> flo
     data = build_data(cfg.dataset, runtime.env.rank, runtime.world_size, runtime.device, cfg.seed, trainer_cfg)
     # The task must fit the dataset, and produce the monitored metric; the model takes its
     # shapes from what the dataset provides (`${data:FIELD}` in its YAML).
-    task = build_task(cfg.task, data.splits.info, choices, trainer_cfg.monitor)
+    task = build_task(cfg.task, data.splits.info, choices, trainer_cfg.monitor, ema=trainer_cfg.ema.decay is not None)
     with data_fields.providing(model_fields(task, data.splits.info), f"dataset={choices['dataset']}"):
         parts = build_parts(cfg, trainer_cfg, run_dir, runtime, data, task, resumed, checkpointer)
         return train_and_report(trainer_cfg, parts, resumed, run_dir)
@@ -177,7 +177,8 @@ def report_final(trainer, state, run_dir: Path) -> float:  # noqa: ANN001 - Trai
 
     parts = trainer.parts
     summary = trainer.summary(state, parts.data.num_val_samples)
-    final = {k: v for k, v in summary.items() if k.startswith(("train/", "val/")) and k != "val/num_samples"}
+    final = {k: v for k, v in summary.items()
+             if k.startswith(("train/", "val/", "val_ema/")) and k != "val/num_samples"}
     parts.reporter.hparams(reporting.flatten(parts.saved_config), final)
     parts.reporter.close()
     log.info("final: %s", "  ".join(f"{k}={v:.4f}" for k, v in final.items()))

@@ -31,7 +31,7 @@ Nothing here imports torch: `python train.py --help` and `--cfg job` stay fast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -73,6 +73,12 @@ def number_or_null(zero_allowed: bool) -> Rule:
         return "must be a number >= 0" if zero_allowed else "must be a positive number"
 
     return rule
+
+
+def fraction_or_null(value: Any) -> str | None:
+    """A number strictly between 0 and 1, or null."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return None if value is None or (is_number and 0 < value < 1) else "must be in (0, 1) (or null)"
 
 
 def port_or_null(value: Any) -> str | None:
@@ -128,6 +134,18 @@ class EarlyStoppingConfig:
 
 
 @dataclass
+class EmaConfig:
+    """`trainer.ema`: an exponential moving average of the weights (src/loop/ema.py), validated every
+    epoch as val_ema/<metric> and saved in every checkpoint as `ema`."""
+
+    decay: float | None = setting(None, fraction_or_null)  # after every optimizer step, ema = decay x ema +
+    # (1 - decay) x weights, BatchNorm buffers copied; in (0, 1), e.g. 0.999; null: no EMA
+    warmup_steps: int = setting(0, at_least(0))  # the decay ramps linearly from 0 to `decay` over this many
+    # optimizer steps (step s uses decay x min(1, s / warmup_steps)), so the EMA leaves the initial weights
+    # behind sooner; 0: `decay` from the first step
+
+
+@dataclass
 class TrainerConfig:
     """The `trainer` block: how the loop trains, checkpoints and reports. `train.py trainer.KEY=VALUE`
     sets one. Built directly (tests), `monitor`/`monitor_mode` stay the interpolations below: pass them."""
@@ -173,6 +191,8 @@ class TrainerConfig:
     # get no gradient and no optimizer state: linear probing / partial fine-tuning (a prefix matching no
     # parameter is an error). BatchNorm running statistics of frozen layers still update while training
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)  # patience, min_delta
+    ema: EmaConfig = field(default_factory=EmaConfig)  # EMA weights: trainer.ema.decay (null: off) and
+    # trainer.ema.warmup_steps, declared in EmaConfig above
 
 
 @dataclass
@@ -254,6 +274,8 @@ class EvalSchema:
     checkpoint: str
     trusted_targets: list[str]
     dataset: Any
+    weights: str = setting("model", one_of("model", "ema"))  # which weights of the checkpoint to evaluate:
+    # model | ema (its EMA weights: a run with trainer.ema.decay set)
     trainer: EvalTrainerConfig = field(default_factory=EvalTrainerConfig)
     dist: EvalDistConfig = field(default_factory=EvalDistConfig)
 
@@ -272,7 +294,6 @@ def check_train_config(cfg: DictConfig) -> None:
     missing = OmegaConf.missing_keys(cfg)
     problems = [f"{key} is required: add {key}=VALUE" for key in sorted(missing)]
     rules = {**rules_of("trainer", TrainerConfig), **rules_of("dist", DistConfig), **OPEN_GROUP_RULES}
-    rules.update(rules_of("trainer.early_stopping", EarlyStoppingConfig))
     problems += init_from_problems(cfg)
     _refuse(problems + value_problems(cfg, rules, skip=missing))
 
@@ -288,13 +309,20 @@ def init_from_problems(cfg: DictConfig) -> list[str]:
 
 def check_eval_config(cfg: DictConfig) -> None:
     """eval.py's `check_train_config`, for the keys it shares (its `checkpoint` it checks itself)."""
-    rules = {**rules_of("trainer", EvalTrainerConfig), **rules_of("dist", EvalDistConfig)}
-    _refuse(value_problems(cfg, rules))
+    _refuse(value_problems(cfg, rules_of("", EvalSchema)))  # trainer.*, dist.* and weights
 
 
 def rules_of(prefix: str, settings: type) -> dict[str, Rule]:
-    """`prefix.KEY` -> the rule of each field of `settings` that has one."""
-    return {f"{prefix}.{f.name}": f.metadata["rule"] for f in fields(settings) if "rule" in f.metadata}
+    """`prefix.KEY` -> the rule of each field of `settings` that has one, and of the fields of nested
+    settings (`trainer.ema.decay`); with an empty prefix, `KEY`."""
+    rules: dict[str, Rule] = {}
+    for f in fields(settings):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if "rule" in f.metadata:
+            rules[key] = f.metadata["rule"]
+        elif is_dataclass(f.default_factory):
+            rules.update(rules_of(key, f.default_factory))
+    return rules
 
 
 def value_problems(cfg: DictConfig, rules: dict[str, Rule], skip: set[str] = frozenset()) -> list[str]:

@@ -4,7 +4,9 @@ A checkpoint holds `model` (the unwrapped module's state_dict: no `module.` or
 `_orig_mod.` prefixes, loadable without DDP or torch.compile), `optimizer`, `scheduler`,
 `scaler`, `epoch` (epochs completed), `step` (optimizer steps taken), `config` (the
 run's resolved config), `best` (the best monitored value so far), `history` and
-`format`. Files are loaded with `weights_only=True`, so opening one never runs code, and
+`format`; with trainer.ema.decay set, `ema` (the EMA weights' state_dict, the model's keys);
+and `best_weights` ("ema" when trainer.monitor is a val_ema/ metric, else "model": the
+weights that made best.pt the best). Files are loaded with `weights_only=True`, so opening one never runs code, and
 the config saved in one never chooses code either (src/config/trusted_targets.py).
 """
 

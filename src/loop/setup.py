@@ -13,13 +13,18 @@ from src.common.errors import UsageError
 from src.loop.task import Task
 
 
-def build_task(task_cfg: DictConfig, info: Mapping[str, Any], choices: Mapping[str, str], monitor: str) -> Task:
-    """The task `task_cfg` names, refusing a dataset it does not fit and a metric it does not compute,
-    with one line naming both sides and what to choose instead."""
+def build_task(task_cfg: DictConfig, info: Mapping[str, Any], choices: Mapping[str, str], monitor: str,
+               ema: bool = False) -> Task:
+    """The task `task_cfg` names, refusing a dataset it does not fit and a metric it does not compute
+    (val_ema/<name>: only with EMA weights, `ema`), with one line naming both sides and what to choose instead."""
     task = instantiate(task_cfg)
     task_name = choices.get("task") or type(task).__name__
     check_fit(task, info, task_name, choices.get("dataset") or "this dataset")
-    metrics = [f"{split}/{name}" for split in ("val", "train") for name in task.metric_names]
+    splits = ("val", "val_ema", "train") if ema else ("val", "train")
+    metrics = [f"{split}/{name}" for split in splits for name in task.metric_names]
+    if monitor.startswith("val_ema/") and not ema and f"val/{monitor.split('/', 1)[1]}" in metrics:
+        raise UsageError(f"trainer.monitor={monitor} needs EMA weights: set trainer.ema.decay (e.g. 0.999), "
+                         f"or monitor val/{monitor.split('/', 1)[1]}")
     if monitor not in metrics:
         raise UsageError(
             f"trainer.monitor={monitor} is not a metric of task={task_name}; choose one of {', '.join(metrics)}"

@@ -24,6 +24,7 @@ from src.data.loaders import Data, train_batch_to_device
 from src.loop import records
 from src.loop.checkpoint import Checkpointer
 from src.loop.divergence import NonFiniteLossWatch, TrainingDiverged, diverged_message
+from src.loop.ema import EmaWeights
 from src.loop.evaluation import evaluate, metrics_of
 from src.loop.metrics import MetricSums
 from src.loop.performance import FirstWindowUtilization
@@ -101,6 +102,9 @@ class Trainer:
         self.epoch_metrics = MetricSums(parts.task.sum_shapes(parts.data.splits.info), device)
         self.utilization = FirstWindowUtilization(parts.module, device, config.precision, parts.runtime.world_size,
                                                   parts.data.train_sampler.micro_batch_size)
+        # EMA weights (trainer.ema.decay), starting from the module's weights now: initial, or resumed.
+        self.ema = None if config.ema.decay is None else EmaWeights(parts.module, config.ema.decay,
+                                                                    config.ema.warmup_steps)
 
     # -- state -------------------------------------------------------------------------
 
@@ -113,12 +117,19 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "config": parts.saved_config,
             **asdict(state),
+            **({} if self.ema is None else {"ema": self.ema.state_dict()}),
+            # the weights trainer.monitor judges, so best.pt's winner: evaluate it with eval.py weights=...
+            "best_weights": "ema" if self.config.monitor.startswith("val_ema/") else "model",
         }
 
     def load_state_dict(self, payload: dict[str, Any]) -> TrainState:
         self.parts.optimizer.load_state_dict(payload["optimizer"])
         self.parts.scheduler.load_state_dict(payload["scheduler"])
         self.scaler.load_state_dict(payload["scaler"])
+        if self.ema is not None and "ema" in payload:
+            self.ema.load_state_dict(payload["ema"])
+        elif self.ema is not None:  # a checkpoint of a run without EMA (or of an earlier version)
+            log.info("the checkpoint holds no EMA weights: the EMA starts from its model weights")
         return TrainState.from_checkpoint(payload)
 
     # -- the run -----------------------------------------------------------------------
@@ -166,11 +177,12 @@ class Trainer:
         progress.close()
         return self._epoch_train_metrics(restored)
 
-    def evaluate(self) -> dict[str, Any]:
-        """The task's metrics (and val tables) over the whole val split, each sample counted once."""
+    def evaluate(self, module: nn.Module | None = None, desc: str = "val") -> dict[str, Any]:
+        """The task's metrics (and val tables) of `module` (default: the model) over the whole val split,
+        each sample counted once."""
         parts = self.parts
-        return evaluate(parts.module, parts.reporter.track(parts.data.val_loader, "val"), parts.task,
-                        parts.data.splits.info, parts.runtime.device, self.amp_dtype)
+        return evaluate(parts.module if module is None else module, parts.reporter.track(parts.data.val_loader, desc),
+                        parts.task, parts.data.splits.info, parts.runtime.device, self.amp_dtype)
 
     def summary(self, state: TrainState, num_val_samples: int) -> dict[str, Any]:
         """The run so far, as written to metrics.json: the last epoch's metrics and the history, the
@@ -215,6 +227,8 @@ class Trainer:
         if is_step_end:
             self._optimizer_step()
             state.step += 1
+            if self.ema is not None:
+                self.ema.update(state.step)  # on the device, no host sync (src/loop/ema.py)
             if self.parts.profiler is not None:
                 self.parts.profiler.step()
             if self.config.detect_anomaly:
@@ -247,11 +261,12 @@ class Trainer:
         """Evaluate, record the epoch in `state`, report it and checkpoint."""
         train_seconds = time.perf_counter() - started
         val = self.evaluate()
+        val_ema = None if self.ema is None else self.evaluate(self.ema.module, "val_ema")
         state.epoch = epoch + 1
         state.train_samples += train["timed_count"]
         state.train_seconds += train_seconds
         record = records.epoch_record(state.epoch, state.step, train, val, self._lr(),
-                                      time.perf_counter() - started, train_seconds)
+                                      time.perf_counter() - started, train_seconds, val_ema)
         state.history.append(record)
         is_best = self._improves(state, record[self.config.monitor])
         self._check_early_stop(state)  # before the checkpoint, which then holds the decision

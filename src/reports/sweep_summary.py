@@ -50,14 +50,14 @@ def job_row(job_dir: Path) -> dict[str, Any]:
 
 
 def _is_column(name: str) -> bool:
-    return name in RUN_COLUMNS or (name.startswith(("val/", "train/")) and name != "val/num_samples")
+    return name in RUN_COLUMNS or (name.startswith(("val/", "val_ema/", "train/")) and name != "val/num_samples")
 
 
 def metric_columns(rows: list[dict[str, Any]], metric: str) -> list[str]:
-    """The monitored metric, the other val/ then train/ metrics the jobs' task computes, then epoch and
-    throughput."""
-    seen = [name for row in rows for name in row if name.startswith(("val/", "train/"))]
-    ordered = [metric, *(n for n in seen if n.startswith("val/")), *(n for n in seen if n.startswith("train/"))]
+    """The monitored metric, the other val/, val_ema/ (EMA weights) then train/ metrics the jobs' task
+    computes, then epoch and throughput."""
+    seen = [name for row in rows for name in row if _is_column(name) and name not in RUN_COLUMNS]
+    ordered = [metric, *(n for split in ("val/", "val_ema/", "train/") for n in seen if n.startswith(split))]
     return [*dict.fromkeys(ordered), *RUN_COLUMNS]
 
 

@@ -64,6 +64,12 @@ ROWS = [
     row(TRAIN, ["trainer.precision=8"], "trainer.precision=8 is not one of 32, bf16, 16", "precision-8"),
     row(TRAIN, ["dist.master_port=70000"], "dist.master_port=70000 is not a port (1-65535)", "port-out-of-range"),
     row(TRAIN, ["dataset=image_folder"], "dataset.root is required: add dataset.root=VALUE", "required-key"),
+    row(TRAIN, ["trainer.ema.decay=1.5"], "trainer.ema.decay=1.5 must be in (0, 1) (or null)", "ema-decay-above-1"),
+    row(TRAIN, ["trainer.ema.decay=0"], "trainer.ema.decay=0.0 must be in (0, 1) (or null)", "ema-decay-zero"),
+    row(TRAIN, ["trainer.ema.warmup_steps=-1"], "trainer.ema.warmup_steps=-1 must be at least 0",
+        "ema-negative-warmup"),
+    row(EVAL, ["checkpoint={checkpoint}", "weights=best"], "weights=best is not one of model, ema",
+        "eval-unknown-weights"),
     # What the run finds when it starts: batches, files, devices, ports.
     row(TRAIN, ["dataset.batch_size=0"], "dataset.batch_size must be positive", "batch-size-zero"),
     row(TRAIN, ["dataset.batch_size=-64"], "dataset.batch_size must be positive", "batch-size-negative"),
@@ -111,6 +117,10 @@ ROWS = [
     row(TRAIN, ["task=regression", "dataset=diabetes", "model=mlp", "trainer.monitor=val/f1"],
         "trainer.monitor=val/f1 is not a metric of task=regression; choose one of val/loss, val/mae, val/rmse, val/r2, "
         "train/loss", "monitor-the-task-lacks"),
+    row(TRAIN, ["trainer.monitor=val_ema/acc"], "trainer.monitor=val_ema/acc needs EMA weights: set "
+        "trainer.ema.decay (e.g. 0.999), or monitor val/acc", "monitor-val-ema-without-ema"),
+    row(EVAL, ["checkpoint={checkpoint}", "weights=ema"], "{checkpoint} holds no EMA weights (its run had "
+        "trainer.ema.decay=null): evaluate its model with weights=model", "eval-ema-weights-absent"),
     row(TRAIN, ["task=regression", "dataset=diabetes"], "model.in_channels asks for the dataset's in_channels, which "
         "dataset=diabetes does not provide (it provides num_features=10, num_targets=1",
         "model-field-the-dataset-lacks"),

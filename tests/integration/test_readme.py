@@ -35,6 +35,10 @@ EXERCISED_BY = {
     "python eval.py checkpoint=outputs/DATE/TIME/checkpoints/best.pt":
         "test_eval_cli.py::test_eval_reproduces_the_training_runs_val_metrics",
     "torchrun --nproc_per_node=2 eval.py checkpoint=PATH": "test_eval_cli.py::test_sharded_eval_equals_one_process",
+    "python eval.py checkpoint=outputs/DATE/TIME/checkpoints/best.pt weights=ema":
+        "test_ema_cli.py::test_eval_of_the_ema_weights_reproduces_val_ema",
+    "python train.py trainer.ema.decay=0.999 trainer.monitor=val_ema/acc":
+        "test_ema_cli.py::test_val_ema_is_reported_every_epoch_and_picks_best",
     "python train.py": "test_train_cli.py::test_single_process_run_dir_contract",
     "python train.py --cfg job": "test_train_cli.py::test_help_lists_groups_and_cfg_job_skips_torch",
     "python train.py --help": "test_train_cli.py::test_help_lists_groups_and_cfg_job_skips_torch",

@@ -173,6 +173,16 @@ def test_sweep_summary_columns_are_the_tasks_metrics(tmp_path: Path):
     assert table.splitlines()[2].startswith("| 1 | completed | 0.4000 | 0.3000 | 0.5000 | 0.2000 | 1 | - |")
 
 
+def test_sweep_summary_sorts_by_a_val_ema_metric_and_shows_it_after_val(tmp_path: Path):
+    make_job(tmp_path, 0, ["trainer.ema.decay=0.9"], 1, {"epoch": 1, "val/acc": 0.96, "val_ema/acc": 0.93,
+                                                          "train/acc": 0.9})
+    make_job(tmp_path, 1, ["trainer.ema.decay=0.99"], 1, {"epoch": 1, "val/acc": 0.95, "val_ema/acc": 0.97,
+                                                           "train/acc": 0.9})
+    assert [r["job"] for r in sweep_summary.collect(tmp_path, "val_ema/acc", "max")] == ["1", "0"]
+    table = sweep_summary.SweepSummary("val/acc", "max").write(tmp_path)
+    assert table.splitlines()[0].startswith("| job | status | val/acc | val_ema/acc | train/acc | epoch |")
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["--cfg", "job"]])
 def test_no_run_dir_without_a_run(tmp_path: Path, argv):
     subprocess.run([sys.executable, str(REPO / "train.py"), *argv], cwd=tmp_path, check=True, capture_output=True)

@@ -1,0 +1,115 @@
+"""EMA weights end to end (trainer.ema.decay): the real command line on 1 and 2 processes.
+
+- 2 ranks at batch 32 each keep the EMA 1 process keeps at batch 64 (sync-BN, SGD: the settings of
+  test_equivalence.py's sync-BN test);
+- a run stopped mid-epoch and resumed ends with bitwise the EMA of an uninterrupted run;
+- val_ema/<metric> is reported every epoch (history, metrics.json, log line, TensorBoard), can be
+  monitored (best.pt), and `eval.py weights=ema` reproduces it.
+The bad values (decay 1.5, 0; weights=ema without EMA) are rows of test_bad_input.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, check, metrics, run, torchrun, train
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+pytestmark = pytest.mark.slow
+
+EVAL = str(REPO / "eval.py")
+TIMING_KEYS = {"epoch_time_s", "samples_per_s"}
+
+# test_equivalence.py's sync-BN comparison (BatchNorm, SGD, constant LR, global batch 64), with EMA.
+CNN_EMA = ["model=cnn", "optimizer=sgd", "scheduler=constant", "trainer.epochs=1", "dataset.batch_size=64",
+           "dist.sync_bn=true", "trainer.ema.decay=0.9"]
+# test_fault_tolerance.py's resume runs, with EMA (and its warmup) monitored.
+TWO_EPOCHS_EMA = ["trainer.epochs=2", "optimizer=sgd", "optimizer.lr=0.01", "scheduler=constant",
+                  "trainer.ema.decay=0.9", "trainer.ema.warmup_steps=10", "trainer.monitor=val_ema/acc"]
+
+
+def checkpoint(run_dir: Path, name: str = "last.pt") -> dict:
+    return torch.load(run_dir / "checkpoints" / name, map_location="cpu", weights_only=True)
+
+
+def without_timing(summary: dict) -> dict:
+    history = [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in summary["history"]]
+    return {**{k: v for k, v in summary.items() if k not in TIMING_KEYS}, "history": history}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[name].double() - b[name].double()).abs().max().item() for name in a)
+
+
+def test_two_ranks_keep_the_ema_of_one_process(tmp_path: Path):
+    check(train([*CNN_EMA, "hydra.run.dir=one"], tmp_path))
+    check(torchrun(2, [*CNN_EMA, "hydra.run.dir=two"], tmp_path))
+    one, two = checkpoint(tmp_path / "one"), checkpoint(tmp_path / "two")
+    assert one["ema"].keys() == one["model"].keys()
+    assert any("running_var" in name for name in one["ema"])
+    difference = max_diff(one["ema"], two["ema"])
+    print(f"EMA weights, 2 ranks vs 1 process: max |difference| {difference:.3g}")
+    assert difference <= 1e-5  # every tensor: weights, BN affine, running stats
+    assert max_diff(one["ema"], one["model"]) > 1e-3  # an average, not a copy of the weights
+    assert metrics(tmp_path / "two")["val_ema/acc"] == pytest.approx(metrics(tmp_path / "one")["val_ema/acc"],
+                                                                     abs=2 / 360)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One process, two epochs with EMA monitored, never interrupted."""
+    workdir = tmp_path_factory.mktemp("straight")
+    check(train([*TWO_EPOCHS_EMA, "hydra.run.dir=run"], workdir))
+    return workdir / "run"
+
+
+def test_a_run_stopped_mid_epoch_resumes_to_bitwise_the_same_ema(tmp_path: Path, straight: Path):
+    first = check(train([*TWO_EPOCHS_EMA, "trainer.checkpoint_every_steps=5", "trainer.max_steps=27",
+                         "hydra.run.dir=run"], tmp_path))
+    assert "stopped at step 27 with a checkpoint" in first.stdout
+    stopped = checkpoint(tmp_path / "run")
+    assert (stopped["epoch"], stopped["step"], stopped["step_in_epoch"]) == (1, 27, 5) and "ema" in stopped
+    check(train([*TWO_EPOCHS_EMA, "resume=auto", "hydra.run.dir=run"], tmp_path))
+    resumed, reference = checkpoint(tmp_path / "run"), checkpoint(straight)
+    for key in ("ema", "model"):
+        for name, tensor in reference[key].items():
+            assert torch.equal(tensor, resumed[key][name]), (key, name)
+    assert without_timing(metrics(tmp_path / "run")) == without_timing(metrics(straight))
+
+
+def test_val_ema_is_reported_every_epoch_and_picks_best(straight: Path):
+    summary = metrics(straight)
+    assert len(summary["history"]) == 2
+    for record in summary["history"]:
+        assert {"val_ema/loss", "val_ema/acc", "val/loss", "val/acc"} <= record.keys()
+    assert summary["val_ema/acc"] == summary["history"][-1]["val_ema/acc"] > 0.5
+    log = (straight / "train.log").read_text()
+    assert log.count("  val_ema loss ") == 2  # one epoch line each
+    events = EventAccumulator(str(straight / "tb"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("val_ema/acc")] == [22, 44]
+    best = checkpoint(straight, "best.pt")
+    values = [record["val_ema/acc"] for record in summary["history"]]
+    assert best["best_weights"] == "ema" and best["best"] == max(values)
+    assert best["epoch"] == 1 + values.index(max(values))
+
+
+def evaluate(args: list[str], cwd: Path) -> dict:
+    check(run([sys.executable, EVAL, *args, "hydra.run.dir=evaluated"], cwd))
+    return json.loads((cwd / "evaluated" / "metrics.json").read_text())
+
+
+def test_eval_of_the_ema_weights_reproduces_val_ema(straight: Path, tmp_path: Path):
+    summary = metrics(straight)
+    evaluated = evaluate([f"checkpoint={straight / 'checkpoints' / 'last.pt'}", "weights=ema"], tmp_path)
+    assert evaluated["weights"] == "ema" and evaluated["num_samples"] == 360
+    assert evaluated["val/acc"] == summary["val_ema/acc"]
+    assert evaluated["val/loss"] == pytest.approx(summary["val_ema/loss"], abs=1e-6)
+    (tmp_path / "model").mkdir()
+    model = evaluate([f"checkpoint={straight / 'checkpoints' / 'last.pt'}"], tmp_path / "model")
+    assert model["weights"] == "model" and model["val/loss"] == pytest.approx(summary["val/loss"], abs=1e-6)

@@ -1,0 +1,240 @@
+"""EMA weights (src/loop/ema.py): the update's math, its place in the loop, its checkpoint and its settings.
+The command-line claims (2 ranks = 1 process, bitwise resume, eval.py weights=ema) are in
+tests/integration/test_ema_cli.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from torch import nn
+
+from src.common.errors import UsageError
+from src.components.tasks import Classification
+from src.config import schema
+from src.config.schema import EmaConfig, TrainerConfig
+from src.data.loaders import Data, TensorBatchLoader
+from src.loop import records
+from src.loop.checkpoint import Checkpointer
+from src.loop.ema import EmaWeights
+from src.loop.setup import build_task
+from src.loop.trainer import Trainer, TrainParts, TrainState
+from src.parallel import launch
+from src.parallel.distributed import DistEnv, Runtime
+from src.reports.reporting import Reporter
+
+launch.register_resolvers()  # ${data:} ... as train.py registers them
+
+CONF = Path(__file__).resolve().parents[3] / "conf"
+
+
+def model_with_batchnorm() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+
+
+def train_a_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model.train()
+    loss = model(torch.randn(16, 4)).square().mean()  # moves the BatchNorm running statistics too
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+# -- the update -----------------------------------------------------------------------------------
+
+
+def test_the_update_averages_parameters_and_copies_buffers():
+    model = model_with_batchnorm()
+    ema = EmaWeights(model, decay=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for step in (1, 2, 3):
+        train_a_step(model, optimizer)
+        ema.update(step)
+        for name, p in model.named_parameters():
+            expected[name] = 0.9 * expected[name] + 0.1 * p.detach()
+    ema_state, live_state = ema.state_dict(), model.state_dict()
+    assert ema_state.keys() == live_state.keys()  # saved and loaded like the model
+    for name, _ in model.named_parameters():
+        assert torch.allclose(ema_state[name], expected[name], rtol=0, atol=1e-6), name
+        assert not torch.equal(ema_state[name], live_state[name]), name
+    for name, _ in model.named_buffers():  # running_mean, running_var, num_batches_tracked: copied
+        assert torch.equal(ema_state[name], live_state[name]), name
+    assert int(ema_state["1.num_batches_tracked"]) == 3
+    assert not any(p.requires_grad for p in ema.module.parameters()) and not ema.module.training
+
+
+def test_warmup_ramps_the_decay_linearly():
+    ema = EmaWeights(nn.Linear(2, 2), decay=0.9, warmup_steps=10)
+    assert [ema.decay_at(step) for step in (1, 5, 10, 11, 1000)] == pytest.approx([0.09, 0.45, 0.9, 0.9, 0.9])
+    assert EmaWeights(nn.Linear(2, 2), decay=0.9).decay_at(1) == 0.9  # warmup_steps=0: the decay from step 1
+
+
+def test_the_update_never_reads_a_value_on_the_host():
+    """Meta tensors have shapes but no values: `.item()`, `bool()` or a copy to the host would raise,
+    so an update that runs on them syncs nothing (on a GPU, nothing waits for the device)."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    ema = EmaWeights(model, decay=0.99, warmup_steps=3)
+    for step in (1, 2, 3, 4):
+        ema.update(step)
+    assert all(p.is_meta for p in ema.module.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to see host syncs")
+def test_the_update_does_not_sync_with_the_gpu():
+    model = model_with_batchnorm().cuda()
+    ema = EmaWeights(model, decay=0.99, warmup_steps=3)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in (1, 2, 3, 4):
+            ema.update(step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# -- in the loop ----------------------------------------------------------------------------------
+
+SAMPLES, BATCH = 48, 8
+
+
+def tiny_parts(tmp_path: Path, model: nn.Module, grad_accum: int = 1) -> TrainParts:
+    from src.data.loaders import GlobalBatchSampler
+    from src.data.splits import DataSplits
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(1)
+    dataset = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 4), torch.randint(0, 3, (SAMPLES,)))
+    sampler = GlobalBatchSampler(SAMPLES, BATCH, rank=0, world_size=1, grad_accum=grad_accum)
+    splits = DataSplits(train=dataset, val=dataset, info={"num_classes": 3, "num_features": 4})
+    cpu = torch.device("cpu")
+    data = Data(splits=splits, train_sampler=sampler, train_loader=TensorBatchLoader(dataset, sampler, cpu),
+                val_loader=TensorBatchLoader(dataset, [list(range(SAMPLES))], cpu), num_val_samples=SAMPLES)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return TrainParts(Runtime(DistEnv(), cpu, backend=None), Classification(), model, model, optimizer,
+                      torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
+                      Checkpointer(tmp_path / "checkpoints", True), Reporter(tmp_path, True, tensorboard=False))
+
+
+def ema_trainer(tmp_path: Path, model: nn.Module, epochs: int = 2, **config) -> Trainer:
+    settings = {"monitor": "val_ema/acc", "monitor_mode": "max", "ema": EmaConfig(decay=0.8), **config}
+    return Trainer(TrainerConfig(epochs=epochs, **settings), tiny_parts(tmp_path, model, settings.get("grad_accum", 1)))
+
+
+def test_the_loop_updates_once_per_optimizer_step_and_validates_the_ema_every_epoch(tmp_path: Path):
+    model = model_with_batchnorm()
+    trainer = ema_trainer(tmp_path, model, grad_accum=2)
+    updates = []
+    update = trainer.ema.update
+    trainer.ema.update = lambda step: (updates.append(step), update(step))
+    state = TrainState()
+    trainer.fit(state)
+    steps_per_epoch = SAMPLES // BATCH
+    assert updates == list(range(1, 2 * steps_per_epoch + 1))  # per optimizer step, not per micro-step
+    for record in state.history:
+        assert {"val_ema/loss", "val_ema/acc", "val/loss", "val/acc"} <= record.keys()
+    assert state.best == max(record["val_ema/acc"] for record in state.history)
+    summary = json.loads((tmp_path / "metrics.json").read_text())
+    assert summary["val_ema/acc"] == state.history[-1]["val_ema/acc"]
+    saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["best_weights"] == "ema" and saved["ema"].keys() == saved["model"].keys()
+    for name, tensor in trainer.ema.state_dict().items():
+        assert torch.equal(saved["ema"][name], tensor), name
+
+
+def test_a_resumed_trainer_takes_the_checkpoints_ema(tmp_path: Path):
+    first = ema_trainer(tmp_path / "first", model_with_batchnorm(), epochs=1)
+    first.fit(TrainState())
+    payload = first.state_dict(TrainState())
+    model = model_with_batchnorm()
+    model.load_state_dict(payload["model"])
+    second = ema_trainer(tmp_path / "second", model)
+    second.load_state_dict(payload)
+    for name, tensor in second.ema.state_dict().items():
+        assert torch.equal(tensor, payload["ema"][name]), name
+        if "weight" in name:
+            assert not torch.equal(tensor, payload["model"][name]), name  # not merely the model's weights
+
+
+def test_a_checkpoint_without_ema_resumes_with_the_ema_starting_from_its_model(tmp_path: Path):
+    model = model_with_batchnorm()
+    without = Trainer(TrainerConfig(epochs=1, monitor="val/acc", monitor_mode="max"), tiny_parts(tmp_path, model))
+    payload = without.state_dict(TrainState(epoch=1, step=6))
+    assert "ema" not in payload and payload["best_weights"] == "model"
+    resumed = ema_trainer(tmp_path / "resumed", copy.deepcopy(model))
+    state = resumed.load_state_dict(payload)
+    assert state.step == 6
+    for name, tensor in resumed.ema.state_dict().items():
+        assert torch.equal(tensor, payload["model"][name]), name
+
+
+# -- reports ----------------------------------------------------------------------------------------
+
+
+def test_the_epoch_record_line_and_summary_carry_val_ema():
+    train = {"loss": 0.5, "acc": 0.8, "count": 100, "timed_count": 100}
+    record = records.epoch_record(1, 10, train, {"loss": 0.4, "acc": 0.85, "count": 50}, 0.1, 2.0, 1.0,
+                                  {"loss": 0.3, "acc": 0.9, "count": 50})
+    assert (record["val_ema/loss"], record["val_ema/acc"]) == (0.3, 0.9)
+    line = records.epoch_line(record, 5, 50)
+    assert "val loss 0.4000 acc 0.8500  val_ema loss 0.3000 acc 0.9000 (50 samples)" in line
+    assert records.epoch_scalars(record)["val_ema/acc"] == 0.9
+    assert records.run_summary([record], 50, 1, 8, 100.0)["val_ema/acc"] == 0.9
+    without = records.epoch_record(1, 10, train, {"loss": 0.4, "acc": 0.85, "count": 50}, 0.1, 2.0, 1.0)
+    assert not any(key.startswith("val_ema/") for key in without) and "val_ema" not in records.epoch_line(
+        without, 5, 50)
+
+
+# -- settings ---------------------------------------------------------------------------------------
+
+
+def composed(config_name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name, overrides=overrides)
+
+
+def test_the_ema_settings_are_declared_once_and_off_by_default():
+    cfg = composed("config", ["trainer.ema.decay=0.999", "trainer.ema.warmup_steps=100"])
+    trainer = OmegaConf.to_object(cfg.trainer)
+    assert trainer.ema == EmaConfig(decay=0.999, warmup_steps=100)
+    assert OmegaConf.to_object(composed("config", []).trainer).ema == EmaConfig(decay=None, warmup_steps=0)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.ema.decay=1.5", "trainer.ema.decay=1.5 must be in (0, 1) (or null)"),
+    ("trainer.ema.decay=0", "trainer.ema.decay=0.0 must be in (0, 1) (or null)"),
+    ("trainer.ema.decay=1", "trainer.ema.decay=1.0 must be in (0, 1) (or null)"),
+    ("trainer.ema.warmup_steps=-1", "trainer.ema.warmup_steps=-1 must be at least 0"),
+])
+def test_bad_ema_values_are_refused_at_run_start(override, message):
+    with pytest.raises(UsageError) as error:
+        schema.check_train_config(composed("config", [override]))
+    assert str(error.value) == message
+    schema.check_train_config(composed("config", ["trainer.ema.decay=0.5", "trainer.ema.warmup_steps=0"]))
+
+
+def test_eval_weights_is_model_or_ema():
+    assert composed("eval", ["checkpoint=x.pt", "dataset=digits"]).weights == "model"
+    schema.check_eval_config(composed("eval", ["checkpoint=x.pt", "dataset=digits", "weights=ema"]))
+    with pytest.raises(UsageError, match="weights=best is not one of model, ema"):
+        schema.check_eval_config(composed("eval", ["checkpoint=x.pt", "dataset=digits", "weights=best"]))
+
+
+INFO = {"num_classes": 10, "num_features": 64}
+TASK = OmegaConf.create({"_target_": "src.components.tasks.Classification"})
+
+
+def test_val_ema_may_be_monitored_only_with_ema_weights():
+    build_task(TASK, INFO, {"task": "classification"}, "val_ema/acc", ema=True)
+    with pytest.raises(UsageError) as error:
+        build_task(TASK, INFO, {"task": "classification"}, "val_ema/acc", ema=False)
+    assert str(error.value) == ("trainer.monitor=val_ema/acc needs EMA weights: set trainer.ema.decay (e.g. 0.999), "
+                                "or monitor val/acc")
+    with pytest.raises(UsageError, match="choose one of val/loss, val/acc, val_ema/loss, val_ema/acc, train/loss"):
+        build_task(TASK, INFO, {"task": "classification"}, "val_ema/f1", ema=True)

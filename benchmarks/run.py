@@ -3,6 +3,7 @@
     python benchmarks/run.py                 # 3 repeats, writes benchmarks/RESULTS.md
     python benchmarks/run.py --repeats 5 --epochs 20
     python benchmarks/run.py --cases lightning --repeats 3 --epochs 10
+    python benchmarks/run.py --cases digits --template-args trainer.ema.decay=0.999   # the cost of a feature
 
 Each case runs the template (`train.py`) and the bare loop (`benchmarks/bare_loop.py`) as
 separate processes, interleaved (ours, bare, ours, bare, ...) so that a busy machine slows
@@ -91,6 +92,8 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "RESULTS.md")
     parser.add_argument("--cases", nargs="+", choices=["digits", "ddp", "lightning"],
                         help="which cases to run (default: all; lightning only if it is installed)")
+    parser.add_argument("--template-args", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="overrides added to every template run, e.g. trainer.ema.decay=0.999")
     args = parser.parse_args()
     has_lightning = importlib.util.find_spec("lightning") is not None
     if args.cases is None:
@@ -107,7 +110,7 @@ def main() -> None:
         if "digits" in args.cases or "lightning" in args.cases:
             job = ["--epochs", str(args.epochs), "--batch-size", "64"]
             programs = [
-                lambda: run_template(python, [f"trainer.epochs={args.epochs}"], workdir),
+                lambda: run_template(python, [f"trainer.epochs={args.epochs}", *args.template_args], workdir),
                 lambda: run_script("bare_loop.py", python, ["--dataset", "digits", *job]),
             ]
             if "lightning" in args.cases:
@@ -125,14 +128,15 @@ def main() -> None:
         for sync_bn in ("true", "false") if "ddp" in args.cases else ():
             ours, bare = interleaved(
                 args.repeats,
-                lambda: run_template(TORCHRUN, [*synthetic, f"dist.sync_bn={sync_bn}"], workdir),
+                lambda: run_template(TORCHRUN, [*synthetic, f"dist.sync_bn={sync_bn}", *args.template_args], workdir),
                 lambda: run_script("bare_loop.py", TORCHRUN, bare_synthetic),
             )
             rows.append((f"synthetic 28x28 + cnn, 2 ranks (sync_bn={sync_bn}): samples/s",
                          ours["samples_per_s"], bare["samples_per_s"]))
     lines = [
         f"# Benchmark results ({datetime.now():%Y-%m-%d}, `python benchmarks/run.py --repeats {args.repeats} "
-        f"--epochs {args.epochs} --cases {' '.join(args.cases)}`)",
+        f"--epochs {args.epochs} --cases {' '.join(args.cases)}"
+        f"{' --template-args ' + ' '.join(args.template_args) if args.template_args else ''}`)",
         "",
         "Median of the repeats, template and bare loop interleaved in one run. The bare 2-rank loop uses plain",
         "BatchNorm; with sync_bn=true the template also all-reduces BN statistics, which the bare loop does not do.",

@@ -150,8 +150,10 @@ def test_the_benchmark_script_writes_its_table(tmp_path: Path):
     template, the bare loop and, where installed, a Lightning Trainer on the digits job."""
     output = tmp_path / "RESULTS.md"
     check(run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--repeats", "1", "--epochs", "1",
-               "--cases", "lightning" if HAS_LIGHTNING else "digits", "--output", str(output)], tmp_path))
+               "--cases", "lightning" if HAS_LIGHTNING else "digits", "--output", str(output),
+               "--template-args", "trainer.ema.decay=0.9"], tmp_path))
     text = output.read_text()
+    assert "--template-args trainer.ema.decay=0.9`" in text  # the template ran with the feature measured
     rows = {row[0].strip(): [float(cell) for cell in row[1:]]
             for row in (line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| digits"))}
     versus = ("", " vs Lightning") if HAS_LIGHTNING else ("",)

@@ -173,13 +173,16 @@ def train_and_report(trainer_cfg, parts, resumed, run_dir: Path) -> float:  # no
 
 def report_final(trainer, state, run_dir: Path) -> float:  # noqa: ANN001 - Trainer, TrainState
     """The finished run's hparams and final metrics; returns the monitored one."""
-    from src.reports import reporting
+    from src.reports.hparams import run_hparams
 
     parts = trainer.parts
     summary = trainer.summary(state, parts.data.num_val_samples)
     final = {k: v for k, v in summary.items()
              if k.startswith(("train/", "val/", "val_ema/")) and k != "val/num_samples"}
-    parts.reporter.hparams(reporting.flatten(parts.saved_config), final)
+    hydra_cfg = HydraConfig.get()  # the run's command line and chosen options: what its HParams line shows
+    hparams = run_hparams(parts.saved_config, hydra_cfg.overrides.task, hydra_cfg.runtime.choices,
+                          parts.data.train_sampler.global_batch_size)
+    parts.reporter.hparams(hparams, final)
     parts.reporter.close()
     log.info("final: %s", "  ".join(f"{k}={v:.4f}" for k, v in final.items()))
     log.info("run dir: %s", run_dir)

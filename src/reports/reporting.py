@@ -152,20 +152,6 @@ def confusion_csv(counts: torch.Tensor) -> str:
     return "\n".join(lines) + "\n"
 
 
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """`{"a": {"b": 1}}` -> `{"a.b": 1}`; lists become strings (TensorBoard's HParams take scalars)."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, f"{name}."))
-        elif isinstance(value, (bool, int, float, str)):
-            flat[name] = value
-        else:
-            flat[name] = str(value)
-    return flat
-
-
 def _first_input(task: Any, sample: Any) -> Any:
     """The first model input of one sample (its first positional input, else its first keyword one)."""
     args, kwargs, _ = task.split(sample)

@@ -32,6 +32,12 @@ def default_run(tmp_path_factory) -> tuple[Path, str]:
     return only_run_dir(workdir), result.stdout
 
 
+def hparams_of(events: EventAccumulator) -> dict[str, plugin_data_pb2.HParamsPluginData]:
+    """The HParams plugin's records in a run's TensorBoard events, by tag."""
+    return {tag: plugin_data_pb2.HParamsPluginData.FromString(content)
+            for tag, content in events.PluginTagToContent("hparams").items()}
+
+
 def test_single_process_run_dir_contract(default_run):
     run_dir, stdout = default_run
     result_stdout = stdout
@@ -71,11 +77,15 @@ def test_tensorboard_events_are_readable(default_run):
     assert [e.step for e in val_acc] == [22, 44]
     assert val_acc[-1].value == pytest.approx(metrics(run_dir)["val/acc"], abs=1e-6)
     assert [e.step for e in events.Scalars("train/loss")] == list(range(5, 45, 5))
-    hparams = {tag: plugin_data_pb2.HParamsPluginData.FromString(content)
-               for tag, content in events.PluginTagToContent("hparams").items()}
+    hparams = hparams_of(events)
     session = hparams["_hparams_/session_start_info"].session_start_info
+    # What the command line set (TINY), then the chosen settings; not the ~40 constant config keys.
+    assert set(session.hparams) == {"trainer.epochs", "trainer.log_every_steps", "task", "model", "dataset",
+                                    "optimizer", "scheduler", "optimizer.lr", "seed", "global_batch_size"}
     assert session.hparams["optimizer.lr"].number_value == pytest.approx(0.003)
-    assert session.hparams["model._target_"].string_value == "src.components.models.SimpleCNN"
+    assert session.hparams["model"].string_value == "cnn"
+    assert session.hparams["trainer.log_every_steps"].number_value == 5
+    assert session.hparams["global_batch_size"].number_value == 64
     metric_tags = {m.name.tag for m in hparams["_hparams_/experiment"].experiment.metric_infos}
     assert {"hparam/val/acc", "hparam/val/loss", "hparam/train/loss"} <= metric_tags
     assert events.Scalars("hparam/val/acc")[-1].value == pytest.approx(metrics(run_dir)["val/acc"], abs=1e-6)
@@ -101,12 +111,19 @@ def test_multirun_writes_one_dir_per_job(workdir: Path):
     check(train(["-m", "optimizer=sgd,adam", "trainer.epochs=1", "hydra.sweep.dir=sweep"], workdir))
     jobs = sorted(p for p in (workdir / "sweep").iterdir() if p.is_dir())
     assert [p.name for p in jobs] == ["0", "1"]
+    job_optimizer = {"0": "sgd", "1": "adam"}
     optimizers = []
     for job in jobs:
         assert metrics(job)["epoch"] == 1
         assert (job / "checkpoints" / "last.pt").exists() and list((job / "tb").iterdir())
         saved = torch.load(job / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
         optimizers.append(saved["config"]["optimizer"]["_target_"])
+        events = EventAccumulator(str(job / "tb"))
+        events.Reload()
+        session = hparams_of(events)["_hparams_/session_start_info"].session_start_info
+        # The HParams table lines the jobs up by the key the sweep varies, named by option.
+        assert session.hparams["optimizer"].string_value == job_optimizer[job.name]
+        assert not [key for key in session.hparams if key.endswith(("_target_", "num_workers", "split_seed"))]
     assert optimizers == ["torch.optim.SGD", "torch.optim.Adam"]
 
 

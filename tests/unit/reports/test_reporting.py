@@ -20,11 +20,6 @@ from src.data.splits import DataSplits
 from src.reports import reporting
 
 
-def test_flatten_turns_nested_config_into_dotted_scalars():
-    flat = reporting.flatten({"optimizer": {"lr": 0.1, "betas": [0.9, 0.99]}, "seed": 0, "resume": None})
-    assert flat == {"optimizer.lr": 0.1, "optimizer.betas": "[0.9, 0.99]", "seed": 0, "resume": "None"}
-
-
 def test_main_process_writes_metrics_json_and_tensorboard(tmp_path: Path):
     reporter = reporting.Reporter(tmp_path, is_main_process=True)
     reporter.scalars({"train/loss": 1.5}, step=3)

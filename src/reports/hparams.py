@@ -1,0 +1,59 @@
+"""Which settings a run records as its hyperparameters (TensorBoard's HParams tab).
+
+The HParams table lines up runs, and the jobs of a sweep, by their hyperparameters. Fed the whole
+flattened config it shows some 40 keys that never change (`dataset._target_`, `num_workers`,
+`split_seed`, ...) before the one a sweep varies. So a run records:
+
+- every setting its command line set: for a sweep's jobs, the keys the sweep varies (and the ones
+  the whole sweep fixed), with the value the run used. A group override (`optimizer=sgd`) is
+  recorded as the chosen option's name; a key that holds a block records each setting in it.
+- a few settings that tell runs apart even when nobody overrode them: the task, model, dataset,
+  optimizer and scheduler chosen, the learning rate, epochs, seed and the global batch size.
+
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+CHOSEN_GROUPS = ("task", "model", "dataset", "optimizer", "scheduler")  # recorded by option name
+CHOSEN_KEYS = ("optimizer.lr", "trainer.epochs", "seed")  # recorded whether overridden or not
+
+
+def run_hparams(config: Mapping[str, Any], overrides: Sequence[str], choices: Mapping[str, str | None],
+                global_batch_size: int) -> dict[str, Any]:
+    """The run's hyperparameters: the settings `overrides` (the run's command line) set, then the chosen
+    groups and keys above, then `global_batch_size` (samples per optimizer step over all ranks).
+    `config` is the run's resolved config, `choices` the option Hydra chose in each group."""
+    flat = flatten(config)
+    recorded: dict[str, Any] = {}
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        if override.is_delete():
+            continue
+        key = override.key_or_group
+        if key in choices:  # a group override: the option's name
+            recorded[key] = str(choices[key])
+        else:  # a key, or a block whose every setting is recorded
+            recorded.update({name: value for name, value in flat.items() if name == key or name.startswith(f"{key}.")})
+    recorded.update({group: str(choices[group]) for group in CHOSEN_GROUPS if choices.get(group) is not None})
+    recorded.update({key: flat[key] for key in CHOSEN_KEYS if key in flat})
+    recorded["global_batch_size"] = global_batch_size
+    return recorded
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`; lists and null become strings (TensorBoard's HParams take scalars)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{name}."))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        else:
+            flat[name] = str(value)
+    return flat

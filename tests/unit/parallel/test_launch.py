@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from src.common.errors import UsageError
 from src.parallel import launch
 from src.reports import sweep_summary
+from src.sweeps import jobs
 
 AGREE = """
 import os, sys, time
@@ -129,7 +130,7 @@ def test_a_busy_master_port_is_refused_before_any_worker_starts(tmp_path: Path):
 
 
 def test_override_quoting_survives_hydras_grammar():
-    assert launch._quote("/tmp/a b/it's") == "'/tmp/a b/it\\'s'"
+    assert launch.quote_override("/tmp/a b/it's") == "'/tmp/a b/it\\'s'"
 
 
 def make_job(sweep: Path, num: int, overrides: list[str], epochs: int, metrics: dict | None, failed: bool = False):
@@ -140,7 +141,7 @@ def make_job(sweep: Path, num: int, overrides: list[str], epochs: int, metrics: 
     if metrics is not None:
         (job / "metrics.json").write_text(json.dumps(metrics))
     if failed:
-        (job / sweep_summary.FAILED_MARKER).write_text("RuntimeError: boom\n")
+        (job / jobs.FAILED_MARKER).write_text("RuntimeError: boom\n")
 
 
 def test_sweep_summary_sorts_completed_jobs_by_the_metric(tmp_path: Path):

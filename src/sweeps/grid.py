@@ -3,7 +3,9 @@
 Running the same command again with `hydra.sweep.dir=<that dir>` skips the jobs that finished (their
 rows stay in the summary), runs the others again in their own dirs, an interrupted one continuing from
 its `checkpoints/last.pt` (src/sweeps/jobs.py), and keeps every job's number and dir. A sweep dir whose
-jobs ran with other overrides is refused before anything is written. Hydra finds this class through
+jobs ran with other overrides is refused before anything is written. A sweep under torchrun (every rank
+runs this sweeper, each rank reading the job dirs at its own moment) stays Hydra's plain grid: resuming
+needs the sweep to start each job's group itself (dist.nproc_per_node, or a launcher). Hydra finds this class through
 hydra_plugins/ddp_template_sweepers.py (its plugins must live in that namespace).
 """
 
@@ -17,6 +19,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
+from src.parallel import launch
 from src.sweeps import jobs
 
 log = logging.getLogger(__name__)
@@ -26,6 +29,8 @@ class ResumableGridSweeper(BasicSweeper):
     """Every combination of the swept values, one job each, in Hydra's order; finished jobs skipped."""
 
     def sweep(self, arguments: list[str]) -> Any:
+        if launch.is_worker():  # `torchrun ... train.py -m`: every rank sweeps; they could judge a job dir apart
+            return super().sweep(arguments)
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         parsed = parser.parse_overrides([*self._parse_config(), *arguments])
         all_jobs = [list(o) for batch in self.split_arguments(parsed, None) for o in batch]

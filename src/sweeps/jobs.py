@@ -62,7 +62,7 @@ def saved_overrides(job_dir: Path) -> list[str] | None:
 def check_same_job(job_dir: Path, overrides: Sequence[str]) -> None:
     """Refuse a job dir that holds another job (another sweep's, or this sweep with other values)."""
     saved = saved_overrides(job_dir)
-    task = [o for o in overrides if not o.startswith("hydra.")]
+    task = [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]
     if saved is not None and saved != task:
         raise UsageError(f"{job_dir} holds another sweep's job ({' '.join(saved) or 'no overrides'}), not "
                          f"this one ({' '.join(task) or 'no overrides'}); pick a new hydra.sweep.dir")
@@ -76,4 +76,4 @@ def rerun_overrides(job_dir: Path, overrides: Sequence[str]) -> list[str]:
     (job_dir / FAILED_MARKER).unlink(missing_ok=True)
     # Through `hydra.job.env_set`, which every launcher applies (and a job's workers inherit): `resume: null`
     # then means `auto` for this job (src/parallel/launch.py), and its overrides.yaml stays as it was.
-    return [*overrides, f"hydra.job.env_set.{SWEEP_JOB_RESUMES}=1"]
+    return [*overrides, f"++hydra.job.env_set.{SWEEP_JOB_RESUMES}=1"]

@@ -30,7 +30,7 @@ def trial_env(storage: str, study_name: str, trial_id: int, pruner: str) -> list
     if pruner == "none":
         return []
     values = {STORAGE_ENV: storage, STUDY_ENV: study_name, TRIAL_ENV: str(trial_id)}
-    return [f"hydra.job.env_set.{key}={quote_override(value)}" for key, value in values.items()]
+    return [f"++hydra.job.env_set.{key}={quote_override(value)}" for key, value in values.items()]
 
 
 def epoch_judge(is_main_process: bool, monitor: str) -> EpochJudge | None:

@@ -107,7 +107,8 @@ class OptunaSweeper(Sweeper):
             self.refuse_occupied_sweep_dir()
             Path(self.config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
         study = optuna.create_study(storage=self.storage, study_name=self.study_name, direction=direction,
-                                    sampler=self.build_sampler(), load_if_exists=True)
+                                    load_if_exists=True)
+        study.sampler = self.build_sampler(len(study.trials))
         saved = study.user_attrs.get("sweep")
         if saved is not None and (saved != sweep_lines or study.direction.name.lower() != direction):
             raise UsageError(f"{self.storage} holds another sweep's study ({' '.join(saved)}; "
@@ -130,12 +131,15 @@ class OptunaSweeper(Sweeper):
             raise UsageError(f"{first_job.parent} holds another sweep's jobs and no study {self.study_name}; "
                              "pick a new hydra.sweep.dir")
 
-    def build_sampler(self) -> Any:
+    def build_sampler(self, trials_so_far: int) -> Any:
+        """The sampler; a continued study's is seeded with seed + its trials so far, so that it does not
+        draw the values of the study's first trials again."""
         import optuna
 
+        seed = None if self.seed is None else self.seed + trials_so_far
         if self.sampler == "random":
-            return optuna.samplers.RandomSampler(seed=self.seed)
-        return optuna.samplers.TPESampler(seed=self.seed)
+            return optuna.samplers.RandomSampler(seed=seed)
+        return optuna.samplers.TPESampler(seed=seed)
 
     def settle_unfinished_trials(self, study: Any) -> None:
         """Trials a killed sweep left RUNNING: told their job's result if it finished; else recorded
@@ -143,8 +147,8 @@ class OptunaSweeper(Sweeper):
         from optuna.trial import Trial, TrialState
 
         for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            job = frozen.user_attrs.get("job")
-            job_dir = None if job is None else Path(frozen.user_attrs["job_dir"])
+            job, job_dir = frozen.user_attrs.get("job"), frozen.user_attrs.get("job_dir")
+            job_dir = None if job_dir is None else Path(job_dir)
             state = None if job_dir is None else jobs.job_state(job_dir)
             if state in jobs.FINISHED:
                 self.tell_finished(study, frozen.number, job_dir, state)

@@ -153,9 +153,11 @@ class OptunaSweeper(Sweeper):
             if state in jobs.FINISHED:
                 self.tell_finished(study, frozen.number, job_dir, state)
                 continue
-            Trial(study, frozen._trial_id).set_user_attr("died", True)
+            died = state != "failed"  # killed, not raised: its values deserve a run
+            if died:
+                Trial(study, frozen._trial_id).set_user_attr("died", True)
             study.tell(frozen.number, state=TrialState.FAIL)
-            if job is not None and state != "failed":
+            if died and job is not None:
                 log.info("trial %d (job %d) died: asked again with the same values", frozen.number, job)
                 study.enqueue_trial(frozen.params, user_attrs={"job": job}, skip_if_exists=False)
 

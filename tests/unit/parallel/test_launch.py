@@ -163,6 +163,18 @@ def test_sweep_summary_sorts_completed_jobs_by_the_metric(tmp_path: Path):
     assert csv_lines[1].startswith("1,completed,optimizer.lr=0.01,0.95,0.2,")
 
 
+def test_sweep_summary_shows_pruned_jobs_and_the_command_of_the_best(tmp_path: Path):
+    make_job(tmp_path, 0, ["optimizer.lr=0.1"], 3, {"epoch": 3, "val/acc": 0.91})
+    make_job(tmp_path, 1, ["optimizer.lr=9.0"], 3, {"epoch": 1, "val/acc": 0.2, "stop_reason": "pruned",
+                                                   "stopped_at_epoch": 1})
+    make_job(tmp_path, 2, ["optimizer.lr=0.01", "dataset.root=my data"], 3, {"epoch": 3, "val/acc": 0.95})
+    table = sweep_summary.SweepSummary("val/acc", "max").write(tmp_path)
+    assert table.splitlines()[0] == "| job | status | val/acc | epoch | pruned_epoch | samples_per_s | overrides |"
+    assert table.splitlines()[4].startswith("| 1 | pruned | 0.2000 | 1 | 1 |")
+    command = "python train.py optimizer.lr=0.01 'dataset.root=my data'"
+    assert table.endswith(f"Best job (2), trained again by:\n\n    {command}\n")
+
+
 def test_sweep_summary_columns_are_the_tasks_metrics(tmp_path: Path):
     make_job(tmp_path, 0, ["optimizer.lr=0.1"], 1, {"epoch": 1, "val/loss": 0.4, "val/mae": 0.5, "val/r2": 0.4,
                                                    "train/mae": 0.3, "val/num_samples": 88})

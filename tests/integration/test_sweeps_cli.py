@@ -20,7 +20,7 @@ import optuna
 import pytest
 import torch
 import yaml
-from conftest import TRAIN, check, metrics, run, train, weights
+from conftest import REPO, TRAIN, check, metrics, run, train, weights
 from faults import descendants
 
 pytestmark = pytest.mark.slow
@@ -113,6 +113,21 @@ def test_the_summary_shows_states_pruned_epochs_and_the_best_command(ddp_study):
     assert f"Best job ({best.user_attrs['job']}), trained again by:\n\n    {command}\n" in (
         sweep_dir / "summary.md").read_text()
     assert command in stdout
+
+
+def test_optuna_trials_run_by_the_submitit_launcher_are_groups_of_two_tasks_with_the_same_values(tmp_path: Path):
+    # Submitit pickles the task by reference to `src`: launched from the repo root, as the README says.
+    sweep_dir = tmp_path / "sweep"
+    args = [arg for arg in DDP_STUDY[:-1] if arg not in ("dist.nproc_per_node=2", "hydra.sweeper.n_trials=4")]
+    args = [*args, "hydra/launcher=local_ddp", "hydra.sweeper.n_trials=2", f"hydra.sweep.dir={sweep_dir}"]
+    check(run([sys.executable, TRAIN, *args], REPO, timeout=600))
+    trials = load_study(sweep_dir).trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED"]  # the first two trials of `ddp_study`
+    for trial in trials:
+        job_dir = sweep_dir / str(trial.user_attrs["job"])
+        rank0, rank1 = logged_config(job_dir / "train.log"), logged_config(job_dir / "train.rank1.log")
+        assert rank0 == rank1 and rank0["optimizer"]["lr"] == trial.params["optimizer.lr"]
+        assert metrics(job_dir)["world_size"] == 2
 
 
 def start_sweep(args: list[str], workdir: Path) -> subprocess.Popen:

@@ -142,8 +142,8 @@ class Trainer:
         """Train from `state` (updated in place) to `config.epochs`, evaluating and checkpointing every
         epoch. Stops early, with a checkpoint to resume from, after `config.max_steps` optimizer steps
         or when the process is asked to terminate (SIGTERM: preemption); or, after an epoch's checkpoint,
-        when `config.early_stopping` says the monitored metric stopped improving (a run resumed after that
-        trains no more). Returns why it stopped."""
+        when `config.early_stopping` says the monitored metric stopped improving, or when the epoch judge
+        (a sweep trial's pruner) says stop (a run resumed after either trains no more). Returns why it stopped."""
         if state.early_stopped_at is not None or state.pruned_at is not None:
             reason = StopReason.EARLY_STOPPED if state.pruned_at is None else StopReason.PRUNED
             log.info("%s had ended this run after epoch %d: nothing more to train", reason.value,

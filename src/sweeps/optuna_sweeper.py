@@ -100,10 +100,11 @@ class OptunaSweeper(Sweeper):
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         names = self.existing_study_names()
-        if names and names != [self.study_name]:
-            raise UsageError(f"{self.storage} holds another sweep's study ({', '.join(names)}), not "
-                             f"{self.study_name}; pick a new hydra.sweep.dir (or hydra.sweeper.storage)")
-        if not names:
+        if self.study_name not in names:
+            # A SQLite file is the sweep dir's own database: another study there ran in these job dirs.
+            if names and self.storage.startswith("sqlite:"):
+                raise UsageError(f"{self.storage} holds another sweep's study ({', '.join(names)}), not "
+                                 f"{self.study_name}; pick a new hydra.sweep.dir (or hydra.sweeper.storage)")
             self.refuse_occupied_sweep_dir()
             Path(self.config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
         study = optuna.create_study(storage=self.storage, study_name=self.study_name, direction=direction,

@@ -158,7 +158,7 @@ def kill_during_job(process: subprocess.Popen, job_dir: Path) -> None:
 def assert_resumed_and_bitwise_equal_to_a_straight_run(job_dir: Path, workdir: Path) -> None:
     """The job continued from its checkpoint and ended with the weights of the same job run straight."""
     resumed_lines = [line for line in (job_dir / "train.log").read_text().splitlines() if "resumed from" in line]
-    assert len(resumed_lines) == 1 and f"{job_dir.name}/checkpoints/" in resumed_lines[0]
+    assert len(resumed_lines) == 1 and f"{job_dir.name}/checkpoints/last.pt after epoch" in resumed_lines[0]
     overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text())
     check(train([*overrides, "hydra.run.dir=straight"], workdir, timeout=600))
     resumed, straight = weights(job_dir), weights(workdir / "straight")

@@ -85,9 +85,14 @@ class OptunaSweeper(Sweeper):
         if not space:
             problems.append(f"nothing to search: sweep at least one key, e.g. 'optimizer.lr=tag(log,interval(1e-4,"
                             f"1e-1))' ({search_space.GRAMMAR})")
+        if not self.storage:
+            problems.append("hydra.sweeper.storage is empty: the study needs a database to live in, e.g. the "
+                            "default sqlite:///${hydra.sweep.dir}/optuna.db")
         monitor, mode = self.config.trainer.monitor, self.config.trainer.monitor_mode
         direction = DIRECTIONS[mode]
-        if self.direction not in (None, direction):
+        if self.direction not in (None, *DIRECTIONS.values()):
+            problems.append(f"hydra.sweeper.direction={self.direction} is not one of maximize, minimize (or null)")
+        elif self.direction not in (None, direction):
             problems.append(f"hydra.sweeper.direction={self.direction} contradicts trainer.monitor={monitor}, "
                             f"whose trainer.monitor_mode is {mode}: leave hydra.sweeper.direction=null")
         if problems:

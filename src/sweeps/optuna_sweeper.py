@@ -182,8 +182,10 @@ class OptunaSweeper(Sweeper):
         if result.status == JobStatus.FAILED or state == "failed":
             log.warning("trial %d (job %d) failed: %s", trial.number, job, result._return_value)
             study.tell(trial, state=self.trial_state("FAIL"))
-        elif state in jobs.FINISHED:
-            self.tell_finished(study, trial.number, job_dir, state)
+        elif state == "pruned":
+            study.tell(trial, state=self.trial_state("PRUNED"))
+        elif state != "incomplete":  # left RUNNING otherwise: the next run of the sweep resumes it
+            study.tell(trial, float(result.return_value))  # train.py's: the last trainer.monitor value
         return state != "incomplete"
 
     def tell_finished(self, study: Any, number: int, job_dir: Path, state: str) -> None:

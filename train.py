@@ -107,6 +107,7 @@ def build_parts(cfg, trainer_cfg, run_dir, runtime, data, task, resumed, checkpo
     from src.loop.trainer import TrainParts
     from src.parallel import distributed
     from src.reports import reporting
+    from src.sweeps import pruning  # an Optuna sweep's trial: its pruner may stop the run after an epoch
 
     performance.set_backend_flags(runtime.device, trainer_cfg.tf32, trainer_cfg.deterministic)
     model = initial_model(cfg, trainer_cfg, resumed)
@@ -126,7 +127,8 @@ def build_parts(cfg, trainer_cfg, run_dir, runtime, data, task, resumed, checkpo
         profiler = step_profiler(run_dir / "tb" / "profile", runtime.env.rank)
     saved_config = {**OmegaConf.to_container(cfg, resolve=True), "data_fields": data_fields.used_by(cfg.model)}
     return TrainParts(runtime, task, module, train_model, optimizer, scheduler, data, checkpointer, reporter,
-                      seed=cfg.seed, saved_config=saved_config, profiler=profiler)
+                      seed=cfg.seed, saved_config=saved_config, profiler=profiler,
+                      epoch_judge=pruning.epoch_judge(runtime.is_main_process, trainer_cfg.monitor))
 
 
 def initial_model(cfg, trainer_cfg, resumed):  # noqa: ANN001, ANN201 - DictConfig, TrainerConfig, Resumed

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import difflib
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -85,6 +86,11 @@ def describe_config_error(error: ConfigCompositionException | OverrideParseExcep
     """
     script = script or Path(sys.argv[0]).name
     if isinstance(error, OverrideParseException):
+        unknown = re.search(r"Unknown function '(\w+)'", error.message)
+        if unknown:  # e.g. a search distribution of another tool: loguniform(...)
+            return (f"{error.override}: {unknown.group(1)}(...) is not a function of Hydra's override grammar; a "
+                    "sweep takes choice(a,b,...), range(start,stop[,step]), interval(low,high) or "
+                    "tag(log,interval(low,high))")
         reason = error.message.splitlines()[0]
         return (f"cannot parse the override {error.override!r} ({reason}); quote values holding special "
                 "characters, e.g. key='a value' (https://hydra.cc/docs/advanced/override_grammar/basic/)")

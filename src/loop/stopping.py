@@ -1,5 +1,6 @@
 """Why a run stops: all its epochs done, `trainer.max_steps` reached, the process asked to terminate
-(SIGTERM / SIGUSR2: preemption), or the monitored metric no longer improving (`trainer.early_stopping`).
+(SIGTERM / SIGUSR2: preemption), the monitored metric no longer improving (`trainer.early_stopping`), or
+an Optuna pruner's verdict on a sweep trial.
 Every rank reaches the same answer at the same step: the metrics are all-reduced, so every rank holds
 the same history."""
 
@@ -19,11 +20,13 @@ class StopReason(Enum):
     PREEMPTED = "preempted"  # a rank got SIGTERM or SIGUSR2, with a checkpoint
     EARLY_STOPPED = "early_stopped"  # trainer.early_stopping.patience epochs without improvement, after the
     # epoch's checkpoint; a resumed run sees it in the checkpoint (TrainState.early_stopped_at) and trains no more
+    PRUNED = "pruned"  # the Optuna pruner stopped this sweep trial (src/sweeps/pruning.py), after the epoch's
+    # checkpoint; a resumed run sees it in the checkpoint (TrainState.pruned_at) and trains no more
 
     @property
     def is_final(self) -> bool:
         """Whether the run is over (a stop to continue from with resume=auto is not)."""
-        return self in (StopReason.COMPLETED, StopReason.EARLY_STOPPED)
+        return self in (StopReason.COMPLETED, StopReason.EARLY_STOPPED, StopReason.PRUNED)
 
 
 class StopRule:

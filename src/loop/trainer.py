@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -50,6 +50,7 @@ class TrainState:
     step_in_epoch: int = 0  # optimizer steps already taken in the unfinished epoch `epoch`
     epoch_totals: dict[str, list[float]] | None = None  # its train metric sums by name, over all ranks
     early_stopped_at: int | None = None  # the epoch after which trainer.early_stopping ended the run
+    pruned_at: int | None = None  # the epoch after which the sweep's pruner stopped this trial
 
     @classmethod
     def from_checkpoint(cls, payload: dict[str, Any]) -> "TrainState":
@@ -76,6 +77,9 @@ class TrainParts:
     seed: int = 0  # the run's `seed`: the loop derives per-rank epoch and step seeds from it
     saved_config: dict[str, Any] = field(default_factory=dict)  # the resolved run config, saved in checkpoints
     profiler: torch.profiler.profile | None = None  # stepped after every optimizer step while fit() runs
+    # Asked after every epoch but the last, with the history: stop the run now? (an Optuna trial's pruner,
+    # src/sweeps/pruning.py). It must answer the same on every rank.
+    epoch_judge: Callable[[list[dict[str, float]]], bool] | None = None
 
 
 class LogWindow:
@@ -138,11 +142,13 @@ class Trainer:
         """Train from `state` (updated in place) to `config.epochs`, evaluating and checkpointing every
         epoch. Stops early, with a checkpoint to resume from, after `config.max_steps` optimizer steps
         or when the process is asked to terminate (SIGTERM: preemption); or, after an epoch's checkpoint,
-        when `config.early_stopping` says the monitored metric stopped improving (a run resumed after that
-        trains no more). Returns why it stopped."""
-        if state.early_stopped_at is not None:
-            log.info("early stopping had ended this run after epoch %d: nothing more to train", state.early_stopped_at)
-            return StopReason.EARLY_STOPPED
+        when `config.early_stopping` says the monitored metric stopped improving, or when the epoch judge
+        (a sweep trial's pruner) says stop (a run resumed after either trains no more). Returns why it stopped."""
+        if state.early_stopped_at is not None or state.pruned_at is not None:
+            reason = StopReason.EARLY_STOPPED if state.pruned_at is None else StopReason.PRUNED
+            log.info("%s had ended this run after epoch %d: nothing more to train", reason.value,
+                     state.early_stopped_at or state.pruned_at)
+            return reason
         profiling = self.parts.profiler if self.parts.profiler is not None else contextlib.nullcontext()
         with self.stopping, profiling, torch.autograd.set_detect_anomaly(self.config.detect_anomaly):
             for epoch in range(state.epoch, self.config.epochs):
@@ -153,6 +159,8 @@ class Trainer:
                 self._end_epoch(epoch, state, train, started)
                 if state.early_stopped_at is not None:
                     return StopReason.EARLY_STOPPED
+                if state.pruned_at is not None:
+                    return StopReason.PRUNED
         return StopReason.COMPLETED
 
     def train_one_epoch(self, epoch: int, state: TrainState) -> dict[str, float] | StopReason:
@@ -193,6 +201,8 @@ class Trainer:
         summary["frozen_parameters"] = sum(p.numel() for p in self.parts.module.parameters() if not p.requires_grad)
         if state.early_stopped_at is not None:
             summary.update(stop_reason=StopReason.EARLY_STOPPED.value, stopped_at_epoch=state.early_stopped_at)
+        if state.pruned_at is not None:
+            summary.update(stop_reason=StopReason.PRUNED.value, stopped_at_epoch=state.pruned_at)
         return summary
 
     # -- an epoch ----------------------------------------------------------------------
@@ -270,6 +280,7 @@ class Trainer:
         state.history.append(record)
         is_best = self._improves(state, record[self.config.monitor])
         self._check_early_stop(state)  # before the checkpoint, which then holds the decision
+        self._ask_epoch_judge(state)  # likewise
         self.parts.reporter.scalars(records.epoch_scalars(record), record["step"])
         log.info("%s", records.epoch_line(record, self.config.epochs, val["count"]))
         if self.config.save_checkpoints:
@@ -352,6 +363,14 @@ class Trainer:
             state.early_stopped_at = state.epoch
             log.info("early stopping after epoch %d: %s has not improved by more than %g for %d epochs",
                      state.epoch, monitor, rule.min_delta, rule.patience)
+
+    def _ask_epoch_judge(self, state: TrainState) -> None:
+        """Mark the run pruned if the epoch judge (a sweep trial's pruner) says so, while epochs remain."""
+        judge = self.parts.epoch_judge
+        if judge is not None and state.early_stopped_at is None and state.epoch < self.config.epochs \
+                and judge(state.history):
+            state.pruned_at = state.epoch
+            log.info("pruned after epoch %d: the sweep's pruner stopped this trial", state.epoch)
 
     def _report_window(self, step: int, window: LogWindow) -> None:
         seconds = time.perf_counter() - window.started

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 _STORE_KEY = "ddp_template/run_started_at"
 _ENV_KEY = "DDP_TEMPLATE_RUN_STARTED_AT"
+# Set on a sweep's job run again in its own dir by a sweep run again (src/sweeps/jobs.py).
+SWEEP_JOB_RESUMES = "DDP_TEMPLATE_SWEEP_JOB_RESUMES"
 T = TypeVar("T")
 _started_at: datetime.datetime | None = None
 
@@ -116,10 +118,12 @@ def restarted_by_launcher(environ: Mapping[str, str] = os.environ) -> bool:
     return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or int(environ.get("SLURM_RESTART_COUNT", "0")) > 0
 
 
-def resume_setting(resume: str | None) -> str | None:
+def resume_setting(resume: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
     """What `resume=` means for this process: a restart continues its run dir's last checkpoint
-    even when the command line (the same on every restart) asked for a fresh run."""
-    return "auto" if resume is None and restarted_by_launcher() else resume
+    even when the command line (the same on every restart) asked for a fresh run; so does a sweep's
+    job that a sweep run again starts in its own dir (src/sweeps/jobs.py sets the variable)."""
+    resumes = restarted_by_launcher(environ) or environ.get(SWEEP_JOB_RESUMES) == "1"
+    return "auto" if resume is None and resumes else resume
 
 
 @contextlib.contextmanager
@@ -195,7 +199,7 @@ def launch_workers(
     last_worker = distributed.DistEnv(rank=nproc - 1, local_rank=nproc - 1, world_size=nproc)
     distributed.select_backend(backend, distributed.select_device(device, last_worker))
     overrides = [o for o in task_overrides if not o.startswith("dist.nproc_per_node=")]
-    worker_args = [script, *overrides, f"hydra.run.dir={_quote(str(run_dir))}", "hydra.output_subdir=null"]
+    worker_args = [script, *overrides, f"hydra.run.dir={quote_override(str(run_dir))}", "hydra.output_subdir=null"]
     try:
         elastic_launch(_standalone_config(nproc, master_port), entrypoint=sys.executable)(*worker_args)
     except ChildFailedError as error:
@@ -300,7 +304,7 @@ class _UnrecordedError(BaseException):
         self.error = error
 
 
-def _quote(value: str) -> str:
+def quote_override(value: str) -> str:
     """Quote a value for Hydra's override grammar (paths may hold characters it parses)."""
     escaped = value.replace("\\", "\\\\").replace("'", "\\'")
     return f"'{escaped}'"

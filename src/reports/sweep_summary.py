@@ -3,17 +3,19 @@
 A Hydra callback (registered in conf/config.yaml). After every job and at the end of a
 multirun it rewrites `summary.csv` and `summary.md` in the sweep dir from what the jobs
 wrote (their `.hydra/overrides.yaml` and `metrics.json`), sorted by the monitored metric,
-so the table is right whichever launcher ran the jobs and even while a sweep runs. A job
-that raised gets a `FAILED` file holding the error and shows as failed. Importing this
-module does not import torch.
+so the table is right whichever launcher or sweeper ran the jobs, even while a sweep runs
+and after a sweep run again has skipped its finished jobs. Each job's state is completed,
+pruned (with the epoch its trial was pruned after), failed (it raised: its `FAILED` file holds
+the error) or incomplete (src/sweeps/jobs.py). The best completed job's overrides end
+summary.md as a command that trains it again. Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
 import csv
 import io
-import json
 import logging
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -24,27 +26,23 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.common.files import write_text_atomically
 from src.parallel.launch import is_main_process
+from src.sweeps import jobs
 
 log = logging.getLogger(__name__)
 
 RUN_COLUMNS = ("epoch", "samples_per_s")  # after the metrics, which the jobs' task names
-FAILED_MARKER = "FAILED"
+PRUNED_COLUMN = "pruned_epoch"  # after `epoch`, when a job was pruned
 
 
 def job_row(job_dir: Path) -> dict[str, Any]:
     """One job's overrides, status and final metrics, read from its dir."""
     overrides = OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")
-    epochs = OmegaConf.load(job_dir / ".hydra" / "config.yaml").trainer.epochs
-    metrics_file = job_dir / "metrics.json"
-    metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
-    if (job_dir / FAILED_MARKER).exists():
-        status = "failed"
-    elif metrics.get("epoch") == epochs:
-        status = "completed"
-    else:
-        status = "incomplete"
+    metrics = jobs.read_metrics(job_dir)
+    status = jobs.job_state(job_dir)
     row: dict[str, Any] = {"job": job_dir.name, "status": status, "overrides": " ".join(overrides)}
     row.update({name: value for name, value in metrics.items() if _is_column(name)})
+    if status == "pruned":
+        row[PRUNED_COLUMN] = metrics["stopped_at_epoch"]
     row["job_dir"] = str(job_dir)
     return row
 
@@ -55,10 +53,11 @@ def _is_column(name: str) -> bool:
 
 def metric_columns(rows: list[dict[str, Any]], metric: str) -> list[str]:
     """The monitored metric, the other val/, val_ema/ (EMA weights) then train/ metrics the jobs' task
-    computes, then epoch and throughput."""
+    computes, then epoch (and the epoch a pruned job stopped after), and throughput."""
     seen = [name for row in rows for name in row if _is_column(name) and name not in RUN_COLUMNS]
     ordered = [metric, *(n for split in ("val/", "val_ema/", "train/") for n in seen if n.startswith(split))]
-    return [*dict.fromkeys(ordered), *RUN_COLUMNS]
+    pruned = [PRUNED_COLUMN] if any(PRUNED_COLUMN in row for row in rows) else []
+    return [*dict.fromkeys(ordered), RUN_COLUMNS[0], *pruned, *RUN_COLUMNS[1:]]
 
 
 def collect(sweep_dir: Path, metric: str, mode: str) -> list[dict[str, Any]]:
@@ -82,6 +81,14 @@ def to_markdown(rows: list[dict[str, Any]], metrics: list[str]) -> str:
         cells = [_format(row.get(column)) for column in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def best_command(rows: list[dict[str, Any]]) -> str | None:
+    """`python train.py <overrides>` of the best completed job (`rows` are best first), or None."""
+    if not rows or rows[0]["status"] != "completed":
+        return None
+    overrides = OmegaConf.load(Path(rows[0]["job_dir"]) / ".hydra" / "overrides.yaml")
+    return " ".join(["python train.py", *map(shlex.quote, overrides)])
 
 
 def to_csv(rows: list[dict[str, Any]], metrics: list[str]) -> str:
@@ -111,6 +118,9 @@ class SweepSummary(Callback):
         rows = collect(sweep_dir, self.metric, self.mode)
         columns = metric_columns(rows, self.metric)
         table = to_markdown(rows, columns)
+        best = best_command(rows)
+        if best is not None:
+            table += f"\nBest job ({rows[0]['job']}), trained again by:\n\n    {best}\n"
         write_text_atomically(sweep_dir / "summary.csv", to_csv(rows, columns))
         write_text_atomically(sweep_dir / "summary.md", table)
         return table
@@ -121,7 +131,7 @@ class SweepSummary(Callback):
         job_dir = Path(config.hydra.runtime.output_dir)
         if job_return.status == JobStatus.FAILED:
             error = job_return._return_value
-            (job_dir / FAILED_MARKER).write_text(f"{type(error).__name__}: {error}\n")
+            (job_dir / jobs.FAILED_MARKER).write_text(f"{type(error).__name__}: {error}\n")
         self.write(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

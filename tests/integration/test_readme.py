@@ -44,6 +44,14 @@ EXERCISED_BY = {
     "python train.py --help": "test_train_cli.py::test_help_lists_groups_and_cfg_job_skips_torch",
     "python train.py -m dist.nproc_per_node=2 optimizer=sgd,adam":
         "test_launch_cli.py::test_sweep_of_ddp_groups",
+    "python train.py -m hydra/sweeper=optuna hydra.sweeper.n_trials=20 'optimizer.lr=tag(log,interval(1e-4,1e-1))' "
+    "'optimizer=choice(sgd,adamw)' dataset.batch_size=choice(32,64)":
+        "test_sweeps_cli.py::test_the_study_in_optuna_db_holds_each_two_rank_jobs_result",
+    "python train.py -m hydra/sweeper=optuna hydra.sweeper.pruner=median dist.nproc_per_node=2 "
+    "'optimizer.lr=tag(log,interval(1e-4,1))'":
+        "test_sweeps_cli.py::test_a_pruned_trial_stops_every_rank_after_the_same_epoch_with_a_checkpoint",
+    "python train.py -m optimizer=sgd,adam hydra.sweep.dir=outputs/multirun/2026-11-23/10-00-00":
+        "test_sweeps_cli.py::test_a_grid_sweep_killed_during_job_3_continues_where_it_stopped",
     "python train.py -m hydra/launcher=local_ddp": "test_launch_cli.py::test_submitit_tasks_form_one_ddp_group",
     "python train.py -m hydra/launcher=slurm hydra.launcher.partition=gpu optimizer.lr=0.1,0.01":
         "test_launch.py::test_srun_tasks_export_the_torchrun_contract",
@@ -113,8 +121,19 @@ def overrides_of(command: str) -> tuple[str, list[str]]:
     words = shlex.split(command)
     script = next(word for word in words if word.endswith(".py"))
     args = [word for word in words[words.index(script) + 1:] if word != "-m"]
-    first_job = [re.sub(r"=([^,\[]*),.*", r"=\1", arg) for arg in args]
+    first_job = [first_value(arg) for arg in args]
     return ("eval" if script == "eval.py" else "config"), first_job
+
+
+def first_value(arg: str) -> str:
+    """A sweep override's first value: `a` of `key=a,b` or `key=choice(a,b)`, `low` (a float) of
+    `key=interval(low,high)` or `key=tag(log,interval(low,high))`."""
+    key, _, value = arg.partition("=")
+    function = re.fullmatch(r"(?:tag\(\w+,\s*)?(choice|range|interval)\(([^,)]*)[,)].*", value)
+    if function:
+        first = function.group(2).strip()
+        return f"{key}={float(first) if function.group(1) == 'interval' else first}"
+    return re.sub(r"=([^,\[]*),.*", r"=\1", arg)
 
 
 COMPOSABLE = sorted(

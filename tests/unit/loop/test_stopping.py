@@ -62,7 +62,7 @@ def tiny_data() -> Data:
                 val_loader=TensorBatchLoader(dataset, [list(range(len(dataset)))], cpu), num_val_samples=len(dataset))
 
 
-def plateau_trainer(tmp_path: Path, patience: int | None, epochs: int = 6) -> Trainer:
+def plateau_trainer(tmp_path: Path, patience: int | None, epochs: int = 6, epoch_judge=None) -> Trainer:
     """A linear model with lr=0: every epoch's val metrics equal the first's, a plateau from epoch 1."""
     model = nn.Linear(4, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -72,7 +72,7 @@ def plateau_trainer(tmp_path: Path, patience: int | None, epochs: int = 6) -> Tr
     return Trainer(config, TrainParts(Runtime(DistEnv(), torch.device("cpu"), backend=None), Classification(), model,
                                       model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
                                       data, Checkpointer(tmp_path / "checkpoints", True),
-                                      Reporter(tmp_path, True, tensorboard=False)))
+                                      Reporter(tmp_path, True, tensorboard=False), epoch_judge=epoch_judge))
 
 
 def test_the_loop_stops_after_patience_epochs_and_a_resumed_run_trains_no_more(tmp_path: Path):
@@ -107,3 +107,38 @@ def test_without_patience_or_on_the_last_epoch_the_run_completes(tmp_path: Path)
 def test_a_checkpoint_without_the_early_stop_key_resumes():
     old = {"epoch": 2, "step": 6, "history": [{"epoch": 1}, {"epoch": 2}]}
     assert TrainState.from_checkpoint(old).early_stopped_at is None
+
+
+class Judge:
+    """An epoch judge (a pruner's stand-in) that stops the run after `epoch`; records what it was shown."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch, self.shown = epoch, []
+
+    def __call__(self, history: list[dict[str, float]]) -> bool:
+        self.shown.append([record["epoch"] for record in history])
+        return history[-1]["epoch"] >= self.epoch
+
+
+def test_a_pruned_run_stops_after_the_judged_epoch_with_its_checkpoint_and_trains_no_more(tmp_path: Path):
+    judge = Judge(epoch=2)
+    state = TrainState()
+    assert plateau_trainer(tmp_path, patience=None, epoch_judge=judge).fit(state) is StopReason.PRUNED
+    assert StopReason.PRUNED.is_final
+    assert (state.epoch, state.pruned_at, state.step) == (2, 2, 2 * STEPS)
+    assert judge.shown == [[1], [1, 2]]  # the whole history, after every epoch
+    summary = json.loads((tmp_path / "metrics.json").read_text())
+    assert (summary["stop_reason"], summary["stopped_at_epoch"], summary["epoch"]) == ("pruned", 2, 2)
+    saved = checkpoint.load(tmp_path / "checkpoints" / "last.pt")
+    assert (saved["epoch"], saved["pruned_at"]) == (2, 2)
+
+    resumed = plateau_trainer(tmp_path, patience=None, epoch_judge=Judge(epoch=99))
+    again = resumed.load_state_dict(saved)
+    assert resumed.fit(again) is StopReason.PRUNED and again.epoch == 2
+
+
+def test_the_judge_is_not_asked_after_the_last_epoch(tmp_path: Path):
+    judge = Judge(epoch=1)
+    state = TrainState()
+    assert plateau_trainer(tmp_path, patience=None, epochs=1, epoch_judge=judge).fit(state) is StopReason.COMPLETED
+    assert judge.shown == [] and state.pruned_at is None

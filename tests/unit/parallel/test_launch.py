@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from src.common.errors import UsageError
 from src.parallel import launch
 from src.reports import sweep_summary
+from src.sweeps import jobs
 
 AGREE = """
 import os, sys, time
@@ -129,7 +130,7 @@ def test_a_busy_master_port_is_refused_before_any_worker_starts(tmp_path: Path):
 
 
 def test_override_quoting_survives_hydras_grammar():
-    assert launch._quote("/tmp/a b/it's") == "'/tmp/a b/it\\'s'"
+    assert launch.quote_override("/tmp/a b/it's") == "'/tmp/a b/it\\'s'"
 
 
 def make_job(sweep: Path, num: int, overrides: list[str], epochs: int, metrics: dict | None, failed: bool = False):
@@ -140,7 +141,7 @@ def make_job(sweep: Path, num: int, overrides: list[str], epochs: int, metrics: 
     if metrics is not None:
         (job / "metrics.json").write_text(json.dumps(metrics))
     if failed:
-        (job / sweep_summary.FAILED_MARKER).write_text("RuntimeError: boom\n")
+        (job / jobs.FAILED_MARKER).write_text("RuntimeError: boom\n")
 
 
 def test_sweep_summary_sorts_completed_jobs_by_the_metric(tmp_path: Path):
@@ -160,6 +161,18 @@ def test_sweep_summary_sorts_completed_jobs_by_the_metric(tmp_path: Path):
     # The columns are the metrics the jobs' task wrote: the monitored one first.
     assert csv_lines[0] == "job,status,overrides,val/acc,val/loss,epoch,samples_per_s,job_dir"
     assert csv_lines[1].startswith("1,completed,optimizer.lr=0.01,0.95,0.2,")
+
+
+def test_sweep_summary_shows_pruned_jobs_and_the_command_of_the_best(tmp_path: Path):
+    make_job(tmp_path, 0, ["optimizer.lr=0.1"], 3, {"epoch": 3, "val/acc": 0.91})
+    make_job(tmp_path, 1, ["optimizer.lr=9.0"], 3, {"epoch": 1, "val/acc": 0.2, "stop_reason": "pruned",
+                                                   "stopped_at_epoch": 1})
+    make_job(tmp_path, 2, ["optimizer.lr=0.01", "dataset.root=my data"], 3, {"epoch": 3, "val/acc": 0.95})
+    table = sweep_summary.SweepSummary("val/acc", "max").write(tmp_path)
+    assert table.splitlines()[0] == "| job | status | val/acc | epoch | pruned_epoch | samples_per_s | overrides |"
+    assert table.splitlines()[4].startswith("| 1 | pruned | 0.2000 | 1 | 1 |")
+    command = "python train.py optimizer.lr=0.01 'dataset.root=my data'"
+    assert table.endswith(f"Best job (2), trained again by:\n\n    {command}\n")
 
 
 def test_sweep_summary_columns_are_the_tasks_metrics(tmp_path: Path):

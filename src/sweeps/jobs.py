@@ -1,0 +1,79 @@
+"""What a sweep's job dir says about its job, and how a sweep run again treats it.
+
+Shared by both sweepers (src/sweeps/grid.py, src/sweeps/optuna_sweeper.py) and the summary
+(src/reports/sweep_summary.py). A job is `completed` (every epoch, or stopped early by
+`trainer.early_stopping`), `pruned` (stopped by the Optuna pruner, with a checkpoint), `failed` (it
+raised: the summary callback left a FAILED file) or `incomplete` (killed, preempted, or still running).
+Run again into the same sweep dir, a sweep skips completed and pruned jobs, and runs the others
+again in their own dirs: with `resume=auto` semantics (src/parallel/launch.py resume_setting), so
+an interrupted job continues from its `checkpoints/last.pt`. A job dir whose overrides are not the
+job's belongs to another sweep and is refused, before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from src.common.errors import UsageError
+from src.parallel.launch import SWEEP_JOB_RESUMES
+
+FAILED_MARKER = "FAILED"  # written into a job dir by the summary callback when the job raised
+FINISHED = ("completed", "pruned")
+
+
+def job_state(job_dir: Path) -> str | None:
+    """completed | pruned | failed | incomplete, or None where no job has started (no saved config)."""
+    config_file = job_dir / ".hydra" / "config.yaml"
+    if not config_file.exists():
+        return None
+    if (job_dir / FAILED_MARKER).exists():
+        return "failed"
+    metrics = read_metrics(job_dir)
+    if metrics.get("stop_reason") in ("pruned", "early_stopped"):
+        return "pruned" if metrics["stop_reason"] == "pruned" else "completed"
+    epochs = OmegaConf.load(config_file).trainer.epochs
+    return "completed" if metrics.get("epoch") == epochs else "incomplete"
+
+
+def read_metrics(job_dir: Path) -> dict[str, Any]:
+    """The job's metrics.json (its last finished epoch), or {} before its first epoch ends."""
+    metrics_file = job_dir / "metrics.json"
+    return json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
+
+
+def job_dir(config_loader: Any, config: DictConfig, overrides: Sequence[str], job_num: int) -> Path:
+    """Where the launcher will run job `job_num` with `overrides`: as Hydra's launchers compose it."""
+    sweep_config = config_loader.load_sweep_config(config, list(overrides))
+    with open_dict(sweep_config):
+        sweep_config.hydra.job.num = job_num
+    return Path(sweep_config.hydra.sweep.dir) / str(sweep_config.hydra.sweep.subdir)
+
+
+def saved_overrides(job_dir: Path) -> list[str] | None:
+    """The task overrides a job dir's job ran with (None: no job there yet)."""
+    path = job_dir / ".hydra" / "overrides.yaml"
+    return list(OmegaConf.load(path)) if path.exists() else None
+
+
+def check_same_job(job_dir: Path, overrides: Sequence[str]) -> None:
+    """Refuse a job dir that holds another job (another sweep's, or this sweep with other values)."""
+    saved = saved_overrides(job_dir)
+    task = [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]
+    if saved is not None and saved != task:
+        raise UsageError(f"{job_dir} holds another sweep's job ({' '.join(saved) or 'no overrides'}), not "
+                         f"this one ({' '.join(task) or 'no overrides'}); pick a new hydra.sweep.dir")
+
+
+def rerun_overrides(job_dir: Path, overrides: Sequence[str]) -> list[str]:
+    """The overrides to run a job with: as given; for a job run again in its dir, told to resume there
+    (its FAILED file, from the attempt that raised, removed: the summary shows the new attempt)."""
+    if job_state(job_dir) is None:
+        return list(overrides)
+    (job_dir / FAILED_MARKER).unlink(missing_ok=True)
+    # Through `hydra.job.env_set`, which every launcher applies (and a job's workers inherit): `resume: null`
+    # then means `auto` for this job (src/parallel/launch.py), and its overrides.yaml stays as it was.
+    return [*overrides, f"++hydra.job.env_set.{SWEEP_JOB_RESUMES}=1"]

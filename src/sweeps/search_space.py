@@ -1,0 +1,68 @@
+"""A sweep's command line as an Optuna search space, in the grammar of Hydra's Optuna plugin.
+
+`key=choice(a,b)` or `key=a,b` -> a categorical; `key=range(lo,hi[,step])` -> integers (or floats on a
+step) from lo up to hi exclusive, as Hydra's range; `key=interval(lo,hi)` -> a float in [lo, hi];
+`key=tag(log,interval(lo,hi))` -> the same, sampled on a log scale. A plain `key=value` is passed to every
+trial unchanged. Anything else Hydra's grammar can say (glob, shuffle, other tags) names no distribution
+and is refused with one line. Optuna is imported only when a sweep builds its space.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep
+
+from src.common.errors import UsageError
+from src.parallel.launch import quote_override
+
+GRAMMAR = "choice(a,b,...), range(start,stop[,step]), interval(low,high) or tag(log,interval(low,high))"
+
+
+def split(overrides: list[Override]) -> tuple[dict[str, Any], list[str]]:
+    """The swept keys with their Optuna distributions, and the fixed overrides every trial gets."""
+    space: dict[str, Any] = {}
+    fixed: list[str] = []
+    for override in overrides:
+        if override.is_sweep_override():
+            space[override.get_key_element()] = distribution(override)
+        else:
+            fixed.append(override.input_line or f"{override.get_key_element()}={override.value()}")
+    return space, fixed
+
+
+def distribution(override: Override) -> Any:
+    """The Optuna distribution an override's sweep stands for, or one error line naming the grammar."""
+    import optuna.distributions as dist
+
+    value, key = override.value(), override.get_key_element()
+    tags = set(getattr(value, "tags", set()))
+    if tags - {"log"} or (tags and not isinstance(value, IntervalSweep)):
+        raise UsageError(f"{override.input_line}: the only tag a search space takes is log, on an interval: "
+                         f"tag(log,interval(low,high))")
+    if isinstance(value, ChoiceSweep) and not value.shuffle:
+        return dist.CategoricalDistribution(value.list)
+    if isinstance(value, RangeSweep) and not value.shuffle:
+        values = list(override.sweep_iterator())
+        if all(isinstance(v, int) for v in (value.start, value.stop, value.step)):
+            return dist.IntDistribution(values[0], values[-1], step=int(value.step))
+        return dist.FloatDistribution(values[0], values[-1], step=value.step)
+    if isinstance(value, IntervalSweep):
+        if "log" in tags and value.start <= 0:
+            raise UsageError(f"{override.input_line}: a log interval needs low > 0")
+        return dist.FloatDistribution(value.start, value.end, log="log" in tags)
+    raise UsageError(f"{override.input_line}: {key} names no distribution Optuna can sample; write {GRAMMAR}")
+
+
+def trial_overrides(params: dict[str, Any], fixed: list[str]) -> list[str]:
+    """A trial's command-line overrides: its sampled values, then the fixed ones."""
+    return [*(f"{key}={_format(value)}" for key, value in params.items()), *fixed]
+
+
+def _format(value: Any) -> str:
+    """A sampled value as Hydra's grammar reads it back (a float keeps every digit)."""
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str) and any(c in value for c in " ,()[]{}'\"=\\"):
+        return quote_override(value)
+    return "null" if value is None else str(value)

@@ -28,6 +28,7 @@ import io
 import pickle
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -157,13 +158,24 @@ def restore(module: nn.Module, optimizer: torch.optim.Optimizer, payload: dict[s
         model_state, optimizer_state = get_state_dict(module, optimizer)
         dcp.load({"model": model_state, "optimizer": optimizer_state["state"]},
                  storage_reader=SafeReader(payload["sharded"]))
-        optimizer_state["param_groups"] = payload["optimizer"]["param_groups"]
+        optimizer_state["param_groups"] = this_implementation(payload["optimizer"]["param_groups"], optimizer)
         set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     elif fsdp.is_sharded(module):
-        set_optimizer_state_dict(module, optimizer, by_name(payload["optimizer"], module),
-                                 options=StateDictOptions(full_state_dict=True))
+        state = by_name(payload["optimizer"], module)
+        state["param_groups"] = this_implementation(state["param_groups"], optimizer)
+        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
     else:
         optimizer.load_state_dict(payload["optimizer"])
+
+
+IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how to compute a step, not its state
+
+
+def this_implementation(groups: list[dict[str, Any]], optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Saved param_groups with this run's kernel choices: a dist=ddp checkpoint says fused=true, which sharded
+    parameters cannot run (src/loop/optim.py), and a sharded one says fused=None, slower than a ddp run's."""
+    return [{**group, **{key: own[key] for key in IMPLEMENTATION if key in own}}
+            for group, own in zip(groups, optimizer.param_groups)]
 
 
 def load_model(module: nn.Module, payload: dict[str, Any]) -> None:
@@ -179,7 +191,9 @@ def full_model_state(directory: Path) -> dict[str, torch.Tensor]:
     metadata = read_metadata(directory)
     state = {key.split(".", 1)[1]: torch.empty(item.size, dtype=item.properties.dtype)
              for key, item in metadata.state_dict_metadata.items() if key.startswith("model.")}
-    dcp.load({"model": state}, storage_reader=SafeReader(directory), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... load in a single process": the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": state}, storage_reader=SafeReader(directory), no_dist=True)
     return state
 
 

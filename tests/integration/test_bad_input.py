@@ -68,6 +68,9 @@ ROWS = [
     row(TRAIN, ["trainer.ema.decay=0"], "trainer.ema.decay=0.0 must be in (0, 1) (or null)", "ema-decay-zero"),
     row(TRAIN, ["trainer.ema.warmup_steps=-1"], "trainer.ema.warmup_steps=-1 must be at least 0",
         "ema-negative-warmup"),
+    row(TRAIN, ["dist=fsdp", "trainer.ema.decay=0.9"], "trainer.ema.decay=0.9 keeps a full copy of the model on "
+        "every rank, which dist=fsdp exists to avoid", "fsdp-with-ema"),
+    row(TRAIN, ["dist.strategy=zero"], "dist.strategy=zero is not one of ddp, fsdp", "unknown-strategy"),
     row(EVAL, ["checkpoint={checkpoint}", "weights=best"], "weights=best is not one of model, ema",
         "eval-unknown-weights"),
     # What the run finds when it starts: batches, files, devices, ports.

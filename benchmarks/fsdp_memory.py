@@ -8,9 +8,11 @@ trains 3 AdamW steps on synthetic data, wrapped by the template's own `prepare_m
 the default `dist.fsdp` settings), under torchrun on the CPU (gloo). After the last backward each rank counts
 the bytes of the tensors it holds itself (a DTensor's local shard, not its global size): parameters,
 gradients and optimizer state (AdamW: exp_avg, exp_avg_sq), and reads its peak resident set size
-(getrusage). DDP holds all of them on every rank; FSDP 1/W of each, plus what it gathers for one unit at a
-time. The model is built whole on every rank before sharding, as train.py does, so FSDP's peak RSS includes
-one full copy of the parameters at start-up. Not a test: RSS depends on the allocator and the machine.
+(getrusage), also less the RSS it had before building the model (torch and the process group: ~0.7 GiB).
+DDP holds all of them on every rank (and its gradient buckets, another copy of the gradients); FSDP 1/W of
+each, plus what it gathers for one unit at a time. The model is built whole on every rank before sharding, as
+train.py does, so FSDP's peak RSS includes one full copy of the parameters at start-up. Not a test: RSS depends
+on the allocator and the machine.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def worker(strategy: str, width: int, layers: int, out: Path) -> None:
     from src.parallel import distributed
 
     with distributed.process_group("cpu", "gloo", 600.0) as runtime:
+        start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch imported, no model yet
         torch.manual_seed(0)
         model = MLP(in_features=width, num_outputs=10, hidden_sizes=(width,) * layers)
         sharding = FsdpConfig() if strategy == "fsdp" else None
@@ -61,6 +64,7 @@ def worker(strategy: str, width: int, layers: int, out: Path) -> None:
             "optimizer_bytes": sum(local_bytes(value) for state in optimizer.state.values()
                                    for value in state.values() if isinstance(value, torch.Tensor)),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "start_rss_bytes": start_rss,
         }
         (out / f"rank{runtime.env.rank}.json").write_text(json.dumps(counts))
 
@@ -81,13 +85,14 @@ def table(results: list[tuple[str, int, dict[str, float]]]) -> str:
     baseline = results[0][2]
     base_state = baseline["param_bytes"] + baseline["grad_bytes"] + baseline["optimizer_bytes"]
     lines = ["| dist | W | parameters (MiB) | gradients (MiB) | optimizer state (MiB) | sum (MiB) | sum / 1-rank sum "
-             "| peak RSS per rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
+             "| peak RSS per rank (MiB) | peak RSS minus RSS before the model (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for strategy, world_size, counts in results:
         state = counts["param_bytes"] + counts["grad_bytes"] + counts["optimizer_bytes"]
         mib = {key: f"{value / MIB:,.0f}" for key, value in counts.items() if key.endswith("bytes")}
         lines.append(f"| {strategy} | {world_size} | {mib['param_bytes']} | {mib['grad_bytes']} | "
                      f"{mib['optimizer_bytes']} | {state / MIB:,.0f} | {state / base_state:.3f} | "
-                     f"{mib['peak_rss_bytes']} |")
+                     f"{mib['peak_rss_bytes']} | {(counts['peak_rss_bytes'] - counts['start_rss_bytes']) / MIB:,.0f} |")
     return "\n".join(lines)
 
 

@@ -24,13 +24,14 @@ own metadata classes (`SafeReader`): a crafted one is one error line, never a ca
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -89,7 +90,8 @@ def write(directory: Path, payload: dict[str, Any], is_best: bool, is_main_proce
     rest = {**{k: v for k, v in payload.items() if k != "model"},
             "optimizer": {"param_groups": payload["optimizer"]["param_groups"]}}
     _on_main(is_main_process, lambda: _stage(staging, rest))
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging, sync_files=True))  # every rank; .metadata last
+    with _alone_is_fine():  # every rank writes its shards; rank 0 renames the index into place last
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging, sync_files=True))
     _on_main(is_main_process, lambda: _publish(directory, staging, name, is_best, keep_last))
 
 
@@ -156,8 +158,9 @@ def restore(module: nn.Module, optimizer: torch.optim.Optimizer, payload: dict[s
     `.pt` of dist=ddp into a sharded module (its optimizer state, keyed by position, put to names)."""
     if "sharded" in payload:
         model_state, optimizer_state = get_state_dict(module, optimizer)
-        dcp.load({"model": model_state, "optimizer": optimizer_state["state"]},
-                 storage_reader=SafeReader(payload["sharded"]))
+        with _alone_is_fine():
+            dcp.load({"model": model_state, "optimizer": optimizer_state["state"]},
+                     storage_reader=SafeReader(payload["sharded"]))
         optimizer_state["param_groups"] = this_implementation(payload["optimizer"]["param_groups"], optimizer)
         set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     elif fsdp.is_sharded(module):
@@ -181,7 +184,8 @@ def this_implementation(groups: list[dict[str, Any]], optimizer: torch.optim.Opt
 def load_model(module: nn.Module, payload: dict[str, Any]) -> None:
     """Only the model's tensors of a sharded checkpoint, into `module` (plain or sharded)."""
     state = get_model_state_dict(module)
-    dcp.load({"model": state}, storage_reader=SafeReader(payload["sharded"]))
+    with _alone_is_fine():
+        dcp.load({"model": state}, storage_reader=SafeReader(payload["sharded"]))
     set_model_state_dict(module, state)
 
 
@@ -191,10 +195,18 @@ def full_model_state(directory: Path) -> dict[str, torch.Tensor]:
     metadata = read_metadata(directory)
     state = {key.split(".", 1)[1]: torch.empty(item.size, dtype=item.properties.dtype)
              for key, item in metadata.state_dict_metadata.items() if key.startswith("model.")}
-    with warnings.catch_warnings():  # "torch.distributed is disabled ... load in a single process": the intent
-        warnings.simplefilter("ignore", UserWarning)
+    with _alone_is_fine():
         dcp.load({"model": state}, storage_reader=SafeReader(directory), no_dist=True)
     return state
+
+
+@contextlib.contextmanager
+def _alone_is_fine() -> Iterator[None]:
+    """Without a process group (one process: eval.py, export, dist=fsdp on one rank) DCP warns that it assumes
+    a single process: it is right, and says so at every save."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def by_name(optimizer_state: dict[str, Any], module: nn.Module) -> dict[str, Any]:

@@ -205,7 +205,8 @@ class FsdpConfig:
 
     wrap: list[str] = field(default_factory=list)  # class names of the modules sharded as units (e.g.
     # [BasicBlock], [Linear]), then the root; []: auto, the root's children that hold parameters (the children
-    # of a lone container child, e.g. an MLP's Sequential)
+    # of a lone container child, e.g. an MLP's Sequential); [root]: the whole model as one unit (fewest
+    # collectives: the fastest for small models, but all parameters gathered at once)
     reshard_after_forward: bool = True  # free the gathered parameters after each unit's forward and gather
     # them again for its backward (least memory); false keeps them to the backward (one all-gather less)
     cpu_offload: bool = False  # keep the parameter shards, their gradients and the optimizer state in host

@@ -9,7 +9,9 @@ rank ends with the mean gradient of its own shard, the gradient DDP's all-reduce
 Units: the modules `dist.fsdp.wrap` names by class, else the root's children that hold parameters (the
 children of a lone container child: an MLP's `net`), then the root for what is left. Sharding per unit
 lets a unit's all-gather overlap the previous unit's compute, and bounds the memory of gathered
-parameters by the largest unit instead of the whole model.
+parameters by the largest unit instead of the whole model. Each unit costs its own collectives, though:
+for a small model, `wrap=[root]` (one unit) with `reshard_after_forward=false` gathers the parameters once
+per step and reduce-scatters the gradients once (benchmarks/fsdp_speed.py).
 
 Everything else is unchanged: the CPU sync-BN (src/parallel/sync_batchnorm.py) replaces BatchNorm before
 sharding and all-reduces the activation statistics as under DDP; the loop's metrics, sampler, seeding
@@ -27,10 +29,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from src.common.errors import UsageError
 
+ROOT_ONLY = ["root"]  # dist.fsdp.wrap=[root]: the whole model is one unit
+
 
 def units(module: nn.Module, wrap: Sequence[str]) -> list[nn.Module]:
     """The modules sharded as units before the root: those of the classes `wrap` names (outermost first
-    matches only), or the automatic choice described in the module's docstring."""
+    matches only), none for `[root]`, or the automatic choice described in the module's docstring."""
+    if list(wrap) == ROOT_ONLY:
+        return []
     if wrap:
         found: list[nn.Module] = []
         for child in module.modules():
@@ -55,7 +61,7 @@ def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, c
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     chosen = units(module, wrap)
-    if wrap and not chosen:
+    if wrap and not chosen and list(wrap) != ROOT_ONLY:
         classes = sorted({type(child).__name__ for child in module.modules()})
         raise UsageError(f"dist.fsdp.wrap={list(wrap)} names no module class of the model; its classes: "
                          f"{', '.join(classes)}")

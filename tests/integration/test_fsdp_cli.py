@@ -29,10 +29,10 @@ CNN = ["model=cnn", "optimizer=sgd", "scheduler=constant", "trainer.epochs=1", "
 # clipped: a norm computed over one rank's shards only would scale the steps differently from DDP's.
 MLP = ["model=mlp", "optimizer=sgd", "scheduler=constant", "trainer.epochs=1", "dataset.batch_size=64",
        "trainer.grad_accum=2", "trainer.grad_clip=0.01"]
-# Sharded parameters cannot use torch's fused optimizer kernels (src/loop/optim.py), which round differently
-# from the default ones: over 58 SGD steps by up to 9.4e-5 (measured here). DDP runs given the same kernels
-# (optimizer.fused=null) train the very same weights as FSDP (bit for bit, measured, without gradient clipping).
-SAME_KERNELS = "optimizer.fused=null"
+# Sharded parameters cannot use torch's fused optimizer kernels and take the foreach ones (src/loop/optim.py),
+# which round differently: over 58 SGD steps by up to 9.4e-5 (measured here). DDP runs given the same kernels
+# train the very same weights as FSDP (bit for bit, measured, without gradient clipping).
+SAME_KERNELS = ["optimizer.fused=null", "+optimizer.foreach=true"]
 # Two epochs of 29 steps with a step checkpoint every 5: a stop at step 27 is mid-epoch 1 (step 27 of 29),
 # and 48 divides by 1, 2 and 3 ranks.
 TWO_EPOCHS = ["model=cnn", "optimizer=sgd", "optimizer.lr=0.05", "scheduler=constant", "trainer.epochs=2",
@@ -43,12 +43,12 @@ TIMING_KEYS = {"epoch_time_s", "samples_per_s"}
 RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
     "ddp cnn": (2, CNN),
     "fsdp cnn": (2, [*CNN, "dist=fsdp"]),
-    "ddp mlp": (2, [*MLP, SAME_KERNELS]),
+    "ddp mlp": (2, [*MLP, *SAME_KERNELS]),
     "fsdp mlp": (2, [*MLP, "dist=fsdp"]),
     "straight": (2, TWO_EPOCHS),
     "stopped on 2": (2, STOPPED),
     "stopped on 1": (1, STOPPED),
-    "ddp stopped": (2, [*STOPPED, "dist=ddp", SAME_KERNELS]),
+    "ddp stopped": (2, [*STOPPED, "dist=ddp", *SAME_KERNELS]),
 }
 
 
@@ -70,7 +70,7 @@ class Runs:
 
     def resumed(self, name: str, processes: int, extra: tuple[str, ...] = ()) -> Path:
         """A copy of run `name`'s dir, continued with `resume=auto` on `processes` ranks."""
-        suffix = "".join(f"_{override.replace('=', '-')}" for override in extra)
+        suffix = "".join(f"_{override.replace('=', '-').replace('+', '')}" for override in extra)
         run_dir = self.root / f"{name.replace(' ', '_')}_resumed_on_{processes}{suffix}"
         shutil.copytree(self(name), run_dir)
         args = [*TWO_EPOCHS, *extra, "resume=auto", f"hydra.run.dir={run_dir}"]
@@ -208,7 +208,7 @@ def test_a_ddp_checkpoint_resumes_as_an_fsdp_run(runs: Runs):
 
 
 def test_an_fsdp_checkpoint_resumes_as_a_ddp_run(runs: Runs):
-    resumed = runs.resumed("stopped on 2", 2, ("dist=ddp", SAME_KERNELS))
+    resumed = runs.resumed("stopped on 2", 2, ("dist=ddp", *SAME_KERNELS))
     assert_close_to(resumed, runs("straight"), weights(resumed))  # last.pt, by rank 0
 
 

@@ -192,6 +192,8 @@ def test_the_fsdp_benchmarks_write_their_tables(tmp_path: Path):
     assert state_ratio[("fsdp", 3)] == pytest.approx(1 / 3, abs=0.01)
     check(run([sys.executable, str(REPO / "benchmarks" / "fsdp_speed.py"), "--repeats", "1", "--epochs", "1",
                "--output", str(speed)], tmp_path))
-    (row,) = [line.split("|")[1:-1] for line in speed.read_text().splitlines() if re.match(r"\| \d", line)]
-    ddp, fsdp, ratio = (float(cell) for cell in row)
-    assert ddp > 0 and fsdp > 0 and abs(ratio - fsdp / ddp) < 0.01
+    rows = {row[0].strip(): (float(row[2]), float(row[3])) for row in
+            (line.split("|")[1:-1] for line in speed.read_text().splitlines() if line.startswith(("| ddp", "| fsdp")))}
+    assert set(rows) == {"ddp", "fsdp", "fsdp, wrap=[root], no reshard"}
+    for samples_per_s, ratio in rows.values():
+        assert samples_per_s > 0 and abs(ratio - samples_per_s / rows["ddp"][0]) < 0.01

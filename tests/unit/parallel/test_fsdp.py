@@ -31,3 +31,8 @@ def test_a_wrap_that_names_no_class_of_the_model_is_one_error_before_any_shardin
     with pytest.raises(UsageError, match=r"dist.fsdp.wrap=\['Block'\] names no module class of the model; its "
                                          r"classes: .*Conv2d.*SimpleCNN"):
         fsdp.shard(model, ["Block"], reshard_after_forward=True, cpu_offload=False, param_dtype=None)
+
+
+def test_wrap_root_makes_the_whole_model_one_unit():
+    model = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
+    assert fsdp.units(model, ["root"]) == []

@@ -194,6 +194,10 @@ def prepare_model(
     if sharding is not None:
         from src.parallel import fsdp
 
+        if sharding.cpu_offload and runtime.device.type != "cuda":  # FSDP2 pins host memory for the copies
+            raise UsageError("dist.fsdp.cpu_offload=true moves the shards between host memory and a GPU; this run "
+                             "is on the CPU, where they already are: leave it false")
+
         module = fsdp.shard(module, sharding.wrap, sharding.reshard_after_forward, sharding.cpu_offload, param_dtype)
         return module, module
     train_model = torch.nn.parallel.DistributedDataParallel(

@@ -26,6 +26,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from src.common.errors import UsageError
 
@@ -57,7 +58,9 @@ def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, c
           param_dtype: torch.dtype | None) -> nn.Module:
     """`module` sharded in place over the default process group (every rank calls this with the same
     model): each unit of `units(module, wrap)`, then the root. With `param_dtype` (trainer.precision
-    bf16/16), forward and backward run on parameters in that dtype and gradients are reduced in fp32."""
+    bf16/16), forward and backward run on parameters in that dtype and gradients are reduced in fp32;
+    BatchNorm layers then are units of their own that keep fp32 parameters, as autocast keeps them: a
+    bf16 weight beside fp32 running statistics is refused by batch_norm."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     chosen = units(module, wrap)
@@ -65,6 +68,9 @@ def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, c
         classes = sorted({type(child).__name__ for child in module.modules()})
         raise UsageError(f"dist.fsdp.wrap={list(wrap)} names no module class of the model; its classes: "
                          f"{', '.join(classes)}")
+    if param_dtype is not None:
+        for norm in [child for child in module.modules() if isinstance(child, _BatchNorm) and child.affine]:
+            fully_shard(norm, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     for unit in chosen:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=offload)
     fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=offload)

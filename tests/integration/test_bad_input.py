@@ -207,6 +207,9 @@ TORCHRUN_ROWS = [
     pytest.param(EVAL, ["checkpoint=missing.pt"], "checkpoint missing.pt does not exist", id="eval-missing-checkpoint"),
     # Every rank reads init_from; the group agrees on the failure and rank 0 alone reports it.
     pytest.param(TRAIN, ["init_from=missing.pt"], "init_from=missing.pt does not exist", id="train-init-from-missing"),
+    # FSDP2 pins host memory to offload to; a CPU run has nothing to offload from (checked when sharding).
+    pytest.param(TRAIN, ["dist=fsdp", "dist.fsdp.cpu_offload=true"], "dist.fsdp.cpu_offload=true moves the shards "
+                 "between host memory and a GPU", id="train-fsdp-cpu-offload-on-cpu", marks=NO_GPU),
 ]
 
 

@@ -44,6 +44,8 @@ RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
     "ddp cnn": (2, CNN),
     "fsdp cnn": (2, [*CNN, "dist=fsdp"]),
     "ddp mlp": (2, [*MLP, *SAME_KERNELS]),
+    "ddp cnn bf16": (2, [*CNN, "trainer.precision=bf16"]),
+    "fsdp cnn bf16": (2, [*CNN, "trainer.precision=bf16", "dist=fsdp"]),
     "fsdp mlp": (2, [*MLP, "dist=fsdp"]),
     "straight": (2, TWO_EPOCHS),
     "stopped on 2": (2, STOPPED),
@@ -131,6 +133,18 @@ def test_fsdp_trains_the_ddp_model_with_the_same_metrics(runs: Runs, model: str)
     for key in ("train/loss", "train/acc", "val/loss", "val/acc"):
         assert fsdp_metrics[key] == pytest.approx(ddp_metrics[key], abs=1e-5), key
     assert fsdp_metrics["val/num_samples"] == ddp_metrics["val/num_samples"] == 360
+
+
+def test_bf16_computes_in_bf16_and_trains_what_ddp_trains(runs: Runs):
+    """trainer.precision=bf16: FSDP's parameters in bf16 for the compute (BatchNorm's kept in fp32), DDP's under
+    autocast; both keep fp32 master weights."""
+    ddp, fsdp = runs("ddp cnn bf16"), runs("fsdp cnn bf16")
+    fsdp_weights = sharded_weights(fsdp)
+    assert all(tensor.dtype in (torch.float32, torch.int64) for tensor in fsdp_weights.values())
+    assert max_diff(weights(ddp), fsdp_weights) < 1e-2
+    for key in ("train/loss", "val/loss"):
+        assert metrics(fsdp)[key] == pytest.approx(metrics(ddp)[key], abs=1e-3), key
+    assert metrics(fsdp)["val/loss"] != pytest.approx(metrics(runs("fsdp cnn"))["val/loss"], abs=1e-4)  # not fp32
 
 
 def test_the_fsdp_run_writes_sharded_checkpoint_directories(runs: Runs):

@@ -79,3 +79,12 @@ def test_a_ddp_optimizer_state_is_put_to_parameter_names():
     by_name = sharded_checkpoint.by_name(optimizer.state_dict(), model)
     assert list(by_name["state"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert by_name["param_groups"][0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_init_from_gathers_a_sharded_checkpoint_into_whole_weights(saved: Checkpointer):
+    from src.loop import init_from
+
+    model, _ = trained(0)
+    fresh, _ = trained(1)
+    init_from.load_initial_weights(fresh, saved.directory / "best", strict=True)
+    assert all(torch.equal(tensor, model.state_dict()[name]) for name, tensor in fresh.state_dict().items())

@@ -40,7 +40,7 @@ def save_atomic(payload: dict[str, Any], path: Path) -> None:
         with files.atomic_file(path) as file:
             torch.save(payload, file)
     except Exception as error:
-        raise _no_room(error, path, lambda: serialized_size(payload)) or error
+        raise no_room(error, path, lambda: serialized_size(payload)) or error
 
 
 def copy_atomic(source: Path, target: Path) -> None:
@@ -49,7 +49,7 @@ def copy_atomic(source: Path, target: Path) -> None:
         with files.atomic_file(target) as file, open(source, "rb") as original:
             shutil.copyfileobj(original, file)
     except Exception as error:
-        raise _no_room(error, target, lambda: source.stat().st_size) or error
+        raise no_room(error, target, lambda: source.stat().st_size) or error
 
 
 def serialized_size(payload: dict[str, Any]) -> int:
@@ -72,7 +72,7 @@ class _ByteCounter:
         pass
 
 
-def _no_room(error: BaseException, path: Path, size: Callable[[], int]) -> UsageError | None:
+def no_room(error: BaseException, path: Path, size: Callable[[], int]) -> UsageError | None:
     """A one-line error for a write of `path` that found no room (None for any other failure)."""
     cause = files.no_room_error(error)
     if cause is None:

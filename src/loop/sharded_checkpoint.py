@@ -25,9 +25,12 @@ own metadata classes (`SafeReader`): a crafted one is one error line, never a ca
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
+import os
 import pickle
 import re
+import resource
 import shutil
 import warnings
 from pathlib import Path
@@ -36,6 +39,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -47,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from src.common import files
 from src.common.errors import UsageError
-from src.parallel import fsdp
+from src.parallel import distributed, fsdp
 
 POINTERS = ("last", "best")
 STATE = "state.pt"
@@ -90,9 +94,39 @@ def write(directory: Path, payload: dict[str, Any], is_best: bool, is_main_proce
     rest = {**{k: v for k, v in payload.items() if k != "model"},
             "optimizer": {"param_groups": payload["optimizer"]["param_groups"]}}
     _on_main(is_main_process, lambda: _stage(staging, rest))
-    with _alone_is_fine():  # every rank writes its shards; rank 0 renames the index into place last
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging, sync_files=True))
+    try:
+        with _alone_is_fine():  # every rank writes its shards; rank 0 renames the index into place last
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging, sync_files=True))
+    except CheckpointException as error:  # raised on every rank, with every rank's failure
+        raise _no_room(error, staging, tensors) or error
     _on_main(is_main_process, lambda: _publish(directory, staging, name, is_best, keep_last))
+
+
+def _no_room(error: CheckpointException, staging: Path, tensors: dict[str, Any]) -> UsageError | None:
+    """One line, as for a .pt (src/loop/checkpoint.py), when a rank's shard file found no room. DCP hands every
+    rank the failures of all ranks with their causes stripped (torch.save's zip writer reports EFBIG/ENOSPC as
+    "unexpected pos"), so each rank checks its own shard against the free space and the file-size limit, and
+    the ranks agree (a collective: every rank calls it)."""
+    from src.loop.checkpoint import no_room
+
+    needed = _local_bytes(tensors)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    too_big = needed > shutil.disk_usage(staging.parent).free or (limit != resource.RLIM_INFINITY and needed > limit)
+    if not any(distributed.gather_objects(too_big)):
+        return None
+    cause = OSError(errno.EFBIG if limit != resource.RLIM_INFINITY and needed > limit else errno.ENOSPC, "")
+    cause.strerror = os.strerror(cause.errno)
+    return no_room(cause, staging, lambda: needed)  # this rank's shard file
+
+
+def _local_bytes(state: Any) -> int:
+    """The bytes of this rank's tensors in a nested state dict (a DTensor's local shard only)."""
+    if isinstance(state, dict):
+        return sum(_local_bytes(value) for value in state.values())
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
 
 
 def _on_main(is_main_process: bool, work: Any) -> None:

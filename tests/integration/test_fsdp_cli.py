@@ -7,15 +7,17 @@ Every run is launched at most once per module, on first use, and shared by the t
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, check, metrics, run, torchrun, train, weights
+from conftest import REPO, TRAIN, check, metrics, run, torchrun, train, weights
 from faults import TORCHRUN, wait_until
 
 from src.loop import sharded_checkpoint
@@ -209,6 +211,27 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(runs
     log = (tmp_path / "run" / "train.log").read_text()
     assert "after epoch 0, step 5 (5 steps into epoch 1)" in log
     assert_bitwise_equal(tmp_path / "run", runs("straight"))
+
+
+def test_a_disk_with_no_room_for_the_shards_is_one_line_and_keeps_the_previous_checkpoint(tmp_path: Path):
+    """As tests/integration/test_full_disk.py, sharded: a 512 KiB file-size limit (EFBIG, ENOSPC's path) under
+    which each rank's shard file of the digits CNN with AdamW (about 0.9 MB) cannot be written."""
+    from test_full_disk import LIMIT, file_size_limit
+
+    args = ["dist=fsdp", "trainer.progress=false"]
+    check(torchrun(2, [*args, "trainer.epochs=1", "hydra.run.dir=run"], tmp_path))
+    checkpoints = tmp_path / "run" / "checkpoints"
+    before = {path.name: path.read_bytes() for path in (checkpoints / "step_000000022").iterdir()}
+    result = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=2", TRAIN, *args, "trainer.epochs=2",
+                             "resume=auto", "hydra.run.dir=run"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=file_size_limit)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "UsageError" not in output and "CheckpointException" not in output
+    (error,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert f"error: cannot write checkpoint {checkpoints / 'step_000000044.tmp'} (File too large): it needs" in error
+    assert f"at most {LIMIT:,} bytes" in error and "the previous checkpoint is unchanged" in error
+    assert (checkpoints / "last").read_text() == "step_000000022"
+    assert {path.name: path.read_bytes() for path in (checkpoints / "step_000000022").iterdir()} == before
 
 
 # -- dist=ddp checkpoints into fsdp runs, and back ----------------------------------------------

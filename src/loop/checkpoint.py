@@ -22,12 +22,24 @@ import torch
 
 from src.common import files
 from src.common.errors import UsageError
-from src.loop import sharded_checkpoint
 from src.parallel import distributed
 
 FORMAT = "ddp-template-checkpoint/1"
 LAST = "last.pt"
 BEST = "best.pt"
+POINTERS = ("last", "best")  # dist=fsdp: small files naming a checkpoint directory (src/loop/sharded_checkpoint.py)
+
+
+def is_sharded_path(path: Path) -> bool:
+    """A sharded checkpoint directory, or a `last` / `best` file naming one."""
+    return path.is_dir() or (path.name in POINTERS and path.is_file() and path.stat().st_size < 256)
+
+
+def resolve(path: Path) -> Path:
+    """The directory `path` is or names (a `last` / `best` file); any other path as it is."""
+    if path.is_file() and path.name in POINTERS:
+        return path.parent / path.read_text().strip()
+    return path
 
 
 def save_atomic(payload: dict[str, Any], path: Path) -> None:
@@ -90,7 +102,10 @@ def load(path: Path) -> dict[str, Any]:
     """Load a checkpoint of this template onto the CPU, or fail with one clear line. A sharded checkpoint
     (a directory of dist=fsdp, or its `last` / `best` file) gives its non-tensor state; its tensors are
     read into the model later (src/loop/sharded_checkpoint.py)."""
-    if sharded_checkpoint.is_sharded_path(path):
+    if is_sharded_path(path):
+        # Imported here: torch.distributed.checkpoint (and FSDP with it) costs ~0.45 s, paid by sharded runs only.
+        from src.loop import sharded_checkpoint
+
         return sharded_checkpoint.load(path)
     if not path.is_file():
         raise UsageError(f"checkpoint {path} does not exist")
@@ -174,6 +189,8 @@ class Checkpointer:
         stops every rank (`stop_every_rank_on_failure`).
         """
         if self.sharded:
+            from src.loop import sharded_checkpoint
+
             self.directory.mkdir(parents=True, exist_ok=True)
             sharded_checkpoint.write(self.directory, {"format": FORMAT, **payload}, is_best, self.is_main_process,
                                      self.keep_last)
@@ -206,7 +223,7 @@ class Checkpointer:
         steps = [path for path in self.directory.glob("step_*") if re.fullmatch(r"step_\d{9}(\.pt)?", path.name)]
         steps.sort(key=lambda path: path.name.removesuffix(".pt"), reverse=True)
         latest = self.latest()
-        named = None if latest is None else sharded_checkpoint.resolve(latest)  # the directory `last` names
+        named = None if latest is None else resolve(latest)  # the directory `last` names
         return [*([] if latest is None else [latest]), *(path for path in steps if path.exists() and path != named)]
 
     def resume_path(self, resume: str | None) -> Path | None:

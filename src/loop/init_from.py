@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from src.common.errors import UsageError
-from src.loop import checkpoint, sharded_checkpoint
+from src.loop import checkpoint
 from src.parallel import distributed
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,9 @@ class Match:
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of `path` by name, prefixes stripped, or one error line saying why not."""
-    if sharded_checkpoint.is_sharded_path(path):  # dist=fsdp's directory (or last / best): gathered here
+    if checkpoint.is_sharded_path(path):  # dist=fsdp's directory (or last / best): gathered here
+        from src.loop import sharded_checkpoint
+
         return strip_prefixes(sharded_checkpoint.full_model_state(Path(checkpoint.load(path)["sharded"])))
     if not path.is_file():
         raise UsageError(f"init_from={path} does not exist")

@@ -51,24 +51,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from src.common import files
 from src.common.errors import UsageError
-from src.parallel import distributed, fsdp
+from src.loop.checkpoint import POINTERS, resolve
+from src.parallel import distributed
 
-POINTERS = ("last", "best")
 STATE = "state.pt"
 METADATA = ".metadata"
 STEP_DIR = re.compile(r"step_\d{9}")
-
-
-def is_sharded_path(path: Path) -> bool:
-    """A checkpoint directory, or a `last` / `best` file naming one."""
-    return path.is_dir() or (path.name in POINTERS and path.is_file() and path.stat().st_size < 256)
-
-
-def resolve(path: Path) -> Path:
-    """The directory `path` is or names."""
-    if path.is_file() and path.name in POINTERS:
-        return path.parent / path.read_text().strip()
-    return path
 
 
 def is_complete(directory: Path) -> bool:
@@ -197,12 +185,10 @@ def restore(module: nn.Module, optimizer: torch.optim.Optimizer, payload: dict[s
                      storage_reader=SafeReader(payload["sharded"]))
         optimizer_state["param_groups"] = this_implementation(payload["optimizer"]["param_groups"], optimizer)
         set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    elif fsdp.is_sharded(module):
+    else:
         state = by_name(payload["optimizer"], module)
         state["param_groups"] = this_implementation(state["param_groups"], optimizer)
         set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
-    else:
-        optimizer.load_state_dict(payload["optimizer"])
 
 
 IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how to compute a step, not its state

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from src.common.seeding import epoch_seed, seed_generators, step_seed
 from src.config.schema import TrainerConfig
 from src.data.loaders import Data, train_batch_to_device
-from src.loop import records, sharded_checkpoint
+from src.loop import records
 from src.loop.checkpoint import Checkpointer
 from src.loop.divergence import NonFiniteLossWatch, TrainingDiverged, diverged_message
 from src.loop.ema import EmaWeights
@@ -113,7 +113,9 @@ class Trainer:
     def state_dict(self, state: TrainState) -> dict[str, Any]:
         parts = self.parts
         model, optimizer = parts.module.state_dict(), parts.optimizer.state_dict()
-        if parts.checkpointer.sharded:  # by parameter name, this rank's shards (src/loop/sharded_checkpoint.py)
+        if parts.checkpointer.sharded:  # by parameter name, this rank's shards
+            from src.loop import sharded_checkpoint  # torch.distributed.checkpoint: ~0.45 s, for sharded runs only
+
             model, optimizer = sharded_checkpoint.model_and_optimizer_state(parts.module, parts.optimizer)
         return {
             "model": model,
@@ -130,7 +132,13 @@ class Trainer:
     def load_state_dict(self, payload: dict[str, Any]) -> TrainState:
         """Continue from a checkpoint: of either dist strategy, sharded or not (src/loop/sharded_checkpoint.py:
         a sharded one's model is read here, into this run's layout)."""
-        sharded_checkpoint.restore(self.parts.module, self.parts.optimizer, payload)
+        module, optimizer = self.parts.module, self.parts.optimizer
+        if "sharded" in payload or fsdp.is_sharded(module):  # by parameter name, resharded
+            from src.loop import sharded_checkpoint  # torch.distributed.checkpoint: ~0.45 s, for these runs only
+
+            sharded_checkpoint.restore(module, optimizer, payload)
+        else:
+            optimizer.load_state_dict(payload["optimizer"])
         self.parts.scheduler.load_state_dict(payload["scheduler"])
         self.scaler.load_state_dict(payload["scaler"])
         if self.ema is not None and "ema" in payload:

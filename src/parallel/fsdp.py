@@ -21,11 +21,11 @@ and NaN guard never see the difference.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+import sys
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from src.common.errors import UsageError
@@ -61,6 +61,9 @@ def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, c
     bf16/16), forward and backward run on parameters in that dtype and gradients are reduced in fp32;
     BatchNorm layers then are units of their own that keep fp32 parameters, as autocast keeps them: a
     bf16 weight beside fp32 running statistics is refused by batch_norm."""
+    # Imported here: torch.distributed.fsdp takes ~0.45 s to import, which runs that do not shard never pay.
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     chosen = units(module, wrap)
@@ -77,14 +80,21 @@ def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, c
     return module
 
 
-def find(model: nn.Module) -> FSDPModule | None:
-    """The FSDP root inside `model` (possibly under torch.compile's wrapper), if it is one."""
+def find(model: nn.Module) -> Any:
+    """The FSDP root inside `model` (possibly under torch.compile's wrapper), if it is one (else None)."""
     inner = getattr(model, "_orig_mod", model)
-    return inner if isinstance(inner, FSDPModule) else None
+    return inner if is_sharded(inner) else None
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether `fully_shard` made `module` a root or unit. Until torch.distributed.fsdp is imported (by
+    `shard`, or anything else) no module can be one, and the check imports nothing."""
+    loaded = sys.modules.get("torch.distributed.fsdp")
+    return loaded is not None and isinstance(module, loaded.FSDPModule)
 
 
 @contextlib.contextmanager
-def no_gradient_sync(model: FSDPModule) -> Iterator[None]:
+def no_gradient_sync(model: Any) -> Iterator[None]:
     """Backward passes in the block keep their unsharded gradients and skip the reduce-scatter: micro-steps
     before an optimizer step's last one accumulate locally, and that last one reduces the sum once (DDP's
     `no_sync`)."""
@@ -93,7 +103,3 @@ def no_gradient_sync(model: FSDPModule) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def is_sharded(module: nn.Module) -> bool:
-    return isinstance(module, FSDPModule)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, TRAIN, check, metrics, run, torchrun, train, weights
-from faults import TORCHRUN, wait_until
+from faults import TORCHRUN, descendants, wait_until
 
 from src.loop import sharded_checkpoint
 
@@ -193,8 +193,9 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(runs
     process = launched.start([*TORCHRUN, "--standalone", "--nproc_per_node=2", worker, *TWO_EPOCHS,
                               "hydra.run.dir=run"], tmp_path, env={"STALL_MARKER": str(marker)})
     wait_until(marker.exists, timeout=180, what="the stalled save")
-    launched.kill_all()
-    assert process.returncode == -signal.SIGKILL
+    for pid in [process.pid, *descendants(process.pid)]:  # torchrun's workers run in sessions of their own
+        os.kill(pid, signal.SIGKILL)
+    assert process.wait(timeout=30) == -signal.SIGKILL
     checkpoints = tmp_path / "run" / "checkpoints"
     half = checkpoints / "step_000000010.tmp"
     assert marker.read_text() == str(half)

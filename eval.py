@@ -114,7 +114,12 @@ def evaluate_saved_model(path, payload, task, dataset_cfg, dataset_choice, runti
     # The plain module, not DDP: evaluation syncs no gradients, only the metric sums. Its config
     # was saved resolved, with the shapes it was built with.
     module = build_model(saved.model)
-    checkpoint.load_model_state(module, payload[weights], path)
+    if "sharded" in payload:  # dist=fsdp's directory: its shards read into the whole model on every rank
+        from src.loop import sharded_checkpoint
+
+        sharded_checkpoint.load_model(module, payload)
+    else:
+        checkpoint.load_model_state(module, payload[weights], path)
     module.to(runtime.device)
     val_batch = dataset_cfg.get("val_batch_size") or dataset_cfg.batch_size
     loader = make_val_loader(splits, val_batch, runtime.env.rank, runtime.world_size,

@@ -81,7 +81,8 @@ def run(cfg: DictConfig, run_dir: Path, runtime, choices: dict[str, str]) -> flo
 
     reporting.setup_logging(run_dir, runtime.env.rank)
     trainer_cfg: schema.TrainerConfig = OmegaConf.to_object(cfg.trainer)  # the `trainer` settings, typed
-    checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", runtime.is_main_process, trainer_cfg.keep_last)
+    checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", runtime.is_main_process, trainer_cfg.keep_last,
+                                           sharded=cfg.dist.strategy == "fsdp")
     # A restarted or requeued run picks up where it stopped; otherwise as configured. Every rank gets
     # the same checkpoint (with auto: the newest that loads), or the run stops here, before any work.
     resumed = resume.load_resume_checkpoint(checkpointer, launch.resume_setting(cfg.resume),
@@ -104,18 +105,22 @@ def build_parts(cfg, trainer_cfg, run_dir, runtime, data, task, resumed, checkpo
 
     from src.loop import performance
     from src.loop.optim import build_optimizer
+    from src.loop.precision import autocast_dtype
     from src.loop.trainer import TrainParts
-    from src.parallel import distributed
+    from src.parallel import distributed, fsdp
     from src.reports import reporting
     from src.sweeps import pruning  # an Optuna sweep's trial: its pruner may stop the run after an epoch
 
     performance.set_backend_flags(runtime.device, trainer_cfg.tf32, trainer_cfg.deterministic)
     model = initial_model(cfg, trainer_cfg, resumed)
-    module, train_model = distributed.prepare_model(model, runtime, cfg.dist.sync_bn, cfg.dist.find_unused_parameters)
+    sharding = OmegaConf.to_object(cfg.dist.fsdp) if cfg.dist.strategy == "fsdp" else None
+    module, train_model = distributed.prepare_model(model, runtime, cfg.dist.sync_bn, cfg.dist.find_unused_parameters,
+                                                    sharding, autocast_dtype(trainer_cfg.precision))
     if trainer_cfg.compile:
         train_model = torch.compile(train_model)
     # Frozen parameters (trainer.freeze) get no optimizer state.
-    optimizer = build_optimizer(cfg.optimizer, [p for p in module.parameters() if p.requires_grad])
+    optimizer = build_optimizer(cfg.optimizer, [p for p in module.parameters() if p.requires_grad],
+                                sharded=fsdp.is_sharded(module))
     steps_per_epoch = data.train_sampler.steps_per_epoch
     scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=steps_per_epoch * trainer_cfg.epochs,
                                            steps_per_epoch=steps_per_epoch)
@@ -140,7 +145,7 @@ def initial_model(cfg, trainer_cfg, resumed):  # noqa: ANN001, ANN201 - DictConf
     from src.loop.setup import build_model
 
     model = performance.with_memory_format(build_model(cfg.model), trainer_cfg.channels_last)
-    if resumed is not None:
+    if resumed is not None and "model" in resumed[1]:  # a sharded checkpoint's: read once the model is sharded
         checkpoint.load_model_state(model, resumed[1]["model"], resumed[0])
         if cfg.init_from is not None:
             log.info("init_from=%s not applied: the run resumes from %s", cfg.init_from, resumed[0])

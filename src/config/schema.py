@@ -195,12 +195,35 @@ class TrainerConfig:
     # trainer.ema.warmup_steps, declared in EmaConfig above
 
 
+STRATEGIES = ("ddp", "fsdp")  # a full copy of the model per rank | the model sharded over the ranks (FSDP2)
+
+
+@dataclass
+class FsdpConfig:
+    """`dist.fsdp`: how `dist.strategy=fsdp` shards the model (src/parallel/fsdp.py). Each wrapped module's
+    parameters are one flat shard per rank, gathered for its forward and backward and freed after."""
+
+    wrap: list[str] = field(default_factory=list)  # class names of the modules sharded as units (e.g.
+    # [BasicBlock], [Linear]), then the root; []: auto, the root's children that hold parameters (the children
+    # of a lone container child, e.g. an MLP's Sequential); [root]: the whole model as one unit (fewest
+    # collectives: the fastest for small models, but all parameters gathered at once)
+    reshard_after_forward: bool = True  # free the gathered parameters after each unit's forward and gather
+    # them again for its backward (least memory); false keeps them to the backward (one all-gather less)
+    cpu_offload: bool = False  # keep the parameter shards, their gradients and the optimizer state in host
+    # memory, copied to the GPU for each unit's compute (fits larger models; slower; on a CPU it changes nothing)
+
+
 @dataclass
 class DistConfig:
-    """The `dist` group: DistributedDataParallel, used when the launcher starts more than one process
-    (torchrun sets RANK / LOCAL_RANK / WORLD_SIZE); a single process ignores these keys. Its one option,
-    conf/dist/ddp.yaml, takes these defaults."""
+    """The `dist` group: data-parallel training, used when the launcher starts more than one process
+    (torchrun sets RANK / LOCAL_RANK / WORLD_SIZE); a single process ignores these keys except `strategy`
+    (its checkpoint format). conf/dist/ddp.yaml takes these defaults; conf/dist/fsdp.yaml sets strategy=fsdp."""
 
+    strategy: str = setting("ddp", one_of(*STRATEGIES))  # ddp: DistributedDataParallel, every rank holds the
+    # whole model, gradients and optimizer state, checkpoints are one .pt by rank 0 | fsdp: FSDP2, each rank
+    # holds 1/world_size of them, checkpoints are sharded directories (torch.distributed.checkpoint)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)  # dist.fsdp.wrap, reshard_after_forward,
+    # cpu_offload: declared in FsdpConfig above (used with strategy=fsdp)
     backend: str = backend_setting()  # auto: nccl on GPUs, gloo on CPU | nccl | gloo
     sync_bn: bool = True  # BatchNorm statistics over the global batch (nn.SyncBatchNorm on GPUs,
     # src/parallel/sync_batchnorm.py on CPU); false = per-rank statistics
@@ -294,7 +317,7 @@ def check_train_config(cfg: DictConfig) -> None:
     missing = OmegaConf.missing_keys(cfg)
     problems = [f"{key} is required: add {key}=VALUE" for key in sorted(missing)]
     rules = {**rules_of("trainer", TrainerConfig), **rules_of("dist", DistConfig), **OPEN_GROUP_RULES}
-    problems += init_from_problems(cfg)
+    problems += init_from_problems(cfg) + strategy_problems(cfg)
     _refuse(problems + value_problems(cfg, rules, skip=missing))
 
 
@@ -304,6 +327,15 @@ def init_from_problems(cfg: DictConfig) -> list[str]:
     if init_from is not None and resume not in (None, "auto"):
         return [f"init_from={init_from} starts a fresh run from weights, resume={resume} continues a run: pass only "
                 "one (with resume=auto, init_from applies only when the run dir holds no checkpoint yet)"]
+    return []
+
+
+def strategy_problems(cfg: DictConfig) -> list[str]:
+    """What dist.strategy=fsdp cannot combine with: EMA weights keep a full copy of the model on every rank,
+    which is what sharding exists to avoid (src/loop/ema.py updates whole tensors)."""
+    if OmegaConf.select(cfg, "dist.strategy") == "fsdp" and OmegaConf.select(cfg, "trainer.ema.decay") is not None:
+        return [f"trainer.ema.decay={cfg.trainer.ema.decay} keeps a full copy of the model on every rank, which "
+                "dist=fsdp exists to avoid: use dist=ddp for EMA weights, or trainer.ema.decay=null"]
     return []
 
 

@@ -27,6 +27,19 @@ from src.parallel import distributed
 FORMAT = "ddp-template-checkpoint/1"
 LAST = "last.pt"
 BEST = "best.pt"
+POINTERS = ("last", "best")  # dist=fsdp: small files naming a checkpoint directory (src/loop/sharded_checkpoint.py)
+
+
+def is_sharded_path(path: Path) -> bool:
+    """A sharded checkpoint directory, or a `last` / `best` file naming one."""
+    return path.is_dir() or (path.name in POINTERS and path.is_file() and path.stat().st_size < 256)
+
+
+def resolve(path: Path) -> Path:
+    """The directory `path` is or names (a `last` / `best` file); any other path as it is."""
+    if path.is_file() and path.name in POINTERS:
+        return path.parent / path.read_text().strip()
+    return path
 
 
 def save_atomic(payload: dict[str, Any], path: Path) -> None:
@@ -39,7 +52,7 @@ def save_atomic(payload: dict[str, Any], path: Path) -> None:
         with files.atomic_file(path) as file:
             torch.save(payload, file)
     except Exception as error:
-        raise _no_room(error, path, lambda: serialized_size(payload)) or error
+        raise no_room(error, path, lambda: serialized_size(payload)) or error
 
 
 def copy_atomic(source: Path, target: Path) -> None:
@@ -48,7 +61,7 @@ def copy_atomic(source: Path, target: Path) -> None:
         with files.atomic_file(target) as file, open(source, "rb") as original:
             shutil.copyfileobj(original, file)
     except Exception as error:
-        raise _no_room(error, target, lambda: source.stat().st_size) or error
+        raise no_room(error, target, lambda: source.stat().st_size) or error
 
 
 def serialized_size(payload: dict[str, Any]) -> int:
@@ -71,7 +84,7 @@ class _ByteCounter:
         pass
 
 
-def _no_room(error: BaseException, path: Path, size: Callable[[], int]) -> UsageError | None:
+def no_room(error: BaseException, path: Path, size: Callable[[], int]) -> UsageError | None:
     """A one-line error for a write of `path` that found no room (None for any other failure)."""
     cause = files.no_room_error(error)
     if cause is None:
@@ -86,7 +99,14 @@ def _no_room(error: BaseException, path: Path, size: Callable[[], int]) -> Usage
 
 
 def load(path: Path) -> dict[str, Any]:
-    """Load a checkpoint of this template onto the CPU, or fail with one clear line."""
+    """Load a checkpoint of this template onto the CPU, or fail with one clear line. A sharded checkpoint
+    (a directory of dist=fsdp, or its `last` / `best` file) gives its non-tensor state; its tensors are
+    read into the model later (src/loop/sharded_checkpoint.py)."""
+    if is_sharded_path(path):
+        # Imported here: torch.distributed.checkpoint (and FSDP with it) costs ~0.45 s, paid by sharded runs only.
+        from src.loop import sharded_checkpoint
+
+        return sharded_checkpoint.load(path)
     if not path.is_file():
         raise UsageError(f"checkpoint {path} does not exist")
     try:
@@ -121,17 +141,37 @@ def _first_keys(problem: str, shown: int = 3) -> str:
     return f"{problem.split(':')[0]}: {', '.join(keys[:shown])} and {len(keys) - shown} more"
 
 
+def stop_every_rank_on_failure(is_main_process: bool, work: Callable[[], None]) -> None:
+    """Run `work` on rank 0, then tell every rank whether it could, so a failed write (a full disk) stops
+    every rank at once with one line, not rank 0 alone while the others wait for it in their next
+    collective. Called on every rank."""
+    failure: Exception | None = None
+    if is_main_process:
+        try:
+            work()
+        except Exception as error:
+            failure = error
+    reported = distributed.broadcast_object(None if failure is None else str(failure))
+    if failure is not None:
+        raise failure
+    if reported is not None:
+        raise UsageError(reported)  # rank 0 reports it; the others stop quietly (exit code 2)
+
+
 class Checkpointer:
     """Writes `checkpoints/last.pt` (every epoch, and at step checkpoints), `best.pt` (on
     improvement) and `step_<N>.pt` (step checkpoints, the newest `keep_last`).
 
     Only the main process writes; the others hold the same state, so nothing is lost.
+    `sharded` (dist=fsdp): every rank writes its shards into `step_<N>/` directories instead, and `last` /
+    `best` name them (src/loop/sharded_checkpoint.py). Either kind of run resumes from either kind.
     """
 
-    def __init__(self, directory: Path, is_main_process: bool, keep_last: int = 2) -> None:
+    def __init__(self, directory: Path, is_main_process: bool, keep_last: int = 2, sharded: bool = False) -> None:
         self.directory = directory
         self.is_main_process = is_main_process
         self.keep_last = keep_last
+        self.sharded = sharded
 
     @property
     def last_path(self) -> Path:
@@ -145,21 +185,17 @@ class Checkpointer:
         """Write `last.pt` (and `best.pt` if `is_best`). A mid-epoch checkpoint (`step` given)
         is also kept as `step_<step>.pt`, the newest `keep_last` of them.
 
-        Called on every rank: rank 0 writes, then tells the others whether it could, so a
-        failed write (a full disk) stops every rank at once with one line, not rank 0 alone
-        while the others wait for it in their next collective.
+        Called on every rank: rank 0 writes (sharded: every rank writes its shards), and a failure
+        stops every rank (`stop_every_rank_on_failure`).
         """
-        failure: Exception | None = None
-        if self.is_main_process:
-            try:
-                self._write(payload, is_best, step)
-            except Exception as error:
-                failure = error
-        reported = distributed.broadcast_object(None if failure is None else str(failure))
-        if failure is not None:
-            raise failure
-        if reported is not None:
-            raise UsageError(reported)  # rank 0 reports it; the others stop quietly (exit code 2)
+        if self.sharded:
+            from src.loop import sharded_checkpoint
+
+            self.directory.mkdir(parents=True, exist_ok=True)
+            sharded_checkpoint.write(self.directory, {"format": FORMAT, **payload}, is_best, self.is_main_process,
+                                     self.keep_last)
+            return
+        stop_every_rank_on_failure(self.is_main_process, lambda: self._write(payload, is_best, step))
 
     def _write(self, payload: dict[str, Any], is_best: bool, step: int | None) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -171,11 +207,24 @@ class Checkpointer:
             for old in sorted(self.directory.glob("step_*.pt"))[: -self.keep_last or None]:
                 old.unlink()
 
+    @property
+    def last_pointer(self) -> Path:
+        """A sharded run's `last`: the name of its newest complete checkpoint directory."""
+        return self.directory / "last"
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint: `last.pt` or `last` (the later written, if a run switched dist)."""
+        found = [path for path in (self.last_path, self.last_pointer) if path.is_file()]
+        return max(found, key=lambda path: path.stat().st_mtime_ns, default=None)
+
     def newest_first(self) -> list[Path]:
-        """The files holding the newest training state, newest first: `last.pt`, then the
-        step checkpoints from the highest step down (zero-padded names sort by step)."""
-        steps = sorted(self.directory.glob("step_*.pt"), reverse=True)
-        return [path for path in [self.last_path, *steps] if path.is_file()]
+        """The checkpoints holding the newest training state, newest first: `last.pt` (or `last`), then the
+        step checkpoints (files and directories) from the highest step down (zero-padded names sort by step)."""
+        steps = [path for path in self.directory.glob("step_*") if re.fullmatch(r"step_\d{9}(\.pt)?", path.name)]
+        steps.sort(key=lambda path: path.name.removesuffix(".pt"), reverse=True)
+        latest = self.latest()
+        named = None if latest is None else resolve(latest)  # the directory `last` names
+        return [*([] if latest is None else [latest]), *(path for path in steps if path.exists() and path != named)]
 
     def resume_path(self, resume: str | None) -> Path | None:
         """The checkpoint to resume from: None (fresh start), `auto` or an explicit path.
@@ -184,12 +233,12 @@ class Checkpointer:
         checkpoints are never overwritten by accident.
         """
         if resume is None:
-            if self.last_path.exists():
+            if self.latest() is not None:
                 raise UsageError(
                     f"{self.directory.parent} already holds a run; pass resume=auto to continue it "
                     "or choose another hydra.run.dir"
                 )
             return None
         if resume == "auto":
-            return self.last_path if self.last_path.exists() else None
+            return self.latest()
         return Path(resume)

@@ -2,8 +2,9 @@
 parameters frozen out of training.
 
 `init_from=PATH` reads MODEL WEIGHTS ONLY (never an optimizer, schedule or step count) from a
-checkpoint of this template (its `model`), a state_dict saved with `torch.save` (loaded with
-`weights_only=True`, so opening it never runs code), or a `.safetensors` file when the
+checkpoint of this template (its `model`; a sharded dist=fsdp directory is gathered whole), a
+state_dict saved with `torch.save` (loaded with `weights_only=True`, so opening it never runs code),
+or a `.safetensors` file when the
 `safetensors` package is installed. Keys are matched after stripping DDP's `module.` and
 torch.compile's `_orig_mod.` prefixes. What does not match (keys the model lacks, keys the file
 lacks, tensors whose shapes differ) is one log line per kind; with `init_from_strict=true` (the
@@ -50,6 +51,10 @@ class Match:
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of `path` by name, prefixes stripped, or one error line saying why not."""
+    if checkpoint.is_sharded_path(path):  # dist=fsdp's directory (or last / best): gathered here
+        from src.loop import sharded_checkpoint
+
+        return strip_prefixes(sharded_checkpoint.full_model_state(Path(checkpoint.load(path)["sharded"])))
     if not path.is_file():
         raise UsageError(f"init_from={path} does not exist")
     if path.suffix == ".safetensors":

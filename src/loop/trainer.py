@@ -31,6 +31,7 @@ from src.loop.performance import FirstWindowUtilization
 from src.loop.precision import autocast, autocast_dtype
 from src.loop.stopping import StopReason, StopRule, early_stop_due
 from src.loop.task import Task
+from src.parallel import fsdp
 from src.parallel.distributed import Runtime
 from src.reports.reporting import Reporter
 
@@ -98,6 +99,7 @@ class Trainer:
         self.parts = parts
         device = parts.runtime.device
         self.ddp = _find_ddp(parts.train_model)
+        self.fsdp = fsdp.find(parts.train_model)  # the sharded root under dist=fsdp (src/parallel/fsdp.py)
         self.loss_watch = NonFiniteLossWatch(device)
         self.amp_dtype = autocast_dtype(config.precision)
         # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not.
@@ -114,9 +116,14 @@ class Trainer:
 
     def state_dict(self, state: TrainState) -> dict[str, Any]:
         parts = self.parts
+        model, optimizer = parts.module.state_dict(), parts.optimizer.state_dict()
+        if parts.checkpointer.sharded:  # by parameter name, this rank's shards
+            from src.loop import sharded_checkpoint  # torch.distributed.checkpoint: ~0.45 s, for sharded runs only
+
+            model, optimizer = sharded_checkpoint.model_and_optimizer_state(parts.module, parts.optimizer)
         return {
-            "model": parts.module.state_dict(),
-            "optimizer": parts.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": parts.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "config": parts.saved_config,
@@ -127,13 +134,22 @@ class Trainer:
         }
 
     def load_state_dict(self, payload: dict[str, Any]) -> TrainState:
-        self.parts.optimizer.load_state_dict(payload["optimizer"])
+        """Continue from a checkpoint: of either dist strategy, sharded or not (src/loop/sharded_checkpoint.py:
+        a sharded one's model is read here, into this run's layout)."""
+        module, optimizer = self.parts.module, self.parts.optimizer
+        if "sharded" in payload or fsdp.is_sharded(module):  # by parameter name, resharded
+            from src.loop import sharded_checkpoint  # torch.distributed.checkpoint: ~0.45 s, for these runs only
+
+            sharded_checkpoint.restore(module, optimizer, payload)
+        else:
+            optimizer.load_state_dict(payload["optimizer"])
         self.parts.scheduler.load_state_dict(payload["scheduler"])
         self.scaler.load_state_dict(payload["scaler"])
         if self.ema is not None and "ema" in payload:
             self.ema.load_state_dict(payload["ema"])
-        elif self.ema is not None:  # a checkpoint of a run without EMA (or of an earlier version)
+        elif self.ema is not None:  # a checkpoint of a run without EMA (or of an earlier version, or sharded)
             log.info("the checkpoint holds no EMA weights: the EMA starts from its model weights")
+            self.ema = EmaWeights(self.parts.module, self.config.ema.decay, self.config.ema.warmup_steps)
         return TrainState.from_checkpoint(payload)
 
     # -- the run -----------------------------------------------------------------------
@@ -189,8 +205,9 @@ class Trainer:
         """The task's metrics (and val tables) of `module` (default: the model) over the whole val split,
         each sample counted once."""
         parts = self.parts
-        return evaluate(parts.module if module is None else module, parts.reporter.track(parts.data.val_loader, desc),
-                        parts.task, parts.data.splits.info, parts.runtime.device, self.amp_dtype)
+        module = parts.module if module is None else module
+        return evaluate(module, parts.reporter.track(parts.data.val_loader, desc), parts.task, parts.data.splits.info,
+                        parts.runtime.device, self.amp_dtype, lockstep=fsdp.is_sharded(module))
 
     def summary(self, state: TrainState, num_val_samples: int) -> dict[str, Any]:
         """The run so far, as written to metrics.json: the last epoch's metrics and the history, the
@@ -296,10 +313,12 @@ class Trainer:
         task, accum = self.parts.task, self.config.grad_accum
         args, kwargs, target = task.split(batch)
         self.utilization.see_inputs(args, kwargs)  # shapes for counting FLOPs (src/loop/performance.py)
-        # On micro-steps before the last one, DDP must not all-reduce gradients yet.
+        # On micro-steps before the last one, DDP must not all-reduce gradients yet, nor FSDP reduce-scatter them.
         sync_context: ContextManager[Any] = contextlib.nullcontext()
         if self.ddp is not None and not sync:
             sync_context = self.ddp.no_sync()
+        elif self.fsdp is not None and not sync:
+            sync_context = fsdp.no_gradient_sync(self.fsdp)
         with sync_context:
             with autocast(self.parts.runtime.device, self.amp_dtype):
                 outputs = self.parts.train_model(*args, **kwargs)

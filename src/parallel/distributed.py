@@ -15,7 +15,7 @@ import datetime
 import os
 import sys
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -176,17 +176,29 @@ def exit_after_a_group(status: int = 0) -> None:
 
 
 def prepare_model(
-    module: torch.nn.Module, runtime: Runtime, sync_bn: bool, find_unused_parameters: bool
+    module: torch.nn.Module, runtime: Runtime, sync_bn: bool, find_unused_parameters: bool,
+    sharding: Any = None, param_dtype: torch.dtype | None = None,
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """Move `module` to this rank's device and wrap it for data-parallel training.
 
-    Returns `(module, train_model)`: the plain module (what is evaluated and saved) and
-    the DistributedDataParallel wrapper the loop trains (the module itself when alone).
+    Returns `(module, train_model)`: the module that is evaluated and saved, and the one the loop
+    trains: DDP's wrapper around the plain module, or, with `sharding` (the `dist.fsdp` settings of
+    dist.strategy=fsdp), the FSDP2-sharded module both times (src/parallel/fsdp.py; `param_dtype`: its
+    compute dtype under mixed precision). A single process gets the plain module both times.
     """
     if runtime.env.is_distributed and sync_bn:
         module = convert_sync_batchnorm(module, runtime.device)
     module = module.to(runtime.device)
     if not runtime.env.is_distributed:
+        return module, module
+    if sharding is not None:
+        from src.parallel import fsdp
+
+        if sharding.cpu_offload and runtime.device.type != "cuda":  # FSDP2 pins host memory for the copies
+            raise UsageError("dist.fsdp.cpu_offload=true moves the shards between host memory and a GPU; this run "
+                             "is on the CPU, where they already are: leave it false")
+
+        module = fsdp.shard(module, sharding.wrap, sharding.reshard_after_forward, sharding.cpu_offload, param_dtype)
         return module, module
     train_model = torch.nn.parallel.DistributedDataParallel(
         module,

@@ -68,6 +68,9 @@ ROWS = [
     row(TRAIN, ["trainer.ema.decay=0"], "trainer.ema.decay=0.0 must be in (0, 1) (or null)", "ema-decay-zero"),
     row(TRAIN, ["trainer.ema.warmup_steps=-1"], "trainer.ema.warmup_steps=-1 must be at least 0",
         "ema-negative-warmup"),
+    row(TRAIN, ["dist=fsdp", "trainer.ema.decay=0.9"], "trainer.ema.decay=0.9 keeps a full copy of the model on "
+        "every rank, which dist=fsdp exists to avoid", "fsdp-with-ema"),
+    row(TRAIN, ["dist.strategy=zero"], "dist.strategy=zero is not one of ddp, fsdp", "unknown-strategy"),
     row(EVAL, ["checkpoint={checkpoint}", "weights=best"], "weights=best is not one of model, ema",
         "eval-unknown-weights"),
     # What the run finds when it starts: batches, files, devices, ports.
@@ -204,6 +207,9 @@ TORCHRUN_ROWS = [
     pytest.param(EVAL, ["checkpoint=missing.pt"], "checkpoint missing.pt does not exist", id="eval-missing-checkpoint"),
     # Every rank reads init_from; the group agrees on the failure and rank 0 alone reports it.
     pytest.param(TRAIN, ["init_from=missing.pt"], "init_from=missing.pt does not exist", id="train-init-from-missing"),
+    # FSDP2 pins host memory to offload to; a CPU run has nothing to offload from (checked when sharding).
+    pytest.param(TRAIN, ["dist=fsdp", "dist.fsdp.cpu_offload=true"], "dist.fsdp.cpu_offload=true moves the shards "
+                 "between host memory and a GPU", id="train-fsdp-cpu-offload-on-cpu", marks=NO_GPU),
 ]
 
 

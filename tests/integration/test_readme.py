@@ -84,6 +84,14 @@ EXERCISED_BY = {
     "torchrun --nproc_per_node=8 --max-restarts=3 train.py trainer.checkpoint_every_steps=500":
         "test_fault_tolerance.py::test_a_killed_worker_is_restarted_and_the_run_ends_as_if_never_interrupted",
     "torchrun --nproc_per_node=8 train.py model=cnn": "test_train_cli.py::test_torchrun_two_workers_share_one_run_dir",
+    "torchrun --nproc_per_node=2 train.py dist=fsdp":
+        "test_fsdp_cli.py::test_fsdp_trains_the_ddp_model_with_the_same_metrics",
+    "torchrun --nproc_per_node=3 train.py dist=fsdp resume=auto hydra.run.dir=outputs/2026-11-22/10-00-00":
+        "test_fsdp_cli.py::test_stopped_on_2_ranks_resumes_on_another_world_size",
+    "python eval.py checkpoint=outputs/DATE/TIME/checkpoints/last":
+        "test_fsdp_cli.py::test_eval_reads_a_sharded_checkpoint",
+    "python benchmarks/fsdp_memory.py": "test_readme.py::test_the_fsdp_benchmarks_write_their_tables",
+    "python benchmarks/fsdp_speed.py": "test_readme.py::test_the_fsdp_benchmarks_write_their_tables",
 }
 
 
@@ -187,3 +195,24 @@ def test_the_benchmark_script_writes_its_table(tmp_path: Path):
         # The same template runs are compared with both baselines.
         assert rows["digits + cnn, 1 process: training samples/s vs Lightning"][0] == \
             rows["digits + cnn, 1 process: training samples/s"][0]
+
+
+def test_the_fsdp_benchmarks_write_their_tables(tmp_path: Path):
+    """Smoke runs of `python benchmarks/fsdp_memory.py` (a 66k-parameter MLP) and `python benchmarks/fsdp_speed.py`
+    (1 repeat of 1 epoch); the real numbers come from full runs (FSDP_MEMORY.md, FSDP_SPEED.md)."""
+    memory, speed = tmp_path / "memory.md", tmp_path / "speed.md"
+    check(run([sys.executable, str(REPO / "benchmarks" / "fsdp_memory.py"), "--width", "256", "--layers", "1",
+               "--output", str(memory)], tmp_path))
+    rows = [line.split("|")[1:-1] for line in memory.read_text().splitlines() if line.startswith(("| ddp", "| fsdp"))]
+    state_ratio = {(row[0].strip(), int(row[1])): float(row[6]) for row in rows}
+    # The bytes each rank holds: all of them under DDP, 1/W under FSDP (shards padded to a multiple of W).
+    assert state_ratio[("ddp", 1)] == state_ratio[("ddp", 2)] == state_ratio[("ddp", 3)] == 1.0
+    assert state_ratio[("fsdp", 2)] == pytest.approx(1 / 2, abs=0.01)
+    assert state_ratio[("fsdp", 3)] == pytest.approx(1 / 3, abs=0.01)
+    check(run([sys.executable, str(REPO / "benchmarks" / "fsdp_speed.py"), "--repeats", "1", "--epochs", "1",
+               "--output", str(speed)], tmp_path))
+    rows = {row[0].strip(): (float(row[2]), float(row[3])) for row in
+            (line.split("|")[1:-1] for line in speed.read_text().splitlines() if line.startswith(("| ddp", "| fsdp")))}
+    assert set(rows) == {"ddp", "fsdp", "fsdp, wrap=[root], no reshard"}
+    for samples_per_s, ratio in rows.values():
+        assert samples_per_s > 0 and abs(ratio - samples_per_s / rows["ddp"][0]) < 0.01

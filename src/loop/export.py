@@ -1,0 +1,59 @@
+"""Export a checkpoint's model as one safetensors file, to share it or load it anywhere.
+
+    python -m src.loop.export outputs/DATE/TIME/checkpoints/best model.safetensors
+
+CHECKPOINT is any checkpoint of this template: a sharded one of dist=fsdp (a `step_<N>/` directory, or the
+`last` / `best` file naming one), whose shards are gathered here into whole tensors, in one process with no
+process group; or a `.pt` of dist=ddp. OUT holds the model's state_dict, unsharded, under the plain module's
+names (no `module.`, `_orig_mod.` or FSDP prefixes), so `model.load_state_dict(safetensors.torch.load_file(OUT))`
+loads it into the plain `nn.Module` the config builds, and `init_from=OUT` fine-tunes from it. Only tensors are
+read and written: nothing from the checkpoint is executed. The file is written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from src.common import files
+from src.common.errors import UsageError, exit_on_usage_error
+from src.loop import checkpoint, sharded_checkpoint
+
+
+def model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The whole model's tensors of the checkpoint `path`, on the CPU."""
+    payload = checkpoint.load(path)  # refuses a file that is not a checkpoint of this template
+    if "sharded" in payload:
+        return sharded_checkpoint.full_model_state(Path(payload["sharded"]))
+    return payload["model"]
+
+
+def write_safetensors(state: dict[str, torch.Tensor], out: Path, source: Path) -> None:
+    try:
+        from safetensors.torch import save
+    except ImportError:
+        raise UsageError("exporting needs the safetensors package (pip install safetensors)") from None
+    # safetensors stores each tensor's own bytes: views and shared storage are copied out.
+    tensors = {name: tensor.detach().contiguous().clone() for name, tensor in state.items()}
+    with files.atomic_file(out) as file:
+        file.write(save(tensors, metadata={"source": str(source), "format": checkpoint.FORMAT}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m src.loop.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint: step_<N>/, last, best, or a .pt file")
+    parser.add_argument("out", type=Path, help="the .safetensors file to write")
+    args = parser.parse_args(argv)
+    with exit_on_usage_error(is_main_process=True):
+        if not args.out.parent.is_dir():
+            raise UsageError(f"cannot write {args.out}: the folder {args.out.parent} does not exist")
+        state = model_state(args.checkpoint)
+        write_safetensors(state, args.out, args.checkpoint)
+        count = sum(tensor.numel() for tensor in state.values())
+        print(f"wrote {args.out}: {len(state)} tensors, {count:,} elements, from {args.checkpoint}")
+
+
+if __name__ == "__main__":
+    main()

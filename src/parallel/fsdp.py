@@ -1,0 +1,105 @@
+"""Fully sharded data parallel (`dist.strategy=fsdp`): the model sharded over the ranks with PyTorch's FSDP2.
+
+`fully_shard` turns each wrapped module's parameters into DTensors sharded along their first dimension:
+a rank keeps 1/world_size of every parameter, of its gradient and (since the optimizer is built over
+these shards) of the optimizer state. A unit's forward all-gathers its parameters and frees them after
+(`reshard_after_forward`); its backward gathers them again and reduce-scatters the gradients, so each
+rank ends with the mean gradient of its own shard, the gradient DDP's all-reduce would give, sliced.
+
+Units: the modules `dist.fsdp.wrap` names by class, else the root's children that hold parameters (the
+children of a lone container child: an MLP's `net`), then the root for what is left. Sharding per unit
+lets a unit's all-gather overlap the previous unit's compute, and bounds the memory of gathered
+parameters by the largest unit instead of the whole model. Each unit costs its own collectives, though:
+for a small model, `wrap=[root]` (one unit) with `reshard_after_forward=false` gathers the parameters once
+per step and reduce-scatters the gradients once (benchmarks/fsdp_speed.py).
+
+Everything else is unchanged: the CPU sync-BN (src/parallel/sync_batchnorm.py) replaces BatchNorm before
+sharding and all-reduces the activation statistics as under DDP; the loop's metrics, sampler, seeding
+and NaN guard never see the difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from src.common.errors import UsageError
+
+ROOT_ONLY = ["root"]  # dist.fsdp.wrap=[root]: the whole model is one unit
+
+
+def units(module: nn.Module, wrap: Sequence[str]) -> list[nn.Module]:
+    """The modules sharded as units before the root: those of the classes `wrap` names (outermost first
+    matches only), none for `[root]`, or the automatic choice described in the module's docstring."""
+    if list(wrap) == ROOT_ONLY:
+        return []
+    if wrap:
+        found: list[nn.Module] = []
+        for child in module.modules():
+            if child is not module and type(child).__name__ in wrap and not _inside(child, found):
+                found.append(child)
+        return found
+    holders = [child for child in module.children() if any(True for _ in child.parameters())]
+    if len(holders) == 1 and any(True for _ in holders[0].children()):
+        return units(holders[0], ()) or holders
+    return holders
+
+
+def _inside(child: nn.Module, outer: list[nn.Module]) -> bool:
+    return any(child in list(parent.modules()) for parent in outer)
+
+
+def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, cpu_offload: bool,
+          param_dtype: torch.dtype | None) -> nn.Module:
+    """`module` sharded in place over the default process group (every rank calls this with the same
+    model): each unit of `units(module, wrap)`, then the root. With `param_dtype` (trainer.precision
+    bf16/16), forward and backward run on parameters in that dtype and gradients are reduced in fp32;
+    BatchNorm layers then are units of their own that keep fp32 parameters, as autocast keeps them: a
+    bf16 weight beside fp32 running statistics is refused by batch_norm."""
+    # Imported here: torch.distributed.fsdp takes ~0.45 s to import, which runs that do not shard never pay.
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    chosen = units(module, wrap)
+    if wrap and not chosen and list(wrap) != ROOT_ONLY:
+        classes = sorted({type(child).__name__ for child in module.modules()})
+        raise UsageError(f"dist.fsdp.wrap={list(wrap)} names no module class of the model; its classes: "
+                         f"{', '.join(classes)}")
+    if param_dtype is not None:
+        for norm in [child for child in module.modules() if isinstance(child, _BatchNorm) and child.affine]:
+            fully_shard(norm, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+    for unit in chosen:
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=offload)
+    fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=offload)
+    return module
+
+
+def find(model: nn.Module) -> Any:
+    """The FSDP root inside `model` (possibly under torch.compile's wrapper), if it is one (else None)."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner if is_sharded(inner) else None
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether `fully_shard` made `module` a root or unit. Until torch.distributed.fsdp is imported (by
+    `shard`, or anything else) no module can be one, and the check imports nothing."""
+    loaded = sys.modules.get("torch.distributed.fsdp")
+    return loaded is not None and isinstance(module, loaded.FSDPModule)
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: Any) -> Iterator[None]:
+    """Backward passes in the block keep their unsharded gradients and skip the reduce-scatter: micro-steps
+    before an optimizer step's last one accumulate locally, and that last one reduces the sum once (DDP's
+    `no_sync`)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

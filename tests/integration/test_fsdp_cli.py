@@ -1,0 +1,310 @@
+"""dist=fsdp through the real command line (torchrun, CPU, gloo): FSDP2 trains what DDP trains, its sharded
+checkpoints (torch.distributed.checkpoint directories) resume bitwise on the same world size and reshard
+to others, survive a kill in the middle of a save, load into DDP runs and back, evaluate and export.
+
+Every run is launched at most once per module, on first use, and shared by the tests that read it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TRAIN, check, metrics, run, torchrun, train, weights
+from faults import TORCHRUN, descendants, wait_until
+
+from src.loop import sharded_checkpoint
+
+pytestmark = pytest.mark.slow
+
+EVAL = str(REPO / "eval.py")
+# SGD with a constant LR (FACTS.md: Adam turns 1e-7 into 1e-2), sync-BN on (the default).
+CNN = ["model=cnn", "optimizer=sgd", "scheduler=constant", "trainer.epochs=1", "dataset.batch_size=64"]
+# No BatchNorm; 2 micro-steps per optimizer step and a clip far below the gradient's norm, so every step is
+# clipped: a norm computed over one rank's shards only would scale the steps differently from DDP's.
+MLP = ["model=mlp", "optimizer=sgd", "scheduler=constant", "trainer.epochs=1", "dataset.batch_size=64",
+       "trainer.grad_accum=2", "trainer.grad_clip=0.01"]
+# Sharded parameters cannot use torch's fused optimizer kernels and take the foreach ones (src/loop/optim.py),
+# which round differently: over 58 SGD steps by up to 9.4e-5 (measured here). DDP runs given the same kernels
+# train the very same weights as FSDP (bit for bit, measured, without gradient clipping).
+SAME_KERNELS = ["optimizer.fused=null", "+optimizer.foreach=true"]
+# Two epochs of 29 steps with a step checkpoint every 5: a stop at step 27 is mid-epoch 1 (step 27 of 29),
+# and 48 divides by 1, 2 and 3 ranks.
+TWO_EPOCHS = ["model=cnn", "optimizer=sgd", "optimizer.lr=0.05", "scheduler=constant", "trainer.epochs=2",
+              "dataset.batch_size=48", "trainer.checkpoint_every_steps=5", "dist=fsdp"]
+STOPPED = [*TWO_EPOCHS, "trainer.max_steps=27"]
+TIMING_KEYS = {"epoch_time_s", "samples_per_s"}
+
+RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
+    "ddp cnn": (2, CNN),
+    "fsdp cnn": (2, [*CNN, "dist=fsdp"]),
+    "ddp mlp": (2, [*MLP, *SAME_KERNELS]),
+    "ddp cnn bf16": (2, [*CNN, "trainer.precision=bf16"]),
+    "fsdp cnn bf16": (2, [*CNN, "trainer.precision=bf16", "dist=fsdp"]),
+    "fsdp mlp": (2, [*MLP, "dist=fsdp"]),
+    "straight": (2, TWO_EPOCHS),
+    "stopped on 2": (2, STOPPED),
+    "stopped on 1": (1, STOPPED),
+    "ddp stopped": (2, [*STOPPED, "dist=ddp", *SAME_KERNELS]),
+}
+
+
+class Runs:
+    """Launches each run of RUNS once, when a test first asks for it; returns its run dir."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: dict[str, Path] = {}
+
+    def __call__(self, name: str) -> Path:
+        if name not in self.done:
+            processes, overrides = RUNS[name]
+            run_dir = self.root / name.replace(" ", "_")
+            args = [*overrides, f"hydra.run.dir={run_dir}"]
+            check(train(args, self.root) if processes == 1 else torchrun(processes, args, self.root))
+            self.done[name] = run_dir
+        return self.done[name]
+
+    def resumed(self, name: str, processes: int, extra: tuple[str, ...] = ()) -> Path:
+        """A copy of run `name`'s dir, continued with `resume=auto` on `processes` ranks."""
+        suffix = "".join(f"_{override.replace('=', '-').replace('+', '')}" for override in extra)
+        run_dir = self.root / f"{name.replace(' ', '_')}_resumed_on_{processes}{suffix}"
+        shutil.copytree(self(name), run_dir)
+        args = [*TWO_EPOCHS, *extra, "resume=auto", f"hydra.run.dir={run_dir}"]
+        check(train(args, self.root) if processes == 1 else torchrun(processes, args, self.root))
+        return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("fsdp"))
+
+
+def sharded_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The whole model of a run's newest sharded checkpoint, gathered in this process."""
+    return sharded_checkpoint.full_model_state(sharded_checkpoint.resolve(run_dir / "checkpoints" / "last"))
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[name].double() - b[name].double()).abs().max().item() for name in a)
+
+
+def without_timing(summary: dict) -> dict:
+    history = [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in summary["history"]]
+    return {**{k: v for k, v in summary.items() if k not in TIMING_KEYS}, "history": history}
+
+
+def assert_bitwise_equal(run_dir: Path, reference: Path) -> None:
+    assert without_timing(metrics(run_dir)) == without_timing(metrics(reference))
+    ours, theirs = sharded_weights(run_dir), sharded_weights(reference)
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+
+
+def assert_close_to(run_dir: Path, reference: Path, run_weights: dict[str, torch.Tensor]) -> None:
+    """Within 1e-5 of the reference: every tensor, and each epoch's train and val loss."""
+    assert max_diff(run_weights, sharded_weights(reference)) < 1e-5
+    for ours, theirs in zip(metrics(run_dir)["history"], metrics(reference)["history"], strict=True):
+        assert ours["step"] == theirs["step"]
+        assert ours["train/loss"] == pytest.approx(theirs["train/loss"], abs=1e-5)
+        assert ours["val/loss"] == pytest.approx(theirs["val/loss"], abs=1e-5)
+
+
+# -- FSDP trains what DDP trains ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["cnn", "mlp"])
+def test_fsdp_trains_the_ddp_model_with_the_same_metrics(runs: Runs, model: str):
+    """cnn: sync-BN, DDP with its default fused SGD; mlp: grad_accum=2, every step clipped, the same kernels."""
+    ddp, fsdp = runs(f"ddp {model}"), runs(f"fsdp {model}")
+    ddp_weights, fsdp_weights = weights(ddp), sharded_weights(fsdp)
+    if model == "cnn":  # sync-BN: the running statistics too
+        assert any("running_var" in name for name in fsdp_weights)
+        assert max_diff(ddp_weights, fsdp_weights) < 1e-5
+    else:  # the clip's norm sums the shards' squares over ranks: rounding only (measured 1.1e-8)
+        assert max_diff(ddp_weights, fsdp_weights) < 1e-6
+    ddp_metrics, fsdp_metrics = metrics(ddp), metrics(fsdp)
+    assert fsdp_metrics["step"] == ddp_metrics["step"] and fsdp_metrics["world_size"] == 2
+    for key in ("train/loss", "train/acc", "val/loss", "val/acc"):
+        assert fsdp_metrics[key] == pytest.approx(ddp_metrics[key], abs=1e-5), key
+    assert fsdp_metrics["val/num_samples"] == ddp_metrics["val/num_samples"] == 360
+
+
+def test_bf16_computes_in_bf16_and_trains_what_ddp_trains(runs: Runs):
+    """trainer.precision=bf16: FSDP's parameters in bf16 for the compute (BatchNorm's kept in fp32), DDP's under
+    autocast; both keep fp32 master weights."""
+    ddp, fsdp = runs("ddp cnn bf16"), runs("fsdp cnn bf16")
+    fsdp_weights = sharded_weights(fsdp)
+    assert all(tensor.dtype in (torch.float32, torch.int64) for tensor in fsdp_weights.values())
+    assert max_diff(weights(ddp), fsdp_weights) < 1e-2
+    for key in ("train/loss", "val/loss"):
+        assert metrics(fsdp)[key] == pytest.approx(metrics(ddp)[key], abs=1e-3), key
+    assert metrics(fsdp)["val/loss"] != pytest.approx(metrics(runs("fsdp cnn"))["val/loss"], abs=1e-4)  # not fp32
+
+
+def test_the_fsdp_run_writes_sharded_checkpoint_directories(runs: Runs):
+    checkpoints = runs("fsdp cnn") / "checkpoints"
+    assert (checkpoints / "last").read_text() == (checkpoints / "best").read_text() == "step_000000022"
+    assert sorted(path.name for path in (checkpoints / "step_000000022").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    assert not list(checkpoints.glob("*.pt")) and not list(checkpoints.glob("*.tmp"))
+    state = torch.load(checkpoints / "step_000000022" / "state.pt", weights_only=True)  # never runs code
+    assert "model" not in state and state["step"] == 22 and state["config"]["dist"]["strategy"] == "fsdp"
+
+
+# -- resume: bitwise on the same world size, resharded on others ------------------------------
+
+
+def test_stopped_on_2_ranks_and_resumed_on_2_ends_bitwise_equal(runs: Runs):
+    stopped = runs("stopped on 2") / "checkpoints"
+    assert (stopped / "last").read_text() == "step_000000027"
+    assert sorted(path.name for path in stopped.iterdir()) == ["last", "step_000000025", "step_000000027"]
+    resumed = runs.resumed("stopped on 2", 2)
+    assert "after epoch 0, step 27 (27 steps into epoch 1)" in (resumed / "train.log").read_text()
+    assert_bitwise_equal(resumed, runs("straight"))
+
+
+@pytest.mark.parametrize("processes", [1, 3])
+def test_stopped_on_2_ranks_resumes_on_another_world_size(runs: Runs, processes: int):
+    resumed = runs.resumed("stopped on 2", processes)
+    summary = metrics(resumed)
+    assert summary["world_size"] == processes and summary["step"] == metrics(runs("straight"))["step"] == 58
+    assert_close_to(resumed, runs("straight"), sharded_weights(resumed))
+
+
+def test_stopped_on_1_process_resumes_on_2_ranks(runs: Runs):
+    assert (runs("stopped on 1") / "checkpoints" / "step_000000027" / "__0_0.distcp").is_file()
+    resumed = runs.resumed("stopped on 1", 2)
+    assert_close_to(resumed, runs("straight"), sharded_weights(resumed))
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(runs: Runs, launched, tmp_path: Path):
+    """Rank 0 stalls while writing the index of the second checkpoint (step 10), after every rank wrote its
+    shards; the whole group is SIGKILLed there."""
+    marker = tmp_path / "stalled"
+    worker = str(REPO / "tests" / "fixtures" / "stalled_save_worker.py")
+    process = launched.start([*TORCHRUN, "--standalone", "--nproc_per_node=2", worker, *TWO_EPOCHS,
+                              "hydra.run.dir=run"], tmp_path, env={"STALL_MARKER": str(marker)})
+    wait_until(marker.exists, timeout=180, what="the stalled save")
+    for pid in [process.pid, *descendants(process.pid)]:  # torchrun's workers run in sessions of their own
+        os.kill(pid, signal.SIGKILL)
+    assert process.wait(timeout=30) == -signal.SIGKILL
+    checkpoints = tmp_path / "run" / "checkpoints"
+    half = checkpoints / "step_000000010.tmp"
+    assert marker.read_text() == str(half)
+    assert {"__0_0.distcp", "__1_0.distcp", "state.pt"} <= {path.name for path in half.iterdir()}
+    assert not (half / ".metadata").exists() and (checkpoints / "last").read_text() == "step_000000005"
+
+    # An index-less directory is never a checkpoint, under its final name too.
+    half.rename(checkpoints / "step_000000010")
+    refused = run([sys.executable, EVAL, f"checkpoint={checkpoints / 'step_000000010'}"], tmp_path)
+    assert refused.returncode == 2
+    assert f"error: checkpoint {checkpoints / 'step_000000010'} is incomplete (no .metadata" in refused.stderr
+
+    check(torchrun(2, [*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], tmp_path))
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "after epoch 0, step 5 (5 steps into epoch 1)" in log
+    assert_bitwise_equal(tmp_path / "run", runs("straight"))
+
+
+def test_a_disk_with_no_room_for_the_shards_is_one_line_and_keeps_the_previous_checkpoint(tmp_path: Path):
+    """As tests/integration/test_full_disk.py, sharded: a 512 KiB file-size limit (EFBIG, ENOSPC's path) under
+    which each rank's shard file of the digits CNN with AdamW (about 0.9 MB) cannot be written."""
+    from test_full_disk import LIMIT, file_size_limit
+
+    args = ["dist=fsdp", "trainer.progress=false"]
+    check(torchrun(2, [*args, "trainer.epochs=1", "hydra.run.dir=run"], tmp_path))
+    checkpoints = tmp_path / "run" / "checkpoints"
+    before = {path.name: path.read_bytes() for path in (checkpoints / "step_000000022").iterdir()}
+    result = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=2", TRAIN, *args, "trainer.epochs=2",
+                             "resume=auto", "hydra.run.dir=run"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=file_size_limit)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "UsageError" not in output and "CheckpointException" not in output
+    (error,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert f"error: cannot write checkpoint {checkpoints / 'step_000000044.tmp'} (File too large): it needs" in error
+    assert f"at most {LIMIT:,} bytes" in error and "the previous checkpoint is unchanged" in error
+    assert (checkpoints / "last").read_text() == "step_000000022"
+    assert {path.name: path.read_bytes() for path in (checkpoints / "step_000000022").iterdir()} == before
+
+
+# -- dist=ddp checkpoints into fsdp runs, and back ----------------------------------------------
+
+
+def test_a_ddp_checkpoint_resumes_as_an_fsdp_run(runs: Runs):
+    assert (runs("ddp stopped") / "checkpoints" / "last.pt").is_file()
+    resumed = runs.resumed("ddp stopped", 2)  # TWO_EPOCHS: dist=fsdp
+    assert "checkpoints/last.pt after epoch 0, step 27" in (resumed / "train.log").read_text()
+    assert_close_to(resumed, runs("straight"), sharded_weights(resumed))
+
+
+def test_an_fsdp_checkpoint_resumes_as_a_ddp_run(runs: Runs):
+    resumed = runs.resumed("stopped on 2", 2, ("dist=ddp", *SAME_KERNELS))
+    assert_close_to(resumed, runs("straight"), weights(resumed))  # last.pt, by rank 0
+
+
+# -- evaluation and export ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_eval_reads_a_sharded_checkpoint(runs: Runs, tmp_path: Path, processes: int):
+    straight = runs("straight")
+    args = [f"checkpoint={straight / 'checkpoints' / 'last'}", "hydra.run.dir=eval"]
+    check(run([sys.executable, EVAL, *args], tmp_path) if processes == 1 else torchrun(2, args, tmp_path, EVAL))
+    evaluated = metrics(tmp_path / "eval")
+    assert evaluated["world_size"] == processes and evaluated["num_samples"] == 360
+    assert evaluated["val/acc"] == metrics(straight)["val/acc"]
+    assert evaluated["val/loss"] == pytest.approx(metrics(straight)["val/loss"], abs=1e-6)
+
+
+def test_the_export_loads_into_the_plain_model_with_the_runs_val_metrics(runs: Runs, tmp_path: Path):
+    from safetensors.torch import load_file
+
+    from src.components.models import SimpleCNN
+    from src.components.tasks import Classification
+    from src.data.loaders import build_splits, make_val_loader
+    from src.loop.evaluation import evaluate
+
+    straight = runs("straight")
+    out = tmp_path / "model.safetensors"
+    result = check(run([sys.executable, "-m", "src.loop.export", str(straight / "checkpoints" / "best"), str(out)],
+                       REPO))
+    assert f"wrote {out}: 16 tensors" in result.stdout
+    model = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
+    model.load_state_dict(load_file(out))  # strict: every key and shape of the plain module
+    config = torch.load(straight / "checkpoints" / "step_000000058" / "state.pt", weights_only=True)["config"]
+    from omegaconf import OmegaConf
+
+    splits = build_splits(OmegaConf.create(config["dataset"]))
+    loader = make_val_loader(splits, 48, 0, 1, torch.device("cpu"), 0, 0)
+    val = evaluate(model, loader, Classification(), splits.info, torch.device("cpu"))
+    best = max(metrics(straight)["history"], key=lambda record: record["val/acc"])
+    assert val["acc"] == best["val/acc"] and val["count"] == 360
+    assert val["loss"] == pytest.approx(best["val/loss"], abs=1e-6)
+
+
+def test_a_crafted_index_is_refused_without_running_it(runs: Runs, tmp_path: Path):
+    """DCP itself reads `.metadata` with pickle.load: here a pickle that would create a file."""
+    shutil.copytree(runs("straight"), tmp_path / "run")
+    sentinel = tmp_path / "pwned"
+
+    class Crafted:
+        def __reduce__(self):
+            return (open, (str(sentinel), "w"))
+
+    directory = tmp_path / "run" / "checkpoints" / "step_000000058"
+    (directory / ".metadata").write_bytes(pickle.dumps(Crafted()))
+    for command in ([sys.executable, EVAL, f"checkpoint={directory}"],
+                    [sys.executable, "-m", "src.loop.export", str(directory), str(tmp_path / "out.safetensors")]):
+        result = run(command, REPO)
+        assert result.returncode == 2, result.stderr
+        (error,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert "has an index (.metadata) that is not DCP's metadata (UnpicklingError: io.open)" in error
+    assert not sentinel.exists() and not (tmp_path / "out.safetensors").exists()

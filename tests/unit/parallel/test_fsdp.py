@@ -1,0 +1,38 @@
+"""Which modules dist=fsdp shards as units (the sharding itself runs in tests/integration/test_fsdp_cli.py)."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from src.common.errors import UsageError
+from src.components.models import MLP, SimpleCNN
+from src.parallel import fsdp
+
+
+def test_auto_units_are_the_roots_children_that_hold_parameters():
+    model = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
+    assert fsdp.units(model, []) == [model.features, model.classifier]
+
+
+def test_auto_units_look_inside_a_lone_container_child():
+    model = MLP(in_features=16, num_outputs=3, hidden_sizes=(8, 8))  # everything is in model.net
+    assert fsdp.units(model, []) == [layer for layer in model.net if isinstance(layer, nn.Linear)]
+
+
+def test_wrap_names_classes_and_takes_the_outermost_match():
+    model = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
+    assert fsdp.units(model, ["Linear"]) == [model.classifier[2], model.classifier[5]]
+    assert fsdp.units(model, ["Sequential", "Linear"]) == [model.features, model.classifier]
+
+
+def test_a_wrap_that_names_no_class_of_the_model_is_one_error_before_any_sharding():
+    model = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
+    with pytest.raises(UsageError, match=r"dist.fsdp.wrap=\['Block'\] names no module class of the model; its "
+                                         r"classes: .*Conv2d.*SimpleCNN"):
+        fsdp.shard(model, ["Block"], reshard_after_forward=True, cpu_offload=False, param_dtype=None)
+
+
+def test_wrap_root_makes_the_whole_model_one_unit():
+    model = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
+    assert fsdp.units(model, ["root"]) == []

@@ -160,11 +160,9 @@ class Trainer:
         or when the process is asked to terminate (SIGTERM: preemption); or, after an epoch's checkpoint,
         when `config.early_stopping` says the monitored metric stopped improving, or when the epoch judge
         (a sweep trial's pruner) says stop (a run resumed after either trains no more). Returns why it stopped."""
-        if state.early_stopped_at is not None or state.pruned_at is not None:
-            reason = StopReason.EARLY_STOPPED if state.pruned_at is None else StopReason.PRUNED
-            log.info("%s had ended this run after epoch %d: nothing more to train", reason.value,
-                     state.early_stopped_at or state.pruned_at)
-            return reason
+        ended = _ended_before(state)
+        if ended is not None:
+            return ended
         profiling = self.parts.profiler if self.parts.profiler is not None else contextlib.nullcontext()
         with self.stopping, profiling, torch.autograd.set_detect_anomaly(self.config.detect_anomaly):
             for epoch in range(state.epoch, self.config.epochs):
@@ -401,6 +399,17 @@ class Trainer:
         # MFU and peak memory on GPUs of known peak
         self.parts.reporter.scalars({**scalars, **self.utilization.scalars(samples_per_s)}, step)
         window.started = time.perf_counter()
+
+
+def _ended_before(state: TrainState) -> StopReason | None:
+    """Why a resumed run has nothing more to train: early stopping or the sweep's pruner ended it."""
+    if state.early_stopped_at is not None:
+        log.info("early stopping had ended this run after epoch %d: nothing more to train", state.early_stopped_at)
+        return StopReason.EARLY_STOPPED
+    if state.pruned_at is not None:
+        log.info("the sweep's pruner had ended this trial after epoch %d: nothing more to train", state.pruned_at)
+        return StopReason.PRUNED
+    return None
 
 
 def _named_totals(saved: Any) -> dict[str, list[float]] | None:

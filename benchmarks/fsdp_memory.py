@@ -106,6 +106,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.width, args.layers, args.out)
+        from src.parallel.distributed import exit_after_a_group
+
+        exit_after_a_group()  # the gloo group's threads could abort the interpreter's teardown (its docstring)
         return
     results = [(strategy, world_size, measure(strategy, world_size, args.width, args.layers))
                for strategy, world_size in CASES]

@@ -26,12 +26,13 @@ REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
-# name -> train.py overrides: DDP, FSDP with its default units, and FSDP with the whole model as one unit kept
-# gathered from the forward to the backward (one all-gather and one reduce-scatter per step).
+# name -> train.py overrides: DDP; FSDP as configured by default (the CNN's children hold fewer than
+# dist.fsdp.min_unit_params parameters, so the whole model is one unit, which stays gathered from the forward
+# to the backward: one all-gather and one reduce-scatter per step); FSDP with each child a unit of its own.
 CASES = {
     "ddp": ["dist=ddp"],
-    "fsdp": ["dist=fsdp"],
-    "fsdp, wrap=[root], no reshard": ["dist=fsdp", "dist.fsdp.wrap=[root]", "dist.fsdp.reshard_after_forward=false"],
+    "fsdp (default: one unit)": ["dist=fsdp"],
+    "fsdp, a unit per child": ["dist=fsdp", "dist.fsdp.min_unit_params=0"],
 }
 
 

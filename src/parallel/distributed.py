@@ -198,7 +198,8 @@ def prepare_model(
             raise UsageError("dist.fsdp.cpu_offload=true moves the shards between host memory and a GPU; this run "
                              "is on the CPU, where they already are: leave it false")
 
-        module = fsdp.shard(module, sharding.wrap, sharding.reshard_after_forward, sharding.cpu_offload, param_dtype)
+        module = fsdp.shard(module, sharding.wrap, sharding.reshard_after_forward, sharding.cpu_offload, param_dtype,
+                            sharding.min_unit_params)
         return module, module
     train_model = torch.nn.parallel.DistributedDataParallel(
         module,

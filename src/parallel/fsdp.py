@@ -6,12 +6,14 @@ these shards) of the optimizer state. A unit's forward all-gathers its parameter
 (`reshard_after_forward`); its backward gathers them again and reduce-scatters the gradients, so each
 rank ends with the mean gradient of its own shard, the gradient DDP's all-reduce would give, sliced.
 
-Units: the modules `dist.fsdp.wrap` names by class, else the root's children that hold parameters (the
-children of a lone container child: an MLP's `net`), then the root for what is left. Sharding per unit
-lets a unit's all-gather overlap the previous unit's compute, and bounds the memory of gathered
-parameters by the largest unit instead of the whole model. Each unit costs its own collectives, though:
-for a small model, `wrap=[root]` (one unit) with `reshard_after_forward=false` gathers the parameters once
-per step and reduce-scatters the gradients once (benchmarks/fsdp_speed.py).
+Units: the modules `dist.fsdp.wrap` names by class, else the root's children that hold at least
+`dist.fsdp.min_unit_params` parameters (the children of a lone container child: an MLP's `net`), then the
+root for what is left. Sharding per unit lets a unit's all-gather overlap the previous unit's compute, and
+bounds the memory of gathered parameters by the largest unit instead of the whole model. Each unit costs
+its own collectives, though (about 1 ms each with gloo on this CPU): a small model, whose children all fall
+below the threshold, is one unit, the root, which FSDP2 keeps gathered from the forward to the backward, so
+a step costs one all-gather and one reduce-scatter (benchmarks/fsdp_speed.py: 0.65x DDP's throughput with
+the digits CNN's two children as units, 0.94x as one unit).
 
 Everything else is unchanged: the CPU sync-BN (src/parallel/sync_batchnorm.py) replaces BatchNorm before
 sharding and all-reduces the activation statistics as under DDP; the loop's metrics, sampler, seeding
@@ -33,9 +35,10 @@ from src.common.errors import UsageError
 ROOT_ONLY = ["root"]  # dist.fsdp.wrap=[root]: the whole model is one unit
 
 
-def units(module: nn.Module, wrap: Sequence[str]) -> list[nn.Module]:
+def units(module: nn.Module, wrap: Sequence[str], min_unit_params: int = 0) -> list[nn.Module]:
     """The modules sharded as units before the root: those of the classes `wrap` names (outermost first
-    matches only), none for `[root]`, or the automatic choice described in the module's docstring."""
+    matches only), none for `[root]`, or the automatic choice described in the module's docstring: the
+    candidates holding at least `min_unit_params` parameters (none of them: the root alone)."""
     if list(wrap) == ROOT_ONLY:
         return []
     if wrap:
@@ -44,10 +47,19 @@ def units(module: nn.Module, wrap: Sequence[str]) -> list[nn.Module]:
             if child is not module and type(child).__name__ in wrap and not _inside(child, found):
                 found.append(child)
         return found
-    holders = [child for child in module.children() if any(True for _ in child.parameters())]
+    return [unit for unit in _candidates(module) if _size(unit) >= max(min_unit_params, 1)]
+
+
+def _candidates(module: nn.Module) -> list[nn.Module]:
+    """The root's children that hold parameters; the children of a lone container child instead."""
+    holders = [child for child in module.children() if _size(child) > 0]
     if len(holders) == 1 and any(True for _ in holders[0].children()):
-        return units(holders[0], ()) or holders
+        return _candidates(holders[0]) or holders
     return holders
+
+
+def _size(module: nn.Module) -> int:
+    return sum(parameter.numel() for parameter in module.parameters())
 
 
 def _inside(child: nn.Module, outer: list[nn.Module]) -> bool:
@@ -55,7 +67,7 @@ def _inside(child: nn.Module, outer: list[nn.Module]) -> bool:
 
 
 def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, cpu_offload: bool,
-          param_dtype: torch.dtype | None) -> nn.Module:
+          param_dtype: torch.dtype | None, min_unit_params: int = 0) -> nn.Module:
     """`module` sharded in place over the default process group (every rank calls this with the same
     model): each unit of `units(module, wrap)`, then the root. With `param_dtype` (trainer.precision
     bf16/16), forward and backward run on parameters in that dtype and gradients are reduced in fp32;
@@ -66,7 +78,7 @@ def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, c
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    chosen = units(module, wrap)
+    chosen = units(module, wrap, min_unit_params)
     if wrap and not chosen and list(wrap) != ROOT_ONLY:
         classes = sorted({type(child).__name__ for child in module.modules()})
         raise UsageError(f"dist.fsdp.wrap={list(wrap)} names no module class of the model; its classes: "
@@ -76,7 +88,10 @@ def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, c
             fully_shard(norm, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     for unit in chosen:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=offload)
-    fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=offload)
+    # None: FSDP2's own choice for the root, which keeps its parameters gathered from the forward to the
+    # backward (they would be gathered again at once); the same as `true` for a root with units inside.
+    root_reshard = None if reshard_after_forward else False
+    fully_shard(module, reshard_after_forward=root_reshard, mp_policy=policy, offload_policy=offload)
     return module
 
 

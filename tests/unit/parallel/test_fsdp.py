@@ -20,6 +20,18 @@ def test_auto_units_look_inside_a_lone_container_child():
     assert fsdp.units(model, []) == [layer for layer in model.net if isinstance(layer, nn.Linear)]
 
 
+def test_auto_units_smaller_than_min_unit_params_stay_with_the_root():
+    cnn = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
+    sizes = [sum(p.numel() for p in child.parameters()) for child in (cnn.features, cnn.classifier)]
+    assert sizes == [18_912, 132_490]
+    assert fsdp.units(cnn, [], min_unit_params=20_000) == [cnn.classifier]
+    assert fsdp.units(cnn, [], min_unit_params=max(sizes) + 1) == []  # the root alone, as with wrap=[root]
+    assert fsdp.units(cnn, [], min_unit_params=1_000_000) == []  # the default: the digits CNN has 151k
+    wide = MLP(in_features=1024, num_outputs=10, hidden_sizes=(1024, 1024))  # 1.05M, 1.05M and 10k parameters
+    assert fsdp.units(wide, [], min_unit_params=1_000_000) == [wide.net[1], wide.net[4]]
+    assert fsdp.units(cnn, ["Linear"], min_unit_params=10**9) == [cnn.classifier[2], cnn.classifier[5]]  # by name: all
+
+
 def test_wrap_names_classes_and_takes_the_outermost_match():
     model = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
     assert fsdp.units(model, ["Linear"]) == [model.classifier[2], model.classifier[5]]

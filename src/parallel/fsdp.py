@@ -12,8 +12,8 @@ root for what is left. Sharding per unit lets a unit's all-gather overlap the pr
 bounds the memory of gathered parameters by the largest unit instead of the whole model. Each unit costs
 its own collectives, though (about 1 ms each with gloo on this CPU): a small model, whose children all fall
 below the threshold, is one unit, the root, which FSDP2 keeps gathered from the forward to the backward, so
-a step costs one all-gather and one reduce-scatter (benchmarks/fsdp_speed.py: 0.65x DDP's throughput with
-the digits CNN's two children as units, 0.94x as one unit).
+a step costs one all-gather and one reduce-scatter (benchmarks/fsdp_speed.py: 0.70x DDP's throughput with
+the digits CNN's two children as units, 0.92x as one unit).
 
 Everything else is unchanged: the CPU sync-BN (src/parallel/sync_batchnorm.py) replaces BatchNorm before
 sharding and all-reduces the activation statistics as under DDP; the loop's metrics, sampler, seeding

@@ -197,6 +197,7 @@ def report_final(trainer, state, run_dir: Path) -> float:  # noqa: ANN001 - Trai
 
 
 if __name__ == "__main__":
+    launch.die_with_launcher()  # a worker of dist.nproc_per_node ends with the process that started it
     heap.pause_collection()  # resumed in train(), once the imports are done
     launch.adopt_cluster_env()
     with hydra_errors.one_line_config_errors(launch.is_main_process()):

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 _STORE_KEY = "ddp_template/run_started_at"
 _ENV_KEY = "DDP_TEMPLATE_RUN_STARTED_AT"
+_LAUNCHER_PID = "DDP_TEMPLATE_LAUNCHER_PID"  # set by launch_workers: the process its workers die with
 # Set on a sweep's job run again in its own dir by a sweep run again (src/sweeps/jobs.py).
 SWEEP_JOB_RESUMES = "DDP_TEMPLATE_SWEEP_JOB_RESUMES"
 T = TypeVar("T")
@@ -198,6 +199,7 @@ def launch_workers(
     # The workers' own checks, made once here rather than after starting them all.
     last_worker = distributed.DistEnv(rank=nproc - 1, local_rank=nproc - 1, world_size=nproc)
     distributed.select_backend(backend, distributed.select_device(device, last_worker))
+    os.environ[_LAUNCHER_PID] = str(os.getpid())  # the workers inherit it (die_with_launcher)
     overrides = [o for o in task_overrides if not o.startswith("dist.nproc_per_node=")]
     worker_args = [script, *overrides, f"hydra.run.dir={quote_override(str(run_dir))}", "hydra.output_subdir=null"]
     try:
@@ -206,6 +208,26 @@ def launch_workers(
         if all(failure.exitcode == USAGE_ERROR_EXIT_CODE for failure in error.failures.values()):
             raise WorkersReportedUsageError("the workers stopped on the error above") from None
         raise
+
+
+def die_with_launcher(environ: Mapping[str, str] = os.environ) -> None:
+    """Make a worker that `launch_workers` started end when that process ends, however it ends.
+
+    torch's launcher starts each worker in a session of its own, so a launcher killed outright (SIGKILL,
+    the OOM killer; a sweep's process with the sweep) would leave its workers training on, writing into
+    the run dir that a resumed run or sweep continues in. Armed here, the kernel SIGKILLs the worker when
+    its parent dies (Linux's PR_SET_PDEATHSIG), as if its node were lost: the next run resumes from the
+    last checkpoint. Does nothing for other processes, or where prctl does not exist (macOS).
+    """
+    launcher = environ.get(_LAUNCHER_PID)
+    if launcher is None or not sys.platform.startswith("linux") or os.getppid() != int(launcher):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(launcher):  # the launcher died before the kernel watched it
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _standalone_config(nproc: int, master_port: int | None) -> LaunchConfig:

@@ -4,13 +4,18 @@ multi-node rendezvous, crashes and the sweep summary."""
 from __future__ import annotations
 
 import csv
+import hashlib
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from conftest import REPO, TRAIN, check, metrics, run, torchrun, train
+from faults import descendants, is_alive, wait_for_epoch, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +33,30 @@ def job_dirs(sweep: Path) -> list[Path]:
 def summary_rows(sweep: Path) -> list[dict]:
     with open(sweep / "summary.csv") as file:
         return list(csv.DictReader(file))
+
+
+def test_workers_die_with_a_launcher_killed_outright_and_write_nothing_after(workdir: Path, launched):
+    """SIGKILL to the process that started `dist.nproc_per_node=2` workers (as when a sweep's process is
+    killed): torch's launcher put each worker in a session of its own, yet they end with it
+    (launch.die_with_launcher), instead of training on into a run dir a resumed run continues in."""
+    run_dir = workdir / "run"
+    launcher = launched.start([sys.executable, TRAIN, "dist.nproc_per_node=2", "trainer.epochs=100",
+                               "trainer.progress=false", "hydra.run.dir=run"], workdir)
+    wait_for_epoch(run_dir, 1)
+    workers = descendants(launcher.pid)
+    assert len(workers) >= 2, workers
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait(timeout=30)
+    try:
+        wait_until(lambda: not any(is_alive(pid) for pid in workers), 10, "the workers to end with their launcher")
+    finally:  # orphans of a failed check must not train on for 100 epochs
+        for pid in filter(is_alive, workers):
+            os.kill(pid, signal.SIGKILL)
+    written = {path: hashlib.sha256(path.read_bytes()).digest() for path in run_dir.rglob("*") if path.is_file()}
+    time.sleep(2)
+    assert {path: hashlib.sha256(path.read_bytes()).digest()
+            for path in run_dir.rglob("*") if path.is_file()} == written  # nobody writes there any more
+    assert metrics(run_dir)["epoch"] < 100
 
 
 def test_self_launch_matches_torchrun(workdir: Path):

@@ -226,3 +226,26 @@ def test_a_wrapped_usage_error_stays_findable_through_the_torchrun_wrapper(monke
     with pytest.raises(RuntimeError) as raised:
         launch.recording_errors(build)()
     assert str(find_usage_error(raised.value)) == "image folder data/train not found"
+
+
+PDEATHSIG_OF_THIS_PROCESS = """
+import ctypes, os, sys
+from src.parallel import launch
+launch.die_with_launcher()
+signal = ctypes.c_int()
+ctypes.CDLL(None).prctl(2, ctypes.byref(signal), 0, 0, 0)  # PR_GET_PDEATHSIG
+print(signal.value)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("launcher,armed", [("parent", True), ("another", False), (None, False)])
+def test_only_a_worker_of_launch_workers_is_armed_to_die_with_it(launcher: str | None, armed: bool):
+    """The worker's parent is the launcher named in its environment: SIGKILL when it dies (9). A process
+    whose parent is another, or that no launch_workers started, is left as it is (0)."""
+    env = {key: value for key, value in os.environ.items() if key != launch._LAUNCHER_PID}
+    if launcher is not None:
+        env[launch._LAUNCHER_PID] = str(os.getpid() if launcher == "parent" else os.getpid() + 1_000_000)
+    result = subprocess.run([sys.executable, "-c", PDEATHSIG_OF_THIS_PROCESS], cwd=REPO, env=env,
+                            capture_output=True, text=True, check=True)
+    assert int(result.stdout) == (9 if armed else 0)

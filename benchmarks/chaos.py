@@ -80,9 +80,9 @@ class Phases:
 
     def draw(self, rng: random.Random, kills: int) -> tuple[bool, float]:
         """(in training?, seconds): 30% of kills within start-up (rendezvous, imports, dataset), counted from the
-        group's start; the rest within the first 1/(kills+1) of training (a step, a checkpoint write,
-        evaluation), counted from the group's first step. The groups killed then train less than the whole
-        run together, so every kill lands before the run could end."""
+        group's start and falling at its first step at the latest; the rest within the first 1/(kills+1) of
+        training (a step, a checkpoint write, evaluation), counted from the group's first step. The groups
+        killed then train less than the whole run together, so every kill lands before the run could end."""
         if rng.random() < 0.3:
             return False, rng.uniform(0, self.startup_s)
         return True, rng.uniform(0, self.training_s / (kills + 1))
@@ -105,9 +105,13 @@ def run_trial(seed: int, workdir: Path, kills: int, max_restarts: int, phases: P
                 break
             lines_before = _start_lines(run_dir / "train.log")  # groups of this run that reached their first step
             in_training, delay = phases.draw(rng, kills)
-            if in_training and not _wait_for_first_step(agent, run_dir / "train.log", lines_before):
-                break
-            time.sleep(delay)  # start-up, a step, a checkpoint write or evaluation
+            if in_training:  # a step, a checkpoint write or evaluation
+                if not _wait_for_first_step(agent, run_dir / "train.log", lines_before):
+                    break
+                time.sleep(delay)
+            else:  # start-up, measured on the uninterrupted run's first group: a restarted group may start faster,
+                # and its run (resumed) end sooner than `delay`; so at the latest at this group's first step
+                _wait_for_first_step(agent, run_dir / "train.log", lines_before, timeout=delay)
             victim = worker_pids(agent.pid).get(rng.choice(sorted(group)))
             if victim is None or agent.poll() is not None:
                 break
@@ -143,7 +147,7 @@ def steps_redone(run_dir: Path) -> int:
 def _wait_for_first_step(agent: subprocess.Popen, log: Path, lines_before: int, timeout: float = 120) -> bool:
     """Wait until the current group has logged its start line (right before its first step): the run's log
     then holds more start lines than the `lines_before` it held when the group started. False if torchrun
-    ended first."""
+    ended first, or `timeout` seconds passed."""
     deadline = time.monotonic() + timeout
     while agent.poll() is None and time.monotonic() < deadline:
         if _start_lines(log) > lines_before:

@@ -15,11 +15,11 @@ per module, on first use, and shared by the tests that read it.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import check, metrics, torchrun, train, weights
+from conftest import metrics, weights
+from lazy_runs import LazyRuns
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytestmark = pytest.mark.slow
@@ -63,26 +63,9 @@ RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
 }
 
 
-class Runs:
-    """Launches each run of RUNS once, when a test first asks for it; returns its run dir."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.done: dict[str, Path] = {}
-
-    def __call__(self, name: str) -> Path:
-        if name not in self.done:
-            processes, overrides = RUNS[name]
-            run_dir = self.root / name.replace(" ", "_")
-            args = [*overrides, f"hydra.run.dir={run_dir}"]
-            check(train(args, self.root) if processes == 1 else torchrun(processes, args, self.root))
-            self.done[name] = run_dir
-        return self.done[name]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("equivalence"))
+def runs(tmp_path_factory: pytest.TempPathFactory) -> LazyRuns:
+    return LazyRuns(tmp_path_factory.mktemp("equivalence"), RUNS)
 
 
 def max_abs_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -105,7 +88,7 @@ def without_timings(summary: dict) -> dict:
 # -- sync-BN ---------------------------------------------------------------------------
 
 
-def test_sync_bn_two_ranks_train_the_one_process_model(runs: Runs):
+def test_sync_bn_two_ranks_train_the_one_process_model(runs: LazyRuns):
     one, two = weights(runs("cnn 1 rank")), weights(runs("cnn 2 ranks"))
     assert any("running_var" in name for name in one) and any("running_mean" in name for name in one)
     assert_all_close(one, two, atol=1e-5)  # every tensor: weights, BN affine and running stats
@@ -113,7 +96,7 @@ def test_sync_bn_two_ranks_train_the_one_process_model(runs: Runs):
         metrics(runs("cnn 1 rank"))["train/loss"], abs=1e-5)
 
 
-def test_without_sync_bn_two_ranks_train_another_model(runs: Runs):
+def test_without_sync_bn_two_ranks_train_another_model(runs: LazyRuns):
     # Each rank normalises its 32 samples with their own statistics: not the 64-sample batch.
     diffs = max_abs_diffs(weights(runs("cnn 1 rank")), weights(runs("cnn 2 ranks without sync-BN")))
     assert max(diffs.values()) > 1e-4, diffs
@@ -122,14 +105,14 @@ def test_without_sync_bn_two_ranks_train_another_model(runs: Runs):
 # -- metrics ---------------------------------------------------------------------------
 
 
-def test_train_metrics_are_the_mean_over_every_ranks_samples(runs: Runs):
+def test_train_metrics_are_the_mean_over_every_ranks_samples(runs: LazyRuns):
     one, two = metrics(runs("cnn 1 rank")), metrics(runs("cnn 2 ranks"))
     # Rank 0's own mean (half the samples) differs from the global one by ~5e-2 here.
     assert two["history"][0]["train/loss"] == pytest.approx(one["history"][0]["train/loss"], abs=1e-5)
     assert one["history"][0]["step"] == two["history"][0]["step"] == STEPS_PER_EPOCH
 
 
-def test_train_metrics_agree_on_one_two_and_three_ranks(runs: Runs):
+def test_train_metrics_agree_on_one_two_and_three_ranks(runs: LazyRuns):
     # Identical weights at every step (lr=0, no BatchNorm): the same per-sample losses, so
     # the summed means over 1, 2 and 3 ranks agree to float64 rounding, accuracy exactly.
     reference = metrics(runs("eval 1 rank"))["history"][0]
@@ -139,7 +122,7 @@ def test_train_metrics_agree_on_one_two_and_three_ranks(runs: Runs):
         assert record["train/loss"] == pytest.approx(reference["train/loss"], abs=1e-6), name
 
 
-def test_val_metrics_count_every_sample_once_on_any_world_size(runs: Runs):
+def test_val_metrics_count_every_sample_once_on_any_world_size(runs: LazyRuns):
     reference_weights = weights(runs("eval 1 rank"))
     reference = metrics(runs("eval 1 rank"))
     assert reference["val/num_samples"] == VAL_SIZE
@@ -157,7 +140,7 @@ def test_val_metrics_count_every_sample_once_on_any_world_size(runs: Runs):
 # -- gradient accumulation and the global batch -----------------------------------------
 
 
-def test_grad_accum_trains_the_one_big_batch_model(runs: Runs):
+def test_grad_accum_trains_the_one_big_batch_model(runs: LazyRuns):
     reference = weights(runs("mlp accum 1"))
     assert_all_close(reference, weights(runs("mlp accum 2")), atol=1e-5)
     assert_all_close(reference, weights(runs("mlp 2 ranks accum 2")), atol=1e-5)
@@ -166,7 +149,7 @@ def test_grad_accum_trains_the_one_big_batch_model(runs: Runs):
 @pytest.mark.parametrize(
     "name", ["cnn 1 rank", "cnn 2 ranks", "mlp accum 1", "mlp accum 2", "mlp 2 ranks accum 2"]
 )
-def test_an_epoch_has_one_step_per_global_batch(runs: Runs, name: str):
+def test_an_epoch_has_one_step_per_global_batch(runs: LazyRuns, name: str):
     summary = metrics(runs(name))
     assert summary["global_batch_size"] == GLOBAL_BATCH
     assert summary["step"] == summary["history"][0]["step"] == STEPS_PER_EPOCH
@@ -181,7 +164,7 @@ def cosine_lr(step: int) -> float:
 
 
 @pytest.mark.parametrize("name", ["mlp accum 2", "mlp 2 ranks accum 2"])
-def test_lr_schedule_counts_optimizer_steps_not_micro_steps(runs: Runs, name: str):
+def test_lr_schedule_counts_optimizer_steps_not_micro_steps(runs: LazyRuns, name: str):
     events = EventAccumulator(str(runs(name) / "tb"))
     events.Reload()
     logged = [(event.step, event.value) for event in events.Scalars("lr")]
@@ -195,13 +178,13 @@ def test_lr_schedule_counts_optimizer_steps_not_micro_steps(runs: Runs, name: st
 # -- seeding ---------------------------------------------------------------------------
 
 
-def test_same_seed_reproduces_a_two_rank_run_bit_for_bit(runs: Runs):
+def test_same_seed_reproduces_a_two_rank_run_bit_for_bit(runs: LazyRuns):
     first, second = runs("cnn 2 ranks"), runs("cnn 2 ranks again")
     assert without_timings(metrics(first)) == without_timings(metrics(second))
     for name, tensor in weights(first).items():
         assert torch.equal(tensor, weights(second)[name]), name
 
 
-def test_another_seed_trains_other_weights(runs: Runs):
+def test_another_seed_trains_other_weights(runs: LazyRuns):
     diffs = max_abs_diffs(weights(runs("cnn 1 rank")), weights(runs("cnn 1 rank seed 1")))
     assert min(d for name, d in diffs.items() if "num_batches" not in name) > 1e-3, diffs

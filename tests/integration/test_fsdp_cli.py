@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TRAIN, check, metrics, run, torchrun, train, weights
+from conftest import REPO, TRAIN, check, metrics, run, torchrun, weights
 from faults import TORCHRUN, descendants, wait_until
+from lazy_runs import LazyRuns
 
 from src.loop import sharded_checkpoint
 
@@ -60,35 +61,21 @@ RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
 }
 
 
-class Runs:
-    """Launches each run of RUNS once, when a test first asks for it; returns its run dir."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.done: dict[str, Path] = {}
-
-    def __call__(self, name: str) -> Path:
-        if name not in self.done:
-            processes, overrides = RUNS[name]
-            run_dir = self.root / name.replace(" ", "_")
-            args = [*overrides, f"hydra.run.dir={run_dir}"]
-            check(train(args, self.root) if processes == 1 else torchrun(processes, args, self.root))
-            self.done[name] = run_dir
-        return self.done[name]
+class Runs(LazyRuns):
+    """The runs of RUNS, launched on first use; and copies of them resumed on other world sizes."""
 
     def resumed(self, name: str, processes: int, extra: tuple[str, ...] = ()) -> Path:
         """A copy of run `name`'s dir, continued with `resume=auto` on `processes` ranks."""
         suffix = "".join(f"_{override.replace('=', '-').replace('+', '')}" for override in extra)
         run_dir = self.root / f"{name.replace(' ', '_')}_resumed_on_{processes}{suffix}"
         shutil.copytree(self(name), run_dir)
-        args = [*TWO_EPOCHS, *extra, "resume=auto", f"hydra.run.dir={run_dir}"]
-        check(train(args, self.root) if processes == 1 else torchrun(processes, args, self.root))
+        self.launch(processes, [*TWO_EPOCHS, *extra, "resume=auto", f"hydra.run.dir={run_dir}"])
         return run_dir
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("fsdp"))
+    return Runs(tmp_path_factory.mktemp("fsdp"), RUNS)
 
 
 def sharded_weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Iterator
 
+from src.common import retries
+
 USAGE_ERROR_EXIT_CODE = 2
 NON_MAIN_RANK_GRACE_S = 1.0  # how long other ranks wait, on a usage error, for rank 0 to report it
 
@@ -58,7 +60,16 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
             # Rank 0 reports the mistake every rank hit. Exiting at once would let torchrun's agent
             # SIGTERM rank 0 before it has printed that line; a moment's grace lets it.
             time.sleep(NON_MAIN_RANK_GRACE_S)
-        from src.parallel.retries import record_final_failure  # imported here: it builds on this module
-
-        record_final_failure(str(usage_error))  # a restart would stop on it again
+        retries.record_final_failure(str(usage_error))  # a restart would stop on it again
         sys.exit(USAGE_ERROR_EXIT_CODE)
+
+
+def exit_if_failed_for_good() -> None:
+    """In a restarted worker: if an earlier attempt of this launcher stopped on a usage error, print it
+    (rank 0) and exit with code 2 before doing any work (src/common/retries.py)."""
+    message = retries.final_failure()
+    if message is None:
+        return
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {message} (not retried: every restart would stop on it)", file=sys.stderr)
+    sys.exit(USAGE_ERROR_EXIT_CODE)

@@ -1,11 +1,11 @@
-"""src/parallel/retries.py: a usage error under a restarting launcher is recorded, and that launcher's restarts
+"""src/common/retries.py (and errors.exit_if_failed_for_good): a usage error under a restarting launcher is recorded, and that launcher's restarts
 exit at once with the same line; nothing else is affected."""
 
 from __future__ import annotations
 
 import pytest
 
-from src.parallel import retries
+from src.common import errors, retries
 
 
 @pytest.fixture
@@ -19,11 +19,11 @@ def torchrun_worker(monkeypatch, tmp_path):
 
 
 def test_a_restart_after_a_usage_error_exits_at_once_with_its_line(torchrun_worker, capsys):
-    retries.exit_if_failed_for_good()  # the first attempt runs
+    errors.exit_if_failed_for_good()  # the first attempt runs
     retries.record_final_failure("dataset.root=/nowhere does not exist")
     torchrun_worker.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(SystemExit) as exit_:
-        retries.exit_if_failed_for_good()
+        errors.exit_if_failed_for_good()
     assert exit_.value.code == 2
     assert capsys.readouterr().err == (
         "error: dataset.root=/nowhere does not exist (not retried: every restart would stop on it)\n")
@@ -31,7 +31,7 @@ def test_a_restart_after_a_usage_error_exits_at_once_with_its_line(torchrun_work
 
 def test_a_restart_after_another_failure_runs(torchrun_worker):
     torchrun_worker.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # say, a worker was killed
-    retries.exit_if_failed_for_good()
+    errors.exit_if_failed_for_good()
 
 
 @pytest.mark.parametrize("unset", ["TORCHELASTIC_RUN_ID", "TORCHELASTIC_MAX_RESTARTS"])

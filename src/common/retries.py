@@ -3,22 +3,21 @@
 torchrun restarts the whole group after any worker failure; it has no notion of an error that will
 recur (a config mistake, a missing dataset folder, a loss that turns NaN at the same step of a
 deterministic run, checkpoints that are all unreadable). Such errors are UsageErrors (exit code 2). A
-worker that stops on one records the message for its launcher; a restarted worker of the same launcher
-finds it before importing torch, prints it again and exits at once, so each pointless restart costs
-a fraction of a second instead of a whole start-up.
+worker that stops on one records the message for its launcher (src/common/errors.py does, as it exits);
+a restarted worker of the same launcher finds it before importing torch (`errors.exit_if_failed_for_good`),
+prints it again and exits at once, so each pointless restart costs a fraction of a second instead of a
+whole start-up.
 
 The record is a file named after the launcher process (its pid and start time), so it is seen by that
-launcher's restarts only, never by another run.
+launcher's restarts only, never by another run. Nothing here imports another module of the template.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-from src.common.errors import USAGE_ERROR_EXIT_CODE
 from src.common.files import write_text_atomically
 
 RECORDS = Path(tempfile.gettempdir()) / "ddp-template-final-failures"
@@ -39,18 +38,15 @@ def record_final_failure(message: str) -> None:
     write_text_atomically(path, message, shared=True)  # every rank of the group may record at once
 
 
-def exit_if_failed_for_good() -> None:
-    """In a restarted worker: if an earlier attempt of this launcher stopped on a usage error, print it
-    (rank 0) and exit with code 2 before doing any work."""
+def final_failure() -> str | None:
+    """In a restarted worker: the message an earlier attempt of this launcher stopped on, if it stopped on a
+    usage error (None in a first attempt, or outside a torchrun-style launcher)."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-        return
+        return None
     path = _record_path()
     if path is None or not path.exists():
-        return
-    if os.environ.get("RANK", "0") == "0":
-        message = path.read_text(encoding="utf-8")
-        print(f"error: {message} (not retried: every restart would stop on it)", file=sys.stderr)
-    sys.exit(USAGE_ERROR_EXIT_CODE)
+        return None
+    return path.read_text(encoding="utf-8")
 
 
 def _record_path() -> Path | None:

@@ -1,10 +1,9 @@
 """Distributed setup: who this process is, which device and backend it uses, and the
 few collectives the template needs.
 
-Every rank-dependent decision about the process group lives here. The environment is
-the contract: torchrun (and anything that exports the same variables) sets RANK,
-LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a plain `python train.py` sets
-none of them and runs as a group of one without a process group.
+Every rank-dependent decision about the process group lives here. Who this process is comes
+from the launcher's variables (src/parallel/ranks.py); a plain `python train.py` has none and
+runs as a group of one without a process group.
 """
 
 from __future__ import annotations
@@ -15,46 +14,15 @@ import datetime
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from src.common.errors import UsageError
-from src.parallel import hang
+from src.parallel import fsdp, hang
+from src.parallel.ranks import DistEnv, read_env
 from src.parallel.sync_batchnorm import convert_sync_batchnorm
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """This process's place in the group, as the launcher described it."""
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.rank == 0
-
-
-def read_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
-    """Read the launcher's variables; no variables means a single process."""
-    if "WORLD_SIZE" not in environ:
-        return DistEnv()
-    return DistEnv(
-        rank=int(environ["RANK"]),
-        local_rank=int(environ.get("LOCAL_RANK", environ["RANK"])),
-        world_size=int(environ["WORLD_SIZE"]),
-        master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=int(environ.get("MASTER_PORT", 29500)),
-    )
 
 
 def select_device(requested: str, env: DistEnv) -> torch.device:
@@ -192,8 +160,6 @@ def prepare_model(
     if not runtime.env.is_distributed:
         return module, module
     if sharding is not None:
-        from src.parallel import fsdp
-
         if sharding.cpu_offload and runtime.device.type != "cuda":  # FSDP2 pins host memory for the copies
             raise UsageError("dist.fsdp.cpu_offload=true moves the shards between host memory and a GPU; this run "
                              "is on the CPU, where they already are: leave it false")

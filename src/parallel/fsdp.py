@@ -17,14 +17,18 @@ the digits CNN's two children as units, 0.92x as one unit).
 
 Everything else is unchanged: the CPU sync-BN (src/parallel/sync_batchnorm.py) replaces BatchNorm before
 sharding and all-reduces the activation statistics as under DDP; the loop's metrics, sampler, seeding
-and NaN guard never see the difference.
+and NaN guard never see the difference. Whole (unsharded) state dicts, e.g. of a dist=ddp checkpoint, are put
+into a sharded module and its optimizer by parameter name (`load_full_model_state`, `load_full_optimizer_state`).
+
+torch.distributed.fsdp and DCP's state-dict helpers take ~0.45 s to import: `shard` and the two loaders
+import them (deferred imports, the only ones here), and only runs that shard call them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -118,3 +122,41 @@ def no_gradient_sync(model: Any) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+def load_full_model_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """A whole model's state_dict (every rank holds all of it) into the sharded `module`: each rank keeps its
+    shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """A torch optimizer state_dict of the whole model (keyed by parameter position, as a dist=ddp run saves it)
+    into the optimizer of the sharded `module`, by parameter name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    named = by_name(state, module)
+    named["param_groups"] = this_implementation(named["param_groups"], optimizer)
+    set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))
+
+
+IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how to compute a step, not its state
+
+
+def this_implementation(groups: list[dict[str, Any]], optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Saved param_groups with this run's kernel choices: a dist=ddp checkpoint says fused=true, which sharded
+    parameters cannot run (src/loop/optim.py), and a sharded one says fused=None, slower than a ddp run's."""
+    return [{**group, **{key: own[key] for key in IMPLEMENTATION if key in own}}
+            for group, own in zip(groups, optimizer.param_groups)]
+
+
+def by_name(optimizer_state: Mapping[str, Any], module: nn.Module) -> dict[str, Any]:
+    """A torch optimizer state_dict keyed by parameter position (one built over the trainable parameters in
+    `module.parameters()` order, as train.py builds it) keyed by parameter name instead."""
+    names = [name for name, parameter in module.named_parameters() if parameter.requires_grad]
+    groups = [{**group, "params": [names[index] for index in group["params"]]}
+              for group in optimizer_state["param_groups"]]
+    return {"state": {names[index]: value for index, value in optimizer_state["state"].items()},
+            "param_groups": groups}

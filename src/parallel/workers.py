@@ -1,0 +1,160 @@
+"""`dist.nproc_per_node=N`: `python train.py` starts its own DDP group of N local workers; and what a worker
+of any launcher reports when it fails.
+
+Imported by the processes that start workers or are one (through train.py's and eval.py's import boundary),
+never by `--help` or `--cfg job`: torch's elastic launcher comes with it.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import signal
+import socket
+import sys
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from src.common.errors import USAGE_ERROR_EXIT_CODE, UsageError, WorkersReportedUsageError, find_usage_error
+from src.parallel import distributed
+from src.parallel.launch import LAUNCHER_PID, quote_override
+from src.parallel.ranks import DistEnv, is_worker
+
+T = TypeVar("T")
+
+
+def launch_workers(
+    script: str,
+    nproc: int,
+    run_dir: Path,
+    task_overrides: Sequence[str],
+    master_port: int | None = None,
+    device: str = "auto",
+    backend: str = "auto",
+) -> None:
+    """Run `script` as one DDP group of `nproc` local workers writing into `run_dir`.
+
+    This is torchrun's own machinery (torch.distributed.launcher, as `torchrun --standalone`
+    uses it): a c10d rendezvous on `master_port`, or by default on a free port chosen by the
+    OS, so back-to-back jobs of a sweep never race for a port, and a failed worker stops the
+    whole group. The workers get this job's overrides, its run dir, and leave `.hydra/` to
+    this process. A port in use, or a device or backend the workers could not get, is refused
+    here, before any worker starts. Workers that stop on a usage error (they print its line)
+    end this process with the same exit code and no traceback of its own.
+    """
+    _refuse_a_busy_port(master_port)
+    # The workers' own checks, made once here rather than after starting them all.
+    last_worker = DistEnv(rank=nproc - 1, local_rank=nproc - 1, world_size=nproc)
+    distributed.select_backend(backend, distributed.select_device(device, last_worker))
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers inherit it (launch.die_with_launcher)
+    overrides = [o for o in task_overrides if not o.startswith("dist.nproc_per_node=")]
+    worker_args = [script, *overrides, f"hydra.run.dir={quote_override(str(run_dir))}", "hydra.output_subdir=null"]
+    try:
+        elastic_launch(_standalone_config(nproc, master_port), entrypoint=sys.executable)(*worker_args)
+    except ChildFailedError as error:
+        if stopped_on_a_usage_error([failure.exitcode for failure in error.failures.values()]):
+            raise WorkersReportedUsageError("the workers stopped on the error above") from None
+        raise
+
+
+def stopped_on_a_usage_error(exit_codes: Sequence[int]) -> bool:
+    """Whether a group whose failed workers exited with `exit_codes` stopped on a usage error: one worker at
+    least exited with its code, and the others did too or were stopped by a signal (negative: the launcher
+    SIGTERMs the survivors of a worker that failed first, before their moment's grace is over)."""
+    return USAGE_ERROR_EXIT_CODE in exit_codes and all(
+        code == USAGE_ERROR_EXIT_CODE or code < 0 for code in exit_codes)
+
+
+def _standalone_config(nproc: int, master_port: int | None) -> LaunchConfig:
+    """`torchrun --standalone --nproc_per_node=nproc`: one node, no restarts, a c10d rendezvous on
+    `master_port` (None: a free port the OS picks)."""
+    if nproc > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does: no thread oversubscription
+    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                        rdzv_backend="c10d", rdzv_endpoint=f"localhost:{master_port or 0}", max_restarts=0,
+                        monitor_interval=0.5)
+
+
+def _refuse_a_busy_port(master_port: int | None) -> None:
+    if master_port is not None and not port_is_free(master_port):
+        raise UsageError(f"dist.master_port={master_port} is in use on localhost; pick another port "
+                         "or leave dist.master_port=null for a free one")
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on `port` of localhost now (torch's own bind error, raised
+    later from inside the rendezvous, is a page of traceback)."""
+    with socket.socket() as sock:
+        # As torch's TCPStore binds: a port merely waiting out TIME_WAIT counts as free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("localhost", port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
+
+
+def recording_errors(function: Callable[..., T]) -> Callable[..., T]:
+    """`function`, wrapped in torch's @record when this process is a launcher's worker:
+    an exception's traceback then goes to the error file torchrun reads, and torchrun
+    shows it in its failure summary instead of "To enable traceback see ...".
+
+    A usage error is the exception: its one `error:` line is the whole report, so it passes
+    @record unrecorded (a torchrun summary would otherwise show ~40 lines of traceback under it).
+    """
+    if not is_worker():
+        return function
+
+    def raising_usage_errors_past_record(*args: Any, **kwargs: Any) -> T:
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            if find_usage_error(error) is None:
+                _ignore_sigterm()  # until @record has written the error file (see below)
+                raise
+            raise _UnrecordedError(error) from None  # @record catches Exception, not BaseException
+
+    recorded = record(raising_usage_errors_past_record)
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        handler = signal.getsignal(signal.SIGTERM) if _is_main_thread() else None
+        try:
+            return recorded(*args, **kwargs)  # type: ignore[return-value]
+        except _UnrecordedError as carrier:
+            error = carrier.error  # re-raised with its own cause kept: a UsageError Hydra wrapped is found there
+            raise error from error.__cause__
+        finally:
+            if handler is not None:  # a sweep under torchrun goes on to its next job
+                signal.signal(signal.SIGTERM, handler)
+
+    return wrapper
+
+
+def _ignore_sigterm() -> None:
+    """A failing worker finishes its error file before SIGTERM can end it. When a peer dies,
+    torchrun's agent SIGTERMs the survivors; one cut short while @record writes leaves an empty
+    error file, on which the agent itself crashes (JSONDecodeError) instead of restarting the
+    group. The agent still SIGKILLs a worker that does not exit in time."""
+    if _is_main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _is_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+class _UnrecordedError(BaseException):
+    """Carries a usage error past torch's @record, which records every Exception."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error

@@ -17,28 +17,26 @@ from pathlib import Path
 
 import torch
 
+from src import checkpoint
+from src.checkpoint.store import FORMAT
 from src.common import files
 from src.common.errors import UsageError, exit_on_usage_error
-from src.loop import checkpoint, sharded_checkpoint
 
 
 def model_state(path: Path) -> dict[str, torch.Tensor]:
-    """The whole model's tensors of the checkpoint `path`, on the CPU."""
-    payload = checkpoint.load(path)  # refuses a file that is not a checkpoint of this template
-    if "sharded" in payload:
-        return sharded_checkpoint.full_model_state(Path(payload["sharded"]))
-    return payload["model"]
+    """The whole model's tensors of the checkpoint `path`, on the CPU (refuses a file that is none)."""
+    return checkpoint.read(path).model_weights()
 
 
 def write_safetensors(state: dict[str, torch.Tensor], out: Path, source: Path) -> None:
-    try:
+    try:  # an optional package: imported only to export
         from safetensors.torch import save
     except ImportError:
         raise UsageError("exporting needs the safetensors package (pip install safetensors)") from None
     # safetensors stores each tensor's own bytes: views and shared storage are copied out.
     tensors = {name: tensor.detach().contiguous().clone() for name, tensor in state.items()}
     with files.atomic_file(out) as file:
-        file.write(save(tensors, metadata={"source": str(source), "format": checkpoint.FORMAT}))
+        file.write(save(tensors, metadata={"source": str(source), "format": FORMAT}))
 
 
 def main(argv: list[str] | None = None) -> None:

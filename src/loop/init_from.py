@@ -25,8 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from src import checkpoint
+from src.checkpoint.file_store import model_weights_in
+from src.checkpoint.layout import is_directory_checkpoint
 from src.common.errors import UsageError
-from src.loop import checkpoint
 from src.parallel import distributed
 
 log = logging.getLogger(__name__)
@@ -51,10 +53,8 @@ class Match:
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of `path` by name, prefixes stripped, or one error line saying why not."""
-    if checkpoint.is_sharded_path(path):  # dist=fsdp's directory (or last / best): gathered here
-        from src.loop import sharded_checkpoint
-
-        return strip_prefixes(sharded_checkpoint.full_model_state(Path(checkpoint.load(path)["sharded"])))
+    if is_directory_checkpoint(path):  # dist=fsdp's directory (or last / best): gathered here
+        return strip_prefixes(checkpoint.read(path).model_weights())
     if not path.is_file():
         raise UsageError(f"init_from={path} does not exist")
     if path.suffix == ".safetensors":
@@ -64,8 +64,8 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     except Exception as error:  # torch raises several types for truncated or foreign files
         raise UsageError(f"init_from={path} cannot be read ({type(error).__name__}): is it a complete .pt file "
                          "saved with torch.save?") from None
-    if isinstance(payload, dict) and payload.get("format") == checkpoint.FORMAT:
-        payload = payload["model"]  # a checkpoint of this template: its weights only
+    template_weights = model_weights_in(payload)  # a checkpoint of this template: its weights only
+    payload = payload if template_weights is None else template_weights
     if not _is_state_dict(payload):
         raise UsageError(f"init_from={path} holds no state_dict (a dict of tensors by name, or a checkpoint of this "
                          "template): save one with torch.save(model.state_dict(), PATH)")
@@ -73,7 +73,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
+    try:  # an optional package: imported only for a .safetensors file
         from safetensors.torch import load_file
     except ImportError:
         raise UsageError(f"init_from={path} is a safetensors file: install the safetensors package to read it "

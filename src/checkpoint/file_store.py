@@ -1,0 +1,80 @@
+"""Checkpoints as one `.pt` file each (dist=ddp): a plain dict of the parts' states, written atomically and
+durably by rank 0 (every rank holds the same state), loaded with `weights_only=True`, so opening one never
+runs code (and the config saved in one never chooses code either: src/config/trusted_targets.py).
+
+    checkpoints/last.pt            every save; best.pt a copy when the monitored metric improves
+    checkpoints/step_<N>.pt        mid-epoch saves, the newest `trainer.keep_last` of them
+
+The parts are named as src/checkpoint/store.py describes; `model` is the unwrapped module's state_dict, so
+`torch.load(path)["model"]` loads into the plain `nn.Module` the config builds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from src.checkpoint import layout
+from src.checkpoint.store import FORMAT, MODEL, OPTIMIZER, Checkpoint, Store, check_format, state_of
+from src.checkpoint.writing import copy_atomic, save_atomic, stop_every_rank_on_failure
+from src.common.errors import UsageError
+from src.parallel import fsdp
+
+
+class FileStore(Store):
+    """Writes `last.pt` (every save), `best.pt` (on improvement) and `step_<N>.pt` (mid-epoch saves)."""
+
+    def save(self, parts: Mapping[str, Any], step: int, is_best: bool, mid_epoch: bool = False) -> None:
+        payload = {"format": FORMAT, **{name: state_of(part) for name, part in parts.items()}}  # the live tensors
+        stop_every_rank_on_failure(self.is_main_process,
+                                   lambda: self._write(payload, step if mid_epoch else None, is_best))
+
+    def _write(self, payload: dict[str, Any], step: int | None, is_best: bool) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        last = self.directory / layout.LAST_FILE
+        save_atomic(payload, last)
+        if is_best:
+            copy_atomic(last, self.directory / layout.BEST_FILE)
+        if step is not None:
+            copy_atomic(last, self.directory / f"{layout.step_name(step)}.pt")
+            for old in sorted(self.directory.glob("step_*.pt"))[: -self.keep_last or None]:
+                old.unlink()
+
+
+class FileCheckpoint(Checkpoint):
+    """A `.pt` checkpoint: its tensors are read with the rest, onto the CPU."""
+
+    @classmethod
+    def read(cls, path: Path) -> "FileCheckpoint":
+        """The checkpoint `path`, or one clear line saying why it cannot be one."""
+        if not path.is_file():
+            raise UsageError(f"checkpoint {path} does not exist")
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # torch raises several types for truncated or foreign files
+            reason = type(error).__name__
+            raise UsageError(f"checkpoint {path} cannot be read ({reason}): is it a complete .pt file?") from None
+        return cls(path, check_format(payload, path))
+
+    def _load_model(self, module: nn.Module) -> None:
+        self.load_whole_state(module, self.state[MODEL])
+
+    def load_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if fsdp.is_sharded(module):  # a dist=ddp checkpoint resumed by dist=fsdp: put to parameter names
+            fsdp.load_full_optimizer_state(module, optimizer, self.state[OPTIMIZER])
+        else:
+            optimizer.load_state_dict(self.state[OPTIMIZER])
+
+    def model_weights(self) -> dict[str, torch.Tensor]:
+        return self.state[MODEL]
+
+
+def model_weights_in(payload: Any) -> dict[str, torch.Tensor] | None:
+    """The model weights of a `.pt` file's loaded payload if it is a checkpoint of this template (any format);
+    None for any other payload (a plain state_dict: init_from takes those too)."""
+    if isinstance(payload, dict) and str(payload.get("format", "")).startswith("ddp-template-checkpoint/"):
+        return FileCheckpoint(Path(), check_format(payload, Path())).model_weights()
+    return None

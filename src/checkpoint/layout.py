@@ -1,0 +1,71 @@
+"""Where a run's checkpoints live, by name: which is the newest, which a resume takes, whether a run dir holds
+a run. Both formats name their checkpoints alike; nothing here reads one, and nothing here imports torch
+(`src/config/schema.py` asks it before Hydra writes into the run dir).
+
+    checkpoints/
+      last.pt  best.pt  step_000000044.pt     one file per checkpoint (dist=ddp, src/checkpoint/file_store.py)
+      step_000000044/  last  best             a directory per checkpoint, and small files naming the newest
+                                              and the best (dist=fsdp, src/checkpoint/sharded_store.py)
+
+A run that switched dist strategies may hold both; the newer wins.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from src.common.errors import UsageError
+
+LAST_FILE, BEST_FILE = "last.pt", "best.pt"
+POINTERS = ("last", "best")  # small text files naming a checkpoint directory
+STEP = re.compile(r"step_\d{9}(\.pt)?")  # a step checkpoint: file or directory, named by its optimizer step
+
+
+def step_name(step: int) -> str:
+    """`step_000000044`: zero-padded, so names sort by step."""
+    return f"step_{step:09d}"
+
+
+def is_directory_checkpoint(path: Path) -> bool:
+    """A checkpoint directory, or a `last` / `best` file naming one."""
+    return path.is_dir() or (path.name in POINTERS and path.is_file() and path.stat().st_size < 256)
+
+
+def resolve(path: Path) -> Path:
+    """The directory `path` is or names (a `last` / `best` file); any other path as it is."""
+    if path.is_file() and path.name in POINTERS:
+        return path.parent / path.read_text().strip()
+    return path
+
+
+def latest(directory: Path) -> Path | None:
+    """The newest checkpoint: `last.pt` or `last` (the later written, if a run switched dist)."""
+    found = [path for path in (directory / LAST_FILE, directory / "last") if path.is_file()]
+    return max(found, key=lambda path: path.stat().st_mtime_ns, default=None)
+
+
+def newest_first(directory: Path) -> list[Path]:
+    """The checkpoints holding the newest training state, newest first: `last.pt` (or `last`), then the step
+    checkpoints (files and directories) from the highest step down. `best` is an older state by design."""
+    steps = [path for path in directory.glob("step_*") if STEP.fullmatch(path.name)]
+    steps.sort(key=lambda path: path.name.removesuffix(".pt"), reverse=True)
+    newest = latest(directory)
+    named = None if newest is None else resolve(newest)  # the directory `last` names
+    return [*([] if newest is None else [newest]), *(path for path in steps if path.exists() and path != named)]
+
+
+def resume_path(directory: Path, resume: str | None) -> Path | None:
+    """The checkpoint to resume from: None (fresh start), `auto` (the newest in `directory`) or an explicit
+    path. A fresh start refuses a run dir that already holds a run, so an old run's checkpoints are never
+    overwritten by accident."""
+    if resume is None:
+        if latest(directory) is not None:
+            raise UsageError(
+                f"{directory.parent} already holds a run; pass resume=auto to continue it or choose another "
+                "hydra.run.dir"
+            )
+        return None
+    if resume == "auto":
+        return latest(directory)
+    return Path(resume)

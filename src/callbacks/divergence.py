@@ -2,18 +2,24 @@
 
 Checking the loss on the host every step would cost a device sync per step. Instead each
 step folds "was this loss finite?" into a device tensor (the first bad step, no sync), and
-the host looks at it where it already reads the loss: at log steps, at checkpoints and at
-the end of an epoch. A NaN anywhere makes the all-reduced loss sum NaN on every rank, so
+the host looks at it where it already reads the loss: at log steps, at the end of an epoch,
+and before a checkpoint. A NaN anywhere makes the all-reduced loss sum NaN on every rank, so
 all ranks stop together, and no checkpoint of the broken state is ever written.
+
+`callbacks.divergence.detect_anomaly=true` (conf/callbacks/divergence.yaml) turns on autograd's anomaly
+mode and a check every step: the error then names the backward operation that made the NaN.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from src.common.errors import UsageError
+from src.loop.callback import Callback, Run, Step
 from src.parallel.distributed import all_reduce_min
 
 _NEVER = 2**62  # "no bad step yet"; larger than any step count
@@ -50,8 +56,54 @@ class NonFiniteLossWatch:
 def diverged_message(step: int, what: str, names_the_op: bool = False) -> str:
     """One line: what went wrong at which step, and what to try."""
     where = "the warning above shows its forward call" if names_the_op else (
-        "trainer.detect_anomaly=true names the operation")
+        "callbacks.divergence.detect_anomaly=true names the operation")
     return (
         f"{what} at optimizer step {step}; the run stopped without saving that state. Try a lower "
         f"optimizer.lr or trainer.grad_clip=1.0; {where}"
     )
+
+
+class DivergenceWatch(Callback):
+    """The NaN/inf watch of the module's docstring; `detect_anomaly`: autograd's anomaly mode, a check every step."""
+
+    def __init__(self, detect_anomaly: bool) -> None:
+        self.detect_anomaly = detect_anomaly
+        self.watch: NonFiniteLossWatch | None = None
+        self._anomaly_mode: Any = None
+        self._step = 0  # the last optimizer step taken
+
+    def on_run_start(self, run: Run) -> None:
+        self.watch = NonFiniteLossWatch(run.parts.runtime.device)
+        self._step = run.state.step
+        if self.detect_anomaly:
+            self._anomaly_mode = torch.autograd.set_detect_anomaly(True)  # on until the run ends
+
+    def on_step_end(self, step: Step) -> None:
+        self._step = step.number
+        self.watch.observe(step.loss, step.number)  # type: ignore[union-attr]
+        if self.detect_anomaly:
+            self.watch.check_now()  # type: ignore[union-attr]
+
+    def on_log(self, step: int, scalars: Mapping[str, float]) -> None:
+        self.watch.check(scalars["train/loss"])  # type: ignore[union-attr]
+
+    def on_epoch_end(self, run: Run, record: Mapping[str, float]) -> None:
+        self.watch.check(record["train/loss"])  # type: ignore[union-attr]
+
+    def on_checkpoint(self, run: Run) -> None:
+        self.watch.check_now()  # type: ignore[union-attr]  # never checkpoint a diverged model
+
+    def on_run_end(self, run: Run, reason: Any) -> None:
+        self._leave_anomaly_mode()
+
+    def on_exception(self, run: Run, error: BaseException) -> None:
+        """Anomaly mode names the backward op that made a NaN, in a RuntimeError: one line instead."""
+        self._leave_anomaly_mode()
+        if self.detect_anomaly and isinstance(error, RuntimeError) and "nan values" in str(error):
+            what = str(error).splitlines()[0].rstrip(".")
+            raise TrainingDiverged(diverged_message(self._step + 1, what, names_the_op=True)) from None
+
+    def _leave_anomaly_mode(self) -> None:
+        if self._anomaly_mode is not None:
+            self._anomaly_mode.__exit__(None, None, None)
+            self._anomaly_mode = None

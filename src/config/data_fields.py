@@ -7,61 +7,66 @@ names the fields its class takes, e.g. `in_features: ${data:num_features}`; noth
 signatures. A field the dataset does not provide is one error line naming both sides. Overriding
 the key with a value (`model.num_outputs=4`) takes the value instead.
 
-The fields are known once the dataset is built: `providing()` makes them available to the rest of
-the run. Nothing here imports torch.
+The fields are known once the dataset is built: `fill` then writes their values into the run's model config,
+so that from there on `instantiate(cfg.model)` builds the model anywhere and the saved config holds the
+values. Before that (`--cfg job --resolve`) the resolver says where a value will come from. Nothing here
+imports torch, and nothing here keeps state.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from src.common.errors import UsageError
 
-_fields: Mapping[str, Any] | None = None
-_dataset_name = "the dataset"
+_FIELD = re.compile(r"\$\{data:(\w+)\}")
 
 
 def register_resolver() -> None:
-    OmegaConf.register_new_resolver("data", _field, replace=True)
+    OmegaConf.register_new_resolver("data", _placeholder, replace=True)
 
 
-def _field(name: str, _node_: Any) -> Any:
-    where = _node_._get_full_key(None)
-    if _fields is None:  # before the dataset is built, e.g. `--cfg job --resolve`: say where it comes from
-        return f"<{name}: filled in at run time from the dataset and task>"
-    if name not in _fields:
-        provided = ", ".join(f"{key}={value}" for key, value in _fields.items()) or "nothing"
+def _placeholder(name: str) -> str:
+    """A `${data:FIELD}` resolved before the dataset is built, e.g. by `--cfg job --resolve`."""
+    return f"<{name}: filled in at run time from the dataset and task>"
+
+
+def fill(model_cfg: DictConfig, fields: Mapping[str, Any], dataset_name: str) -> DictConfig:
+    """`model_cfg` with each `${data:FIELD}` replaced by `fields[FIELD]` (what the dataset `dataset_name`
+    provides), or one error line naming the key, the field and what the dataset provides instead."""
+    filled = OmegaConf.create(_filled(OmegaConf.to_container(model_cfg, resolve=False), fields, dataset_name, "model"))
+    return filled
+
+
+def _filled(node: Any, fields: Mapping[str, Any], dataset_name: str, where: str) -> Any:
+    if isinstance(node, dict):
+        return {key: _filled(value, fields, dataset_name, f"{where}.{key}") for key, value in node.items()}
+    if isinstance(node, list):
+        return [_filled(value, fields, dataset_name, f"{where}.{index}") for index, value in enumerate(node)]
+    match = _FIELD.fullmatch(node) if isinstance(node, str) else None
+    if match is None:
+        return node
+    name = match.group(1)
+    if name not in fields:
+        provided = ", ".join(f"{key}={value}" for key, value in fields.items()) or "nothing"
         raise UsageError(
-            f"{where} asks for the dataset's {name}, which {_dataset_name} does not provide (it provides {provided}); "
+            f"{where} asks for the dataset's {name}, which {dataset_name} does not provide (it provides {provided}); "
             f"choose a model that fits this dataset, or set {where}=VALUE"
         )
-    value = _fields[name]
+    value = fields[name]
     return list(value) if isinstance(value, tuple) else value
 
 
-@contextlib.contextmanager
-def providing(fields: Mapping[str, Any], dataset_name: str) -> Iterator[None]:
-    """`${data:FIELD}` resolves to `fields[FIELD]` inside the block (the rest of a run)."""
-    global _fields, _dataset_name
-    previous = _fields, _dataset_name
-    _fields, _dataset_name = dict(fields), dataset_name
-    try:
-        yield
-    finally:
-        _fields, _dataset_name = previous
-
-
-def used_by(model_cfg: DictConfig) -> dict[str, Any]:
-    """The fields `model_cfg` takes as `${data:FIELD}`, with the values they have now: saved with a
-    checkpoint, so eval.py can refuse data of another shape in one line instead of a shape error."""
-    text = OmegaConf.to_yaml(model_cfg)  # unresolved: the interpolations as written
-    names = sorted(set(re.findall(r"\$\{data:(\w+)\}", text)))
-    return {name: _fields[name] for name in names if _fields is not None and name in _fields}
+def used_by(model_cfg: DictConfig, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields `model_cfg` (as composed: the interpolations as written) takes as `${data:FIELD}`, with their
+    values in `fields`: saved with a checkpoint, so eval.py can refuse data of another shape in one line
+    instead of a shape error."""
+    names = sorted(set(_FIELD.findall(OmegaConf.to_yaml(model_cfg))))
+    return {name: fields[name] for name in names if name in fields}
 
 
 def check_same(saved: Mapping[str, Any] | None, fields: Mapping[str, Any], what: str, dataset: str) -> None:

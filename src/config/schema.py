@@ -39,7 +39,10 @@ from hydra.core.config_store import ConfigStore
 from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from src.checkpoint import layout
 from src.common.errors import UsageError, exit_on_usage_error
+from src.parallel.launch import resume_setting
+from src.parallel.ranks import is_main_process
 
 # -- rules: what a value may be, beyond its type ----------------------------------------------------
 
@@ -123,29 +126,6 @@ def timeout_setting() -> Any:
 
 
 @dataclass
-class EarlyStoppingConfig:
-    """`trainer.early_stopping`: end the run when the monitored metric (`trainer.monitor`, in the direction of
-    `trainer.monitor_mode`) has stopped improving (src/loop/stopping.py)."""
-
-    patience: int | None = setting(None, at_least(1, or_null=True))  # stop after this many epochs in a row
-    # without an improvement beyond min_delta over the best value so far (null: never stop early)
-    min_delta: float = setting(0.0, number_or_null(zero_allowed=True))  # an epoch improves only by more than
-    # this much (in the metric's units)
-
-
-@dataclass
-class EmaConfig:
-    """`trainer.ema`: an exponential moving average of the weights (src/loop/ema.py), validated every
-    epoch as val_ema/<metric> and saved in every checkpoint as `ema`."""
-
-    decay: float | None = setting(None, fraction_or_null)  # after every optimizer step, ema = decay x ema +
-    # (1 - decay) x weights, BatchNorm buffers copied; in (0, 1), e.g. 0.999; null: no EMA
-    warmup_steps: int = setting(0, at_least(0))  # the decay ramps linearly from 0 to `decay` over this many
-    # optimizer steps (step s uses decay x min(1, s / warmup_steps)), so the EMA leaves the initial weights
-    # behind sooner; 0: `decay` from the first step
-
-
-@dataclass
 class TrainerConfig:
     """The `trainer` block: how the loop trains, checkpoints and reports. `train.py trainer.KEY=VALUE`
     sets one. Built directly (tests), `monitor`/`monitor_mode` stay the interpolations below: pass them."""
@@ -180,9 +160,6 @@ class TrainerConfig:
     overfit_batches: int = setting(0, at_least(0))  # >0: train AND validate on the same first N global
     # batches of the train split, to check that the model can drive the loss to ~0 (0: off)
     progress: bool = True  # rank-0 progress bars for train and val (shown only when stdout is a terminal)
-    detect_anomaly: bool = False  # torch.autograd anomaly detection: names the op that made a NaN/inf (slow;
-    # debugging)
-    profile: bool = False  # torch.profiler trace of a few steps into the run dir's tb/ (open in TensorBoard)
     channels_last: bool = False  # NHWC memory format for the model and images (faster convolutions on recent
     # GPUs)
     tf32: bool = True  # allow TensorFloat-32 matmuls/convolutions on Ampere+ GPUs (no effect on CPU)
@@ -190,9 +167,6 @@ class TrainerConfig:
     freeze: list[str] = field(default_factory=list)  # parameter-name prefixes (e.g. [features]) whose parameters
     # get no gradient and no optimizer state: linear probing / partial fine-tuning (a prefix matching no
     # parameter is an error). BatchNorm running statistics of frozen layers still update while training
-    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)  # patience, min_delta
-    ema: EmaConfig = field(default_factory=EmaConfig)  # EMA weights: trainer.ema.decay (null: off) and
-    # trainer.ema.warmup_steps, declared in EmaConfig above
 
 
 STRATEGIES = ("ddp", "fsdp")  # a full copy of the model per rank | the model sharded over the ranks (FSDP2)
@@ -266,7 +240,20 @@ class TrainSchema:
     # false: load the weights that match, keep a fresh initialisation for the rest (listed in the log):
     # the way to say "re-initialise the head" when the class count differs
     trusted_targets: list[str] = MISSING
+    print_config: bool = False  # also print the composed config to the console at the start (it is always in
+    # .hydra/config.yaml and in each rank's log file, resolved as the rank trains with it)
+    callbacks: Any = field(default_factory=dict)  # the add-ons around the loop, by name (conf/callbacks/)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# Settings that left the `trainer` block for a callback (src/callbacks/): an old key on the command line is one
+# line naming the new one (src/config/hydra_errors.py).
+MOVED = {
+    "trainer.ema": "callbacks.ema",
+    "trainer.early_stopping": "callbacks.early_stopping",
+    "trainer.detect_anomaly": "callbacks.divergence.detect_anomaly",
+    "trainer.profile": "debug=profile",
+}
 
 
 # Values in the open groups (see the module's docstring) that the run depends on.
@@ -322,7 +309,7 @@ def check_train_config(cfg: DictConfig) -> None:
     missing = OmegaConf.missing_keys(cfg)
     problems = [f"{key} is required: add {key}=VALUE" for key in sorted(missing)]
     rules = {**rules_of("trainer", TrainerConfig), **rules_of("dist", DistConfig), **OPEN_GROUP_RULES}
-    problems += init_from_problems(cfg) + strategy_problems(cfg)
+    problems += init_from_problems(cfg)
     _refuse(problems + value_problems(cfg, rules, skip=missing))
 
 
@@ -332,15 +319,6 @@ def init_from_problems(cfg: DictConfig) -> list[str]:
     if init_from is not None and resume not in (None, "auto"):
         return [f"init_from={init_from} starts a fresh run from weights, resume={resume} continues a run: pass only "
                 "one (with resume=auto, init_from applies only when the run dir holds no checkpoint yet)"]
-    return []
-
-
-def strategy_problems(cfg: DictConfig) -> list[str]:
-    """What dist.strategy=fsdp cannot combine with: EMA weights keep a full copy of the model on every rank,
-    which is what sharding exists to avoid (src/loop/ema.py updates whole tensors)."""
-    if OmegaConf.select(cfg, "dist.strategy") == "fsdp" and OmegaConf.select(cfg, "trainer.ema.decay") is not None:
-        return [f"trainer.ema.decay={cfg.trainer.ema.decay} keeps a full copy of the model on every rank, which "
-                "dist=fsdp exists to avoid: use dist=ddp for EMA weights, or trainer.ema.decay=null"]
     return []
 
 
@@ -378,24 +356,15 @@ def _refuse(problems: list[str]) -> None:
         raise UsageError("; ".join(problems))
 
 
-created_run_dirs: set[Path] = set()  # run dirs that did not exist when this process's run started
-
-
 class CheckBeforeWriting(Callback):
     """Refuse a bad value, or a fresh run into a run dir that already holds one, before Hydra
     writes `.hydra/` into the run dir: Hydra does that before the task function starts, so a
     check there would already have overwritten an existing run's saved config."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from src.loop.checkpoint import Checkpointer
-        from src.parallel import launch
-
-        run_dir = Path(config.hydra.run.dir)
-        if not run_dir.exists():  # a refused run may remove it (launch.discard_unused_run_dir)
-            created_run_dirs.add(run_dir.resolve())
         # Hydra turns a callback's exception into a warning and goes on; SystemExit it lets through.
-        with exit_on_usage_error(launch.is_main_process()):
+        with exit_on_usage_error(is_main_process()):
             check_train_config(OmegaConf.masked_copy(config, [key for key in config if key != "hydra"]))
-            if launch.is_main_process():  # a late rank could see the checkpoint rank 0 has just written
+            if is_main_process():  # a late rank could see the checkpoint rank 0 has just written
                 checkpoints = Path(config.hydra.run.dir) / "checkpoints"
-                Checkpointer(checkpoints, is_main_process=False).resume_path(launch.resume_setting(config.resume))
+                layout.resume_path(checkpoints, resume_setting(config.resume))

@@ -1,49 +1,16 @@
-"""Speed knobs set once at run start, and how well a run uses its GPUs (MFU, peak memory).
+"""Speed knobs set once at run start (how well a run then uses its GPUs: src/callbacks/utilization.py).
 
 - `set_backend_flags`: TF32 matmuls/convolutions (`trainer.tf32`) and cuDNN's algorithm choice
   (`trainer.deterministic`: reproducible algorithms; otherwise cudnn.benchmark picks the fastest).
 - `with_memory_format`: `trainer.channels_last` puts the weights and every input batch in NHWC.
-- `Utilization`: model FLOPs utilisation and peak allocated memory for TensorBoard, on GPUs whose
-  peak FLOP/s is in `PEAK_TFLOPS`. Elsewhere (the CPU, an unlisted GPU) it reports nothing and costs nothing.
 """
 
 from __future__ import annotations
 
-import functools
-import re
-from collections.abc import Mapping
-from copy import deepcopy
 from typing import Any
 
 import torch
 from torch import nn
-
-from src.data.batches import tree_map
-
-# Dense peak TFLOP/s (no 2:4 sparsity) per GPU, by the compute precision of its matmuls: "fp32" on
-# CUDA cores, "tf32" / "bf16" / "fp16" on tensor cores with fp32 accumulation (what PyTorch uses).
-# A precision a GPU lacks is absent: fp32 models on pre-Ampere GPUs fall back to "fp32" (the TF32
-# flag has no effect there), bf16 there has no peak. Patterns match torch.cuda.get_device_name()
-# lower-cased, first match wins. Sources: NVIDIA's datasheets (H100/H200, A100, A40, A10, L4, L40S,
-# V100/V100S, T4), which quote tensor-core figures with sparsity (halved here), and the architecture
-# whitepapers' appendices for GeForce cards (Ampere GA102: RTX 3090; Ada Lovelace: RTX 4090).
-PEAK_TFLOPS: tuple[tuple[str, Mapping[str, float]], ...] = (
-    (r"h[12]00 nvl", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}),
-    (r"h100.*(pcie|hbm2e)", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5}),
-    (r"h100|h200", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),  # SXM
-    (r"a100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),  # SXM and PCIe alike
-    (r"\ba40\b", {"fp32": 37.4, "tf32": 74.8, "bf16": 149.7, "fp16": 149.7}),
-    (r"\ba10\b", {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0}),
-    (r"l40s", {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05}),
-    (r"\bl4\b", {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0}),
-    (r"v100s", {"fp32": 16.4, "fp16": 130.0}),
-    (r"v100.*sxm", {"fp32": 15.7, "fp16": 125.0}),
-    (r"v100", {"fp32": 14.0, "fp16": 112.0}),  # PCIe
-    (r"\bt4\b", {"fp32": 8.1, "fp16": 65.0}),
-    (r"rtx 3090", {"fp32": 35.6, "tf32": 35.6, "bf16": 71.0, "fp16": 71.0}),
-    (r"rtx 4090", {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2}),
-)
-GIB = 2**30
 
 
 def set_backend_flags(device: torch.device, tf32: bool, deterministic: bool) -> None:
@@ -73,105 +40,6 @@ def _channels_last_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any
                  else arg for arg in args)
 
 
-def peak_flops(device_name: str, precision: str, tf32: bool) -> float | None:
-    """Dense peak FLOP/s of one `device_name` GPU at `trainer.precision` (32 | bf16 | 16), or None
-    if the GPU or that precision is not in `PEAK_TFLOPS`. With precision 32, `tf32` says whether
-    matmuls run as TF32 on the tensor cores."""
-    name = device_name.lower()
-    for pattern, peaks in PEAK_TFLOPS:
-        if re.search(pattern, name):
-            key = {"32": "tf32" if tf32 else "fp32", "bf16": "bf16", "16": "fp16"}[precision]
-            tflops = peaks.get(key, peaks["fp32"] if key == "tf32" else None)
-            return None if tflops is None else tflops * 1e12
-    return None
-
-
-def training_flops_per_sample(model: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]],
-                              batch_size: int) -> float:
-    """FLOPs of one training sample: one forward and backward of a `batch_size` micro-batch whose model
-    inputs are `inputs` (positional, keyword; meta tensors of the real batch's shapes), divided.
-
-    Counted by torch's FlopCounterMode (matmuls and convolutions; normalisation, activations and
-    the optimizer are not counted) on a copy of `model` on the meta device: shapes only, so no
-    memory, no compute, and the real model's weights, grads and BatchNorm statistics are untouched.
-    The copy runs in eval mode, where sync-BN does not all-reduce; BatchNorm and dropout, which
-    this changes, are not counted. As in training, the input needs no gradient, so the first layer
-    does no input-gradient matmul.
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    # deepcopy takes memo entries as the copies of those objects: meta twins of the weights.
-    meta = {id(t): nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad) for t in model.parameters()}
-    meta.update({id(t): torch.empty_like(t, device="meta") for t in model.buffers()})
-    copy = deepcopy(model, meta).eval()
-    counter = FlopCounterMode(display=False)
-    args, kwargs = inputs
-    with counter:
-        copy(*args, **kwargs).float().sum().backward()
-    return counter.get_total_flops() / batch_size
-
-
-def mfu(flops_per_sample: float, samples_per_s: float, peak_flops_per_device: float, world_size: int) -> float:
-    """Model FLOPs utilisation: the fraction of the group's peak that the model's FLOPs use.
-
-    `samples_per_s` counts all ranks' samples, so this is the mean over the `world_size` devices.
-    """
-    return flops_per_sample * samples_per_s / (peak_flops_per_device * world_size)
-
-
-class Utilization:
-    """`perf/mfu` and `memory/peak_allocated_gib` for each log window, on a GPU of known peak.
-
-    The FLOPs are counted once, when this is built; on the CPU or an unlisted GPU nothing is
-    counted and `scalars` is empty.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        device: torch.device,
-        precision: str,
-        world_size: int,
-        example_inputs: tuple[tuple[Any, ...], dict[str, Any]] | None,
-        micro_batch_size: int,
-    ) -> None:
-        self.device = device
-        self.world_size = world_size
-        self.peak = None
-        if device.type == "cuda":
-            tf32 = torch.backends.cuda.matmul.allow_tf32
-            self.peak = peak_flops(torch.cuda.get_device_name(device), str(precision), tf32)
-        self.flops_per_sample = (
-            training_flops_per_sample(model, example_inputs, micro_batch_size)
-            if self.peak is not None and example_inputs is not None else 0.0
-        )
-
-    def scalars(self, samples_per_s: float) -> dict[str, float]:
-        """This window's MFU and the peak memory allocated on this device since the run began."""
-        if self.peak is None:
-            return {}
-        return {
-            "perf/mfu": mfu(self.flops_per_sample, samples_per_s, self.peak, self.world_size),
-            "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(self.device) / GIB,
-        }
-
-
-class FirstWindowUtilization:
-    """`Utilization` built at the first log window, from the shapes of the first micro-batch it was shown
-    (kept on the meta device: no memory); a GPU counts the model's FLOPs then, the CPU nothing, ever."""
-
-    def __init__(self, model: nn.Module, device: torch.device, precision: Any, world_size: int,
-                 micro_batch_size: int) -> None:
-        self.build = functools.partial(Utilization, model, device, str(precision), world_size)
-        self.micro_batch_size = micro_batch_size
-        self.example_inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-        self.utilization: Utilization | None = None
-
-    def see_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.example_inputs is None:
-            self.example_inputs = tree_map(lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
-
-    def scalars(self, samples_per_s: float) -> dict[str, float]:
-        if self.utilization is None:
-            self.utilization = self.build(self.example_inputs, self.micro_batch_size)
-        return self.utilization.scalars(samples_per_s)
+def compiled(model: nn.Module, enabled: bool) -> nn.Module:
+    """`model` wrapped in torch.compile (`trainer.compile`), or itself."""
+    return torch.compile(model) if enabled else model

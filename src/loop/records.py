@@ -22,15 +22,15 @@ def format_metrics(record: dict[str, Any], split: str) -> str:
 
 
 def epoch_record(epoch: int, step: int, train: dict[str, Any], val: dict[str, Any], lr: float,
-                 epoch_seconds: float, train_seconds: float, val_ema: dict[str, Any] | None = None) -> dict[str, float]:
-    """One entry of the run's history: the epoch's train and val metrics (and val_ema/*: the EMA weights'
-    val metrics, with trainer.ema.decay set), its lr, time and throughput."""
+                 epoch_seconds: float, train_seconds: float, extra: dict[str, float] | None = None) -> dict[str, float]:
+    """One entry of the run's history: the epoch's train and val metrics, the callbacks' `extra` metrics
+    (`split/<name>`, e.g. val_ema/*: the EMA weights' val metrics), its lr, time and throughput."""
     return {
         "epoch": epoch,
         "step": step,
         **metric_values("train", train),  # train/loss and the task's metrics
         **metric_values("val", val),
-        **metric_values("val_ema", val_ema or {}),
+        **(extra or {}),
         "lr": lr,
         "epoch_time_s": epoch_seconds,
         "samples_per_s": train["timed_count"] / train_seconds,
@@ -41,18 +41,17 @@ def epoch_scalars(record: dict[str, float]) -> dict[str, float]:
     """An epoch record's TensorBoard scalars."""
     return {
         **{key.replace("train/", "epoch/train_"): v for key, v in record.items() if key.startswith("train/")},
-        **{key: v for key, v in record.items() if key.startswith(("val/", "val_ema/"))},
+        **{key: v for key, v in record.items() if "/" in key and not key.startswith("train/")},
         "time/epoch_s": record["epoch_time_s"],
         "throughput/epoch_samples_per_s": record["samples_per_s"],
     }
 
 
 def epoch_line(record: dict[str, float], epochs: int, num_val: int) -> str:
-    """`epoch 3/20  step 84  train loss ...  val loss ... (359 samples)  5120 samples/s`, with
-    `val_ema loss ...` after the val metrics when the EMA weights are validated too."""
-    val = format_metrics(record, "val")
-    if any(key.startswith("val_ema/") for key in record):
-        val = f"{val}  {format_metrics(record, 'val_ema')}"
+    """`epoch 3/20  step 84  train loss ...  val loss ... (359 samples)  5120 samples/s`, with the callbacks'
+    splits after the val metrics (e.g. `val_ema loss ...` when the EMA weights are validated too)."""
+    splits = dict.fromkeys(key.split("/", 1)[0] for key in record if "/" in key and not key.startswith("train/"))
+    val = "  ".join(format_metrics(record, split) for split in splits)
     return "epoch %d/%d  step %d  %s  %s (%d samples)  %.0f samples/s" % (
         record["epoch"], epochs, record["step"], format_metrics(record, "train"), val, num_val,
         record["samples_per_s"])
@@ -68,7 +67,7 @@ def run_summary(history: list[dict[str, float]], num_val_samples: int, world_siz
     """The run so far, as written to metrics.json: the last epoch's metrics and the history."""
     last = history[-1]
     return {
-        **{key: value for key, value in last.items() if key.startswith(("train/", "val/", "val_ema/"))},
+        **{key: value for key, value in last.items() if "/" in key},  # every split's metrics
         "epoch": last["epoch"],
         "step": last["step"],
         "val/num_samples": num_val_samples,

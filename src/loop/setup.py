@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hydra.utils import instantiate
@@ -14,17 +14,18 @@ from src.loop.task import Task
 
 
 def build_task(task_cfg: DictConfig, info: Mapping[str, Any], choices: Mapping[str, str], monitor: str,
-               ema: bool = False) -> Task:
-    """The task `task_cfg` names, refusing a dataset it does not fit and a metric it does not compute
-    (val_ema/<name>: only with EMA weights, `ema`), with one line naming both sides and what to choose instead."""
+               extra_splits: Sequence[str] = (), hints: Mapping[str, str] | None = None) -> Task:
+    """The task `task_cfg` names, refusing a dataset it does not fit and a metric it does not compute, with one
+    line naming both sides and what to choose instead. `extra_splits`: the metric prefixes the run's callbacks
+    add (val_ema); `hints`: what turns on a callback that would add another (its split -> the hint)."""
     task = instantiate(task_cfg)
     task_name = choices.get("task") or type(task).__name__
     check_fit(task, info, task_name, choices.get("dataset") or "this dataset")
-    splits = ("val", "val_ema", "train") if ema else ("val", "train")
+    splits = ("val", *extra_splits, "train")
     metrics = [f"{split}/{name}" for split in splits for name in task.metric_names]
-    if monitor.startswith("val_ema/") and not ema and f"val/{monitor.split('/', 1)[1]}" in metrics:
-        raise UsageError(f"trainer.monitor={monitor} needs EMA weights: set trainer.ema.decay (e.g. 0.999), "
-                         f"or monitor val/{monitor.split('/', 1)[1]}")
+    split, _, name = monitor.partition("/")
+    if split in (hints or {}) and f"val/{name}" in metrics:
+        raise UsageError(f"trainer.monitor={monitor} needs {hints[split]}, or monitor val/{name}")
     if monitor not in metrics:
         raise UsageError(
             f"trainer.monitor={monitor} is not a metric of task={task_name}; choose one of {', '.join(metrics)}"

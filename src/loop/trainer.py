@@ -1,35 +1,37 @@
 """The training loop: epochs of optimizer steps, evaluation, checkpoints and reports.
 
 The loop only sees its settings (`TrainerConfig`) and the parts the run built (`TrainParts`: model,
-optimizer, scheduler, data, checkpointer, reporter); it does not know how they were configured or
-launched. Its story, in `fit`: for each epoch, train its steps (`train_one_epoch`), evaluate, record,
-checkpoint, report; stop early, with a checkpoint, when `StopRule` says so (src/loop/stopping.py).
+optimizer, scheduler, data, checkpoint store, reporter, callbacks); it does not know how they were
+configured or launched, nor which add-ons the run has: it tells its callbacks (src/loop/callback.py) what it
+does at a few named points. Its story, in `fit`: for each epoch, train its steps (`train_one_epoch`, one
+optimizer step of `grad_accum` micro-batches at a time: `_train_step`), evaluate, record, checkpoint,
+report; stop, with a checkpoint, after `max_steps`, on preemption, or when a callback ends the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ContextManager
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ContextManager, Mapping
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from src.checkpoint.store import Store
 from src.common.seeding import epoch_seed, seed_generators, step_seed
 from src.config.schema import TrainerConfig
 from src.data.loaders import Data, train_batch_to_device
 from src.loop import records
-from src.loop.checkpoint import Checkpointer
-from src.loop.divergence import NonFiniteLossWatch, TrainingDiverged, diverged_message
-from src.loop.ema import EmaWeights
+from src.loop.callback import Callbacks, Run, Step
 from src.loop.evaluation import evaluate, metrics_of
 from src.loop.metrics import MetricSums
-from src.loop.performance import FirstWindowUtilization
 from src.loop.precision import autocast, autocast_dtype
-from src.loop.stopping import StopReason, StopRule, early_stop_due
+from src.loop.stopping import StopReason, StopRule
 from src.loop.task import Task
 from src.parallel import fsdp
 from src.parallel.distributed import Runtime
@@ -39,8 +41,17 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Stopped:
+    """A callback ended the run after `epoch`, for good (early stopping, a sweep's pruner, ...)."""
+
+    reason: str  # metrics.json's stop_reason: early_stopped | pruned | a fork's own
+    epoch: int
+    ended_by: str  # how a resumed run says it: "<ended_by> after epoch N: nothing more to train"
+
+
+@dataclass
 class TrainState:
-    """What the loop has done so far; saved in every checkpoint (as its top-level keys)."""
+    """What the loop has done so far; saved in every checkpoint as its `loop` part."""
 
     epoch: int = 0  # epochs completed
     step: int = 0  # optimizer steps taken
@@ -50,16 +61,18 @@ class TrainState:
     history: list[dict[str, float]] = field(default_factory=list)
     step_in_epoch: int = 0  # optimizer steps already taken in the unfinished epoch `epoch`
     epoch_totals: dict[str, list[float]] | None = None  # its train metric sums by name, over all ranks
-    early_stopped_at: int | None = None  # the epoch after which trainer.early_stopping ended the run
-    pruned_at: int | None = None  # the epoch after which the sweep's pruner stopped this trial
+    stopped: Stopped | None = None  # why and after which epoch a callback ended the run
 
-    @classmethod
-    def from_checkpoint(cls, payload: dict[str, Any]) -> "TrainState":
-        """The state saved in `payload`. Other keys are ignored: those of the model and optimizer, and
-        `stopped_early`, which checkpoints of earlier versions hold (always false there: a stop's
-        checkpoint was written before it was set)."""
-        defaults = cls()
-        return cls(**{key: payload.get(key, getattr(defaults, key)) for key in cls.__dataclass_fields__})
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """The saved fields; a field the checkpoint lacks keeps its default."""
+        for known in fields(self):
+            if known.name in saved:
+                setattr(self, known.name, saved[known.name])
+        if isinstance(self.stopped, Mapping):
+            self.stopped = Stopped(**self.stopped)
 
 
 @dataclass
@@ -73,14 +86,11 @@ class TrainParts:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     data: Data
-    checkpointer: Checkpointer
+    store: Store  # where checkpoints go, in the run's format (src/checkpoint/)
     reporter: Reporter
+    callbacks: Callbacks = field(default_factory=Callbacks)  # the run's add-ons, in config order
     seed: int = 0  # the run's `seed`: the loop derives per-rank epoch and step seeds from it
     saved_config: dict[str, Any] = field(default_factory=dict)  # the resolved run config, saved in checkpoints
-    profiler: torch.profiler.profile | None = None  # stepped after every optimizer step while fit() runs
-    # Asked after every epoch but the last, with the history: stop the run now? (an Optuna trial's pruner,
-    # src/sweeps/pruning.py). It must answer the same on every rank.
-    epoch_judge: Callable[[list[dict[str, float]]], bool] | None = None
 
 
 class LogWindow:
@@ -100,100 +110,68 @@ class Trainer:
         device = parts.runtime.device
         self.ddp = _find_ddp(parts.train_model)
         self.fsdp = fsdp.find(parts.train_model)  # the sharded root under dist=fsdp (src/parallel/fsdp.py)
-        self.loss_watch = NonFiniteLossWatch(device)
         self.amp_dtype = autocast_dtype(config.precision)
         # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
         self.stopping = StopRule(config.max_steps, device, config.log_every_steps)  # armed while fit() runs
         self.epoch_metrics = MetricSums(parts.task.sum_shapes(parts.data.splits.info), device)
-        self.utilization = FirstWindowUtilization(parts.module, device, config.precision, parts.runtime.world_size,
-                                                  parts.data.train_sampler.micro_batch_size)
-        # EMA weights (trainer.ema.decay), starting from the module's weights now: initial, or resumed.
-        self.ema = None if config.ema.decay is None else EmaWeights(parts.module, config.ema.decay,
-                                                                    config.ema.warmup_steps)
 
-    # -- state -------------------------------------------------------------------------
-
-    def state_dict(self, state: TrainState) -> dict[str, Any]:
+    def stateful(self, state: TrainState) -> dict[str, Any]:
+        """The parts a checkpoint saves and a resume restores, by name (src/checkpoint/store.py)."""
         parts = self.parts
-        model, optimizer = parts.module.state_dict(), parts.optimizer.state_dict()
-        if parts.checkpointer.sharded:  # by parameter name, this rank's shards
-            from src.loop import sharded_checkpoint  # torch.distributed.checkpoint: ~0.45 s, for sharded runs only
-
-            model, optimizer = sharded_checkpoint.model_and_optimizer_state(parts.module, parts.optimizer)
-        return {
-            "model": model,
-            "optimizer": optimizer,
-            "scheduler": parts.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "config": parts.saved_config,
-            **asdict(state),
-            **({} if self.ema is None else {"ema": self.ema.state_dict()}),
-            # the weights trainer.monitor judges, so best.pt's winner: evaluate it with eval.py weights=...
-            "best_weights": "ema" if self.config.monitor.startswith("val_ema/") else "model",
-        }
-
-    def load_state_dict(self, payload: dict[str, Any]) -> TrainState:
-        """Continue from a checkpoint: of either dist strategy, sharded or not (src/loop/sharded_checkpoint.py:
-        a sharded one's model is read here, into this run's layout)."""
-        module, optimizer = self.parts.module, self.parts.optimizer
-        if "sharded" in payload or fsdp.is_sharded(module):  # by parameter name, resharded
-            from src.loop import sharded_checkpoint  # torch.distributed.checkpoint: ~0.45 s, for these runs only
-
-            sharded_checkpoint.restore(module, optimizer, payload)
-        else:
-            optimizer.load_state_dict(payload["optimizer"])
-        self.parts.scheduler.load_state_dict(payload["scheduler"])
-        self.scaler.load_state_dict(payload["scaler"])
-        if self.ema is not None and "ema" in payload:
-            self.ema.load_state_dict(payload["ema"])
-        elif self.ema is not None:  # a checkpoint of a run without EMA (or of an earlier version, or sharded)
-            log.info("the checkpoint holds no EMA weights: the EMA starts from its model weights")
-            self.ema = EmaWeights(self.parts.module, self.config.ema.decay, self.config.ema.warmup_steps)
-        return TrainState.from_checkpoint(payload)
+        return {"model": parts.module, "optimizer": parts.optimizer, "scheduler": parts.scheduler,
+                "scaler": self.scaler, "loop": state, "callbacks": parts.callbacks, "config": parts.saved_config}
 
     # -- the run -----------------------------------------------------------------------
 
-    def fit(self, state: TrainState) -> StopReason:
-        """Train from `state` (updated in place) to `config.epochs`, evaluating and checkpointing every
-        epoch. Stops early, with a checkpoint to resume from, after `config.max_steps` optimizer steps
-        or when the process is asked to terminate (SIGTERM: preemption); or, after an epoch's checkpoint,
-        when `config.early_stopping` says the monitored metric stopped improving, or when the epoch judge
-        (a sweep trial's pruner) says stop (a run resumed after either trains no more). Returns why it stopped."""
-        ended = _ended_before(state)
-        if ended is not None:
-            return ended
-        profiling = self.parts.profiler if self.parts.profiler is not None else contextlib.nullcontext()
-        with self.stopping, profiling, torch.autograd.set_detect_anomaly(self.config.detect_anomaly):
-            for epoch in range(state.epoch, self.config.epochs):
-                started = time.perf_counter()
-                train = self.train_one_epoch(epoch, state)
-                if isinstance(train, StopReason):
-                    return train
-                self._end_epoch(epoch, state, train, started)
-                if state.early_stopped_at is not None:
-                    return StopReason.EARLY_STOPPED
-                if state.pruned_at is not None:
-                    return StopReason.PRUNED
+    def fit(self, state: TrainState, resumed: bool = False) -> StopReason:
+        """Train from `state` (updated in place; `resumed` from a checkpoint) to `config.epochs`, evaluating and
+        checkpointing every epoch. Stops early, with a checkpoint to resume from, after `config.max_steps`
+        optimizer steps or when the process is asked to terminate (SIGTERM: preemption); or, after an epoch's
+        checkpoint, when a callback ends the run (a run resumed after that trains no more). Returns why it
+        stopped."""
+        if state.stopped is not None:
+            log.info("%s after epoch %d: nothing more to train", state.stopped.ended_by, state.stopped.epoch)
+            return StopReason.STOPPED
+        run = Run(self.config, self.parts, state, resumed, self.evaluate)
+        callbacks = self.parts.callbacks
+        try:
+            callbacks.run_start(run)
+            with self.stopping:
+                reason = self._epochs(run)
+        except Exception as error:
+            callbacks.exception(run, error)  # a callback may raise a clearer error in its place
+            raise
+        callbacks.run_end(run, reason)
+        return reason
+
+    def _epochs(self, run: Run) -> StopReason:
+        for epoch in range(run.state.epoch, self.config.epochs):
+            started = time.perf_counter()
+            train = self.train_one_epoch(epoch, run)
+            if isinstance(train, StopReason):
+                return train
+            if self._end_epoch(epoch, run, train, started):
+                return StopReason.STOPPED
         return StopReason.COMPLETED
 
-    def train_one_epoch(self, epoch: int, state: TrainState) -> dict[str, float] | StopReason:
+    def train_one_epoch(self, epoch: int, run: Run) -> dict[str, float] | StopReason:
         """One epoch's optimizer steps, from `state.step_in_epoch` on (a resumed epoch goes on where it
         stopped, with the same remaining samples). Returns its train metrics, or why the run stopped
         before the epoch's end (after a step checkpoint)."""
+        state = run.state
         restored = self._start_epoch(epoch, state)
         window = LogWindow(self.epoch_metrics.totals())
         steps_per_epoch = self.parts.data.train_sampler.steps_per_epoch
         progress = self.parts.reporter.progress(f"epoch {epoch + 1}/{self.config.epochs}", steps_per_epoch,
                                                 done=state.step_in_epoch)
-        for micro_step, batch in enumerate(self.parts.data.train_loader):
-            if not self._micro_step(micro_step, batch, state):
-                continue  # gradients accumulate: no optimizer step yet
+        for micro_batches in _in_steps(self.parts.data.train_loader, self.config.grad_accum):
+            self._train_step(micro_batches, state)
             progress.update()
-            stop = self._after_step(state, window)
+            stop = self._after_step(run, window)
             if stop is not None:
                 progress.close()
-                self._save_mid_epoch(state)
+                self._save_mid_epoch(run)
                 return stop
         state.step_in_epoch = 0
         progress.close()
@@ -209,15 +187,13 @@ class Trainer:
 
     def summary(self, state: TrainState, num_val_samples: int) -> dict[str, Any]:
         """The run so far, as written to metrics.json: the last epoch's metrics and the history, the
-        parameter elements trainer.freeze froze, and whether (and after which epoch) early stopping ended it."""
+        parameter elements trainer.freeze froze, and whether (and after which epoch) a callback ended it."""
         summary = records.run_summary(state.history, num_val_samples, self.parts.runtime.world_size,
                                       self.parts.data.train_sampler.global_batch_size,
                                       state.train_samples / state.train_seconds)
         summary["frozen_parameters"] = sum(p.numel() for p in self.parts.module.parameters() if not p.requires_grad)
-        if state.early_stopped_at is not None:
-            summary.update(stop_reason=StopReason.EARLY_STOPPED.value, stopped_at_epoch=state.early_stopped_at)
-        if state.pruned_at is not None:
-            summary.update(stop_reason=StopReason.PRUNED.value, stopped_at_epoch=state.pruned_at)
+        if state.stopped is not None:
+            summary.update(stop_reason=state.stopped.reason, stopped_at_epoch=state.stopped.epoch)
         return summary
 
     # -- an epoch ----------------------------------------------------------------------
@@ -232,85 +208,83 @@ class Trainer:
             generator.manual_seed(epoch_seed(self.parts.seed, rank, epoch))
         self.parts.train_model.train()
         self.epoch_metrics.reset()
-        restored = _named_totals(state.epoch_totals)  # the sums of a resumed epoch's first steps
+        restored = state.epoch_totals  # the sums of a resumed epoch's first steps
         if restored is not None and self.parts.runtime.is_main_process:
             self.epoch_metrics.load_state_dict(restored)  # all ranks' sums: added once, on rank 0
         state.epoch_totals = None
         return restored
 
-    def _micro_step(self, micro_step: int, batch: Any, state: TrainState) -> bool:
-        """Forward and backward one micro-batch; on the step's last one, the optimizer step too.
-        Returns whether an optimizer step was taken."""
-        accum, device = self.config.grad_accum, self.parts.runtime.device
-        if micro_step % accum == 0:
-            # Seeded per optimizer step (differently per rank): dropout and augmentation
-            # draw the same after a resume at any step, and independently across ranks.
-            seed_generators(step_seed(self.parts.seed, self.parts.runtime.env.rank, state.step), device)
-        batch = train_batch_to_device(self.parts.data.train_loader, batch, device)
-        is_step_end = (micro_step + 1) % accum == 0
-        self._forward_backward(batch, sync=is_step_end, step=state.step + 1)
-        if is_step_end:
-            self._optimizer_step()
-            state.step += 1
-            if self.ema is not None:
-                self.ema.update(state.step)  # on the device, no host sync (src/loop/ema.py)
-            if self.parts.profiler is not None:
-                self.parts.profiler.step()
-            if self.config.detect_anomaly:
-                self.loss_watch.check_now()
-            state.step_in_epoch += 1
-        return is_step_end
-
-    def _after_step(self, state: TrainState, window: LogWindow) -> StopReason | None:
+    def _after_step(self, run: Run, window: LogWindow) -> StopReason | None:
         """After an optimizer step: the log window's scalars, then why to stop (the caller checkpoints),
         or else a periodic step checkpoint if one is due."""
-        if state.step % self.config.log_every_steps == 0:
-            self._report_window(state.step, window)
-        stop = self.stopping.reason(state.step)
+        step = run.state.step
+        if step % self.config.log_every_steps == 0:
+            self._report_window(step, window)
+        stop = self.stopping.reason(step)
         if stop is not None:
             return stop
         every = self.config.checkpoint_every_steps
-        if every and state.step % every == 0 and state.step_in_epoch < self.parts.data.train_sampler.steps_per_epoch:
-            self._save_mid_epoch(state)
+        if every and step % every == 0 and run.state.step_in_epoch < self.parts.data.train_sampler.steps_per_epoch:
+            self._save_mid_epoch(run)
         return None
 
     def _epoch_train_metrics(self, restored: dict[str, list[float]] | None) -> dict[str, float]:
         """The finished epoch's train metrics over all ranks, with `timed_count`: the samples trained
         (and timed) by this run, not those restored from a checkpoint."""
         metrics = metrics_of(self.parts.task, self.epoch_metrics.reduce())
-        self.loss_watch.check(metrics["loss"])
         metrics["timed_count"] = metrics["count"] - (int(restored["count"][0]) if restored is not None else 0)
         return metrics
 
-    def _end_epoch(self, epoch: int, state: TrainState, train: dict[str, float], started: float) -> None:
-        """Evaluate, record the epoch in `state`, report it and checkpoint."""
+    def _end_epoch(self, epoch: int, run: Run, train: dict[str, float], started: float) -> bool:
+        """Evaluate, record the epoch in `state`, ask the callbacks whether to stop (before the checkpoint,
+        which then holds the decision), report and checkpoint. Returns whether a callback stopped the run."""
+        state, parts = run.state, self.parts
         train_seconds = time.perf_counter() - started
         val = self.evaluate()
-        val_ema = None if self.ema is None else self.evaluate(self.ema.module, "val_ema")
+        extra = parts.callbacks.validation(run, val)  # e.g. val_ema/*
         state.epoch = epoch + 1
         state.train_samples += train["timed_count"]
         state.train_seconds += train_seconds
         record = records.epoch_record(state.epoch, state.step, train, val, self._lr(),
-                                      time.perf_counter() - started, train_seconds, val_ema)
+                                      time.perf_counter() - started, train_seconds, extra)
         state.history.append(record)
         is_best = self._improves(state, record[self.config.monitor])
-        self._check_early_stop(state)  # before the checkpoint, which then holds the decision
-        self._ask_epoch_judge(state)  # likewise
-        self.parts.reporter.scalars(records.epoch_scalars(record), record["step"])
+        stop = parts.callbacks.epoch_end(run, record)  # the same on every rank
+        if stop is not None:
+            state.stopped = Stopped(stop.reason, state.epoch, stop.ended_by)
+            log.info("%s", stop.message)
+        parts.reporter.scalars(records.epoch_scalars(record), record["step"])
         log.info("%s", records.epoch_line(record, self.config.epochs, val["count"]))
-        if self.config.save_checkpoints:
-            self.parts.checkpointer.save(self.state_dict(state), is_best)
+        self._checkpoint(run, is_best)
         # After the checkpoint: metrics.json never reports an epoch a restart would lose.
-        self.parts.reporter.write_metrics(self.summary(state, val["count"]))
-        if "confusion" in val:
-            self.parts.reporter.confusion_matrix(val["confusion"], state.step)
+        parts.reporter.write_metrics(self.summary(state, val["count"]))
+        return stop is not None
 
     # -- a step ------------------------------------------------------------------------
 
-    def _forward_backward(self, batch: Any, sync: bool, step: int) -> None:
+    def _train_step(self, micro_batches: list[Any], state: TrainState) -> None:
+        """One optimizer step: forward and backward each of its `grad_accum` micro-batches (taken from the
+        loader first), then the optimizer step; the callbacks see the step's summed loss."""
+        parts, device = self.parts, self.parts.runtime.device
+        # Seeded per optimizer step (differently per rank): dropout and augmentation
+        # draw the same after a resume at any step, and independently across ranks.
+        seed_generators(step_seed(parts.seed, parts.runtime.env.rank, state.step), device)
+        step_loss: torch.Tensor | None = None
+        for index, batch in enumerate(micro_batches):
+            args, kwargs, target = parts.task.split(train_batch_to_device(parts.data.train_loader, batch, device))
+            if index == 0:
+                inputs = (args, kwargs)
+            loss_sum = self._forward_backward(args, kwargs, target, sync=index == len(micro_batches) - 1)
+            step_loss = loss_sum if step_loss is None else step_loss + loss_sum
+        self._optimizer_step()
+        state.step += 1
+        state.step_in_epoch += 1
+        parts.callbacks.step_end(Step(state.step, step_loss, inputs))  # type: ignore[arg-type]
+
+    def _forward_backward(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
+                          sync: bool) -> torch.Tensor:
+        """One micro-batch's forward and backward; returns its summed loss (detached)."""
         task, accum = self.parts.task, self.config.grad_accum
-        args, kwargs, target = task.split(batch)
-        self.utilization.see_inputs(args, kwargs)  # shapes for counting FLOPs (src/loop/performance.py)
         # On micro-steps before the last one, DDP must not all-reduce gradients yet, nor FSDP reduce-scatter them.
         sync_context: ContextManager[Any] = contextlib.nullcontext()
         if self.ddp is not None and not sync:
@@ -323,19 +297,9 @@ class Trainer:
             loss_sum, count = task.loss(outputs, target)
             # Each micro-batch holds 1/accum of the rank's samples; DDP averages over ranks,
             # so the gradient is the mean over the global batch.
-            loss = loss_sum / (count * accum)
-            self.loss_watch.observe(loss_sum, step)
-            self._backward(loss, step)
+            self.scaler.scale(loss_sum / (count * accum)).backward()
         self.epoch_metrics.add(task.batch_sums(outputs, target, loss_sum, count))
-
-    def _backward(self, loss: torch.Tensor, step: int) -> None:
-        try:
-            self.scaler.scale(loss).backward()
-        except RuntimeError as error:  # anomaly mode names the backward op that made a NaN
-            if not self.config.detect_anomaly or "nan values" not in str(error):
-                raise
-            what = str(error).splitlines()[0].rstrip(".")
-            raise TrainingDiverged(diverged_message(step, what, names_the_op=True)) from None
+        return loss_sum.detach()
 
     def _optimizer_step(self) -> None:
         optimizer = self.parts.optimizer
@@ -347,12 +311,19 @@ class Trainer:
         optimizer.zero_grad(set_to_none=True)
         self.parts.scheduler.step()
 
-    def _save_mid_epoch(self, state: TrainState) -> None:
-        """A step checkpoint: the model and everything needed to go on from this very step."""
-        state.epoch_totals = self.epoch_metrics.state_dict()
-        self.loss_watch.check(state.epoch_totals["loss"][0])  # never checkpoint a diverged model
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def _checkpoint(self, run: Run, is_best: bool, mid_epoch: bool = False) -> None:
+        """Save the run's parts, once every callback accepts the state (the NaN watch refuses a diverged one)."""
+        self.parts.callbacks.checkpoint(run)
         if self.config.save_checkpoints:
-            self.parts.checkpointer.save(self.state_dict(state), is_best=False, step=state.step)
+            self.parts.store.save(self.stateful(run.state), run.state.step, is_best, mid_epoch)
+
+    def _save_mid_epoch(self, run: Run) -> None:
+        """A step checkpoint: the model and everything needed to go on from this very step."""
+        state = run.state
+        state.epoch_totals = self.epoch_metrics.state_dict()
+        self._checkpoint(run, is_best=False, mid_epoch=True)
         state.epoch_totals = None
         log.info("checkpoint at step %d (epoch %d, step %d of %d)", state.step, state.epoch + 1,
                  state.step_in_epoch, self.parts.data.train_sampler.steps_per_epoch)
@@ -370,55 +341,21 @@ class Trainer:
             state.best = value
         return better
 
-    def _check_early_stop(self, state: TrainState) -> None:
-        """Mark the run early stopped if the monitored metric has not improved for `patience` epochs (and
-        epochs remain). Every rank decides alike: the history's metrics are all-reduced."""
-        rule, monitor = self.config.early_stopping, self.config.monitor
-        values = [record[monitor] for record in state.history]
-        if state.epoch < self.config.epochs and early_stop_due(values, self.config.monitor_mode, rule.patience,
-                                                                rule.min_delta):
-            state.early_stopped_at = state.epoch
-            log.info("early stopping after epoch %d: %s has not improved by more than %g for %d epochs",
-                     state.epoch, monitor, rule.min_delta, rule.patience)
-
-    def _ask_epoch_judge(self, state: TrainState) -> None:
-        """Mark the run pruned if the epoch judge (a sweep trial's pruner) says so, while epochs remain."""
-        judge = self.parts.epoch_judge
-        if judge is not None and state.early_stopped_at is None and state.epoch < self.config.epochs \
-                and judge(state.history):
-            state.pruned_at = state.epoch
-            log.info("pruned after epoch %d: the sweep's pruner stopped this trial", state.epoch)
-
     def _report_window(self, step: int, window: LogWindow) -> None:
         seconds = time.perf_counter() - window.started
         metrics = metrics_of(self.parts.task, self.epoch_metrics.reduce(baseline=window.totals))
-        self.loss_watch.check(metrics["loss"])
         window.totals = self.epoch_metrics.totals()
-        samples_per_s = metrics["count"] / seconds
-        scalars = records.window_scalars(metrics, self._lr(), samples_per_s)
-        # MFU and peak memory on GPUs of known peak
-        self.parts.reporter.scalars({**scalars, **self.utilization.scalars(samples_per_s)}, step)
+        scalars = records.window_scalars(metrics, self._lr(), metrics["count"] / seconds)
+        scalars.update(self.parts.callbacks.log(step, scalars))  # the NaN watch looks at train/loss here
+        self.parts.reporter.scalars(scalars, step)
         window.started = time.perf_counter()
 
 
-def _ended_before(state: TrainState) -> StopReason | None:
-    """Why a resumed run has nothing more to train: early stopping or the sweep's pruner ended it."""
-    if state.early_stopped_at is not None:
-        log.info("early stopping had ended this run after epoch %d: nothing more to train", state.early_stopped_at)
-        return StopReason.EARLY_STOPPED
-    if state.pruned_at is not None:
-        log.info("the sweep's pruner had ended this trial after epoch %d: nothing more to train", state.pruned_at)
-        return StopReason.PRUNED
-    return None
-
-
-def _named_totals(saved: Any) -> dict[str, list[float]] | None:
-    """Epoch sums saved by name; a checkpoint of a version that kept them as (loss, correct, count)
-    is read as classification's sums."""
-    if isinstance(saved, (list, tuple)):
-        loss, correct, count = saved[:3]
-        return {"loss": [loss], "count": [count], "correct": [correct]}
-    return saved
+def _in_steps(loader: Iterable[Any], accum: int) -> Iterator[list[Any]]:
+    """The loader's micro-batches, `accum` at a time: one optimizer step's each (the sampler gives whole steps)."""
+    batches = iter(loader)
+    while micro_batches := list(itertools.islice(batches, accum)):
+        yield micro_batches
 
 
 def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:

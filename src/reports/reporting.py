@@ -1,10 +1,11 @@
-"""What a run leaves behind for people: log files, progress bars, TensorBoard events,
-metrics.json and confusion_matrix.csv.
+"""What a run leaves behind for people: log files, progress bars, TensorBoard events (scalars, images, text,
+hparams), metrics.json and other files of the run dir. Everything a run or its callbacks show goes
+through the `Reporter`'s methods.
 
 Rank 0 prints INFO to the console and writes `train.log` (`eval.log` for eval.py),
-TensorBoard events (`tb/`), `metrics.json` and `confusion_matrix.csv`, and draws the
-progress bars; every other rank writes its own `train.rank<R>.log` and prints only
-warnings, so a crash on any rank is still visible.
+TensorBoard events (`tb/`) and the run dir's files, and draws the progress bars; every other rank
+writes its own `train.rank<R>.log` and prints only warnings, so a crash on any rank is still visible.
+A record logged with `extra={"console": False}` goes to the log files only (the composed config).
 """
 
 from __future__ import annotations
@@ -25,10 +26,6 @@ from src.common.files import write_text_atomically
 from src.reports.progress import progress_bar, shows_progress, track
 
 _FORMAT = "[%(asctime)s][%(levelname)s] %(message)s"
-# Colour of a confusion-matrix cell: white for none of a true class's samples, dark blue for all of them.
-EMPTY_CELL_RGB = (1.0, 1.0, 1.0)
-FULL_CELL_RGB = (0.03, 0.19, 0.42)
-GRID_RGB_VALUE = 0.6  # grey lines between the cells
 T = TypeVar("T")
 
 
@@ -43,6 +40,7 @@ def setup_logging(run_dir: Path, rank: int, name: str = "train") -> None:
     handlers: list[logging.Handler] = [logging.FileHandler(run_dir / filename)]
     console = _ConsoleHandler(sys.stdout if rank == 0 else sys.stderr)
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    console.addFilter(lambda record: getattr(record, "console", True))
     handlers.append(console)
     for handler in handlers:
         handler.setFormatter(logging.Formatter(_FORMAT if rank == 0 else f"[rank {rank}]{_FORMAT}"))
@@ -59,12 +57,15 @@ class _ConsoleHandler(logging.StreamHandler):
 
 
 def log_run_start(
-    run_dir: Path, runtime: Any, module: nn.Module, data: Any, grad_accum: int, config: Mapping[str, Any]
+    run_dir: Path, runtime: Any, module: nn.Module, data: Any, grad_accum: int, config: Mapping[str, Any],
+    overrides: Sequence[str] = (), print_config: bool = False,
 ) -> None:
-    """What is about to run: the resolved config as YAML, then a one-line summary (logged by
-    every rank, printed once: by rank 0)."""
+    """What is about to run: the command line's overrides, the resolved config as YAML (in every rank's log
+    file; on the console too with `print_config`), then a one-line summary (logged by every rank, printed once:
+    by rank 0)."""
     log = logging.getLogger("train")
-    log.info("config:\n%s", OmegaConf.to_yaml(config).rstrip())
+    log.info("overrides: %s", " ".join(overrides) or "none (the defaults of conf/config.yaml)")
+    log.info("config:\n%s", OmegaConf.to_yaml(config).rstrip(), extra={"console": print_config})
     sampler = data.train_sampler
     total, trainable = parameter_counts(module)
     frozen = f", {total - trainable:,} frozen" if total > trainable else ""  # trainer.freeze
@@ -98,71 +99,12 @@ def model_summary(module: nn.Module) -> str:
     return "\n".join(rows) + "\n\n" + tree
 
 
-def image_grid(images: torch.Tensor, min_side: int = 32) -> torch.Tensor:
-    """A (3, H, W) grid in [0, 1] of `images` (N, C, H, W), eight to a row.
-
-    Each image is min-max scaled on its own, since normalised inputs are not in [0, 1], and
-    enlarged by a whole factor to at least `min_side` pixels (8x8 digits are specks otherwise).
-    """
-    factor = -(-min_side // min(images.shape[-2:]))
-    images = images.float().repeat_interleave(factor, dim=-2).repeat_interleave(factor, dim=-1)
-    low = images.amin(dim=(1, 2, 3), keepdim=True)
-    high = images.amax(dim=(1, 2, 3), keepdim=True)
-    return tile((images - low) / (high - low).clamp(min=1e-5), columns=8, padding=2, pad_value=1.0)
-
-
-def confusion_heatmap(counts: torch.Tensor, max_side: int = 512) -> torch.Tensor:
-    """A (3, H, W) image in [0, 1] of a C x C confusion matrix (rows: true class, top to bottom;
-    columns: predicted class, left to right).
-
-    Rows are normalised, so a cell's colour is the share of that true class predicted as that
-    class, from EMPTY_CELL_RGB (none) to FULL_CELL_RGB (all): a good model shows a dark
-    diagonal whatever the class sizes. Cells are squares of up to 32 pixels (the image at most
-    about `max_side` pixels wide), separated by 1-pixel grey lines.
-    """
-    classes = counts.shape[0]
-    shares = counts.double() / counts.sum(dim=1, keepdim=True).clamp(min=1)  # a class never seen: all white
-    empty, full = torch.tensor(EMPTY_CELL_RGB), torch.tensor(FULL_CELL_RGB)
-    colours = empty + shares.float().unsqueeze(-1) * (full - empty)  # (C, C, 3)
-    side = max(1, min(32, max_side // classes))
-    cells = colours.view(classes * classes, 3, 1, 1).expand(-1, -1, side, side)
-    return tile(cells, columns=classes, padding=1, pad_value=GRID_RGB_VALUE)
-
-
-def tile(images: torch.Tensor, columns: int, padding: int, pad_value: float) -> torch.Tensor:
-    """(N, C, H, W) images, C = 1 or 3, as one RGB (3, H', W') grid of `columns` per row, with
-    `padding` pixels of `pad_value` around each: torchvision's make_grid (the unit tests check that it
-    is), without importing torchvision, which costs every run 0.85-0.95 s on a 2-core CPU box (measured)."""
-    count, _, height, width = images.shape
-    columns = min(columns, count)
-    rows = -(-count // columns)
-    grid = images.new_full((3, rows * (height + padding) + padding, columns * (width + padding) + padding), pad_value)
-    for index, image in enumerate(images):
-        row, column = divmod(index, columns)
-        top, left = padding + row * (height + padding), padding + column * (width + padding)
-        grid[:, top : top + height, left : left + width] = image  # a grey image broadcasts to RGB
-    return grid
-
-
-def confusion_csv(counts: torch.Tensor) -> str:
-    """The matrix as CSV: a header of predicted classes, then one row per true class with its raw counts."""
-    classes = range(counts.shape[0])
-    lines = ["true\\predicted," + ",".join(map(str, classes))]
-    lines += [f"{true}," + ",".join(str(n) for n in row) for true, row in zip(classes, counts.tolist())]
-    return "\n".join(lines) + "\n"
-
-
-def _first_input(task: Any, sample: Any) -> Any:
-    """The first model input of one sample (its first positional input, else its first keyword one)."""
-    args, kwargs, _ = task.split(sample)
-    return args[0] if args else next(iter(kwargs.values()), None)
-
-
 class Reporter:
-    """Progress bars, TensorBoard events, metrics.json and confusion_matrix.csv, from the main
+    """Progress bars, TensorBoard events, metrics.json and the run dir's other files, from the main
     process only: on other ranks every method does nothing.
 
-    With `tensorboard=False` it writes the files alone (no `tb/` dir, no TensorBoard import).
+    With `tensorboard=False` it writes the files alone (no `tb/` dir, no TensorBoard import: it costs
+    ~0.5 s, imported here, the one deferred import of this module, only by runs that write events).
     With `progress=True` it draws progress bars when stdout is a terminal (`trainer.progress`).
     """
 
@@ -196,31 +138,25 @@ class Reporter:
         for tag, value in values.items():
             self._writer.add_scalar(tag, value, global_step=step)
 
-    def model_summary(self, module: nn.Module) -> None:
-        """The module tree and its parameter counts, as text under `model/summary`."""
-        if self._writer is not None:
-            self._writer.add_text("model/summary", model_summary(module))
+    @property
+    def shows_images(self) -> bool:
+        """Whether `image()` writes anything (rank 0 with TensorBoard): callbacks skip drawing otherwise."""
+        return self._writer is not None
 
-    def input_images(self, splits: Any, batches: Iterable[Sequence[int]], task: Any, count: int = 16) -> None:
-        """The first `count` samples of the first of `batches` (a sampler's lists of sample indices),
-        their first model input as the model receives it, as a grid under `inputs/train_batch`;
-        only for datasets of images (`image_size` in their info) whose input is a C x H x W image."""
-        if self._writer is None or "image_size" not in splits.info:
-            return
-        indices = next(iter(batches))[:count]
-        inputs = [_first_input(task, splits.train[i]) for i in indices]
-        if not all(isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] in (1, 3) for x in inputs):
-            return
-        self._writer.add_image("inputs/train_batch", image_grid(torch.stack(inputs)), global_step=0)
-
-    def confusion_matrix(self, counts: torch.Tensor, step: int) -> None:
-        """A confusion matrix of counts (rows: true class): a heatmap under `val/confusion_matrix`
-        and the raw counts in confusion_matrix.csv (replaced each time)."""
-        if not self.is_main_process:
-            return
+    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
+        """A (3, H, W) image in [0, 1] under `tag` in TensorBoard."""
         if self._writer is not None:
-            self._writer.add_image("val/confusion_matrix", confusion_heatmap(counts), global_step=step)
-        write_text_atomically(self.run_dir / "confusion_matrix.csv", confusion_csv(counts))
+            self._writer.add_image(tag, image, global_step=step)
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        """Markdown under `tag` in TensorBoard's text tab."""
+        if self._writer is not None:
+            self._writer.add_text(tag, text, global_step=step)
+
+    def file(self, name: str, text: str) -> None:
+        """A file of the run dir (say, a table as CSV), replaced atomically."""
+        if self.is_main_process:
+            write_text_atomically(self.run_dir / name, text)
 
     def hparams(self, hparams: Mapping[str, Any], final_metrics: Mapping[str, float]) -> None:
         """Record the run's hyperparameters with its final metrics (TensorBoard's HParams tab).

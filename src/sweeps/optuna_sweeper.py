@@ -6,7 +6,7 @@ as overrides, through the configured launcher, so every rank of a trial that is 
 command line: no rank samples. The objective is what train.py returns (the last `trainer.monitor`
 value); the direction follows `trainer.monitor_mode`. With a pruner, rank 0 of the trial reports the
 monitored value after each epoch to the trial in the same storage and every rank stops on its
-answer (src/sweeps/pruning.py); the trial is then PRUNED, not FAIL.
+answer (src/callbacks/optuna_pruning.py); the trial is then PRUNED, not FAIL.
 
 The study is `<sweep dir>/optuna.db` (SQLite through Optuna's RDB storage) by default: running the same
 command again with `hydra.sweep.dir=<that dir>` continues it up to `n_trials` finished trials. A trial
@@ -120,7 +120,7 @@ class OptunaSweeper(Sweeper):
             raise UsageError(f"{self.storage} holds another sweep's study ({' '.join(saved)}; "
                              f"{study.direction.name.lower()}); pick a new hydra.sweep.dir")
         study.set_user_attr("sweep", sweep_lines)
-        study.set_user_attr("pruner", self.pruner)  # what the trials' jobs build (src/sweeps/pruning.py)
+        study.set_user_attr("pruner", self.pruner)  # what the trials' jobs build (src/callbacks/optuna_pruning.py)
         return study
 
     def existing_study_names(self) -> list[str]:

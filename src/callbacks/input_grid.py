@@ -1,0 +1,37 @@
+"""A grid of the first training inputs, as the model receives them (after normalisation), in TensorBoard
+(`inputs/train_batch`), once at the start of a run: a glance shows whether the data is what you think.
+Only for datasets of images (`image_size` in their info) whose first model input is a C x H x W image."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from src.config.building import check_arguments
+from src.config.schema import at_least
+from src.loop.callback import Callback, Run
+from src.reports.images import image_grid
+
+
+class InputGrid(Callback):
+    """The first `count` samples of the first training step, their first model input each."""
+
+    def __init__(self, count: int) -> None:
+        check_arguments(count=(count, at_least(1)))
+        self.count = count
+
+    def on_run_start(self, run: Run) -> None:
+        data, task = run.parts.data, run.parts.task
+        if not run.parts.reporter.shows_images or "image_size" not in data.splits.info:
+            return
+        indices = next(iter(data.train_sampler))[: self.count]  # the sampler's first step, not yet started
+        inputs = [_first_input(task, data.splits.train[index]) for index in indices]
+        if all(isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] in (1, 3) for x in inputs):
+            run.parts.reporter.image("inputs/train_batch", image_grid(torch.stack(inputs)), step=0)
+
+
+def _first_input(task: Any, sample: Any) -> Any:
+    """The first model input of one sample (its first positional input, else its first keyword one)."""
+    args, kwargs, _ = task.split(sample)
+    return args[0] if args else next(iter(kwargs.values()), None)

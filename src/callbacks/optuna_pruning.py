@@ -1,0 +1,65 @@
+"""Pruning an Optuna trial that is a DDP group: rank 0 reports each epoch's monitored value to the trial and
+asks its pruner; every rank stops on rank 0's answer (src/loop/callback.py agrees on it), after the same epoch
+and with its checkpoint, which records the decision.
+
+Inert outside a pruned Optuna trial: the sweeper (src/sweeps/optuna_sweeper.py) tells a trial's job where its
+trial lives through environment variables (src/sweeps/pruning.py), and only then does this callback act. It
+is asked after every epoch but the last.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from src.loop.callback import Callback, Run, Stop
+from src.sweeps.pruning import STORAGE_ENV, STUDY_ENV, TRIAL_ENV
+
+
+class OptunaPruning(Callback):
+    """Stop this sweep trial when the Optuna pruner says so (only in a trial whose sweeper set a pruner)."""
+
+    def __init__(self) -> None:
+        self.enabled = TRIAL_ENV in os.environ
+        self.trial: Any = None
+
+    def on_run_start(self, run: Run) -> None:
+        if run.parts.runtime.is_main_process:  # rank 0 alone talks to the storage
+            self.trial = _open_trial()
+
+    def on_epoch_end(self, run: Run, record: Mapping[str, float]) -> Stop | None:
+        """Report the epochs Optuna has not seen (the monitored value, step = epoch; a resumed trial's earlier
+        epochs too) and ask the pruner. Other ranks answer None: rank 0's answer is the one agreed."""
+        if self.trial is None or run.state.epoch >= run.config.epochs:
+            return None
+        frozen = next(t for t in self.trial.study.get_trials(deepcopy=False) if t.number == self.trial.number)
+        reported = set(frozen.intermediate_values)
+        for epoch in run.state.history:
+            if epoch["epoch"] not in reported:
+                self.trial.report(epoch[run.config.monitor], step=int(epoch["epoch"]))
+        if not self.trial.should_prune():
+            return None
+        return Stop("pruned", f"pruned after epoch {run.state.epoch}: the sweep's pruner stopped this trial",
+                    ended_by="the sweep's pruner had ended this trial")
+
+
+def _open_trial() -> Any:
+    """The trial, in the study as the sweeper created it, with the pruner it configured."""
+    import optuna  # only in a pruned trial (the callback is inert elsewhere): ~0.3 s that other runs never pay
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage, study_name = os.environ[STORAGE_ENV], os.environ[STUDY_ENV]
+    spec = optuna.load_study(study_name=study_name, storage=storage).user_attrs["pruner"]
+    study = optuna.load_study(study_name=study_name, storage=storage, pruner=build_pruner(optuna, spec))
+    return optuna.trial.Trial(study, int(os.environ[TRIAL_ENV]))
+
+
+def build_pruner(optuna: Any, spec: Mapping[str, Any]) -> Any:
+    """The pruner the sweeper configured (`spec`: conf/hydra/sweeper/optuna.yaml's `pruner*` keys). `median`:
+    stop a trial whose value after an epoch is worse than the median of the earlier trials' values after that
+    epoch, once `startup_trials` trials finished and after `warmup_epochs` epochs. `hyperband`: Optuna's
+    HyperbandPruner, from 1 epoch up to the longest trial's."""
+    if spec["name"] == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=1 + spec["warmup_epochs"])
+    return optuna.pruners.MedianPruner(n_startup_trials=spec["startup_trials"], n_warmup_steps=spec["warmup_epochs"])

@@ -1,0 +1,108 @@
+"""Building what a config names (`_target_`), with one line for what the user got wrong.
+
+Hydra's `instantiate` reports a key the class does not take, or one it needs and did not get, as a
+TypeError deep in a traceback (`__init__() got an unexpected keyword argument 'foo'`). `errors_named`
+turns that, for the model, the dataset builder, the task and each callback, into one line naming the
+config key, the class and the arguments it takes; and a value a component refuses by its own rule
+(`SettingError`, e.g. a callback's `decay` outside (0, 1)) into `KEY.ARGUMENT=VALUE what is wrong`, as
+src/config/schema.py words the `trainer` settings. `argument_names` also lets the compose-time hint
+(src/config/hydra_errors.py) say whether `+KEY=VALUE` would be taken at all.
+
+Nothing here imports torch; a target's module is imported only to read its signature, after an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from hydra.errors import InstantiationException
+
+from src.common.errors import UsageError
+
+Rule = Callable[[Any], "str | None"]  # a value -> what is wrong with it, or None
+_HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
+
+
+class SettingError(UsageError):
+    """Arguments a component refused by its own rules: (argument, value, what is wrong) each. Its message
+    names the arguments alone; built through `errors_named`, the line names the config key too."""
+
+    def __init__(self, problems: list[tuple[str, Any, str]]) -> None:
+        self.problems = problems
+        super().__init__(self.named(""))
+
+    def named(self, key: str) -> str:
+        prefix = f"{key}." if key else ""
+        return "; ".join(f"{prefix}{argument}={value} {problem}" for argument, value, problem in self.problems)
+
+
+def check_arguments(**checked: tuple[Any, Rule]) -> None:
+    """Raise a `SettingError` for every `argument=(value, rule)` whose value breaks its rule."""
+    problems = [(name, value, problem) for name, (value, rule) in checked.items() if (problem := rule(value))]
+    if problems:
+        raise SettingError(problems)
+
+
+@contextlib.contextmanager
+def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[str] = ()) -> Iterator[None]:
+    """Build `node` (the config at `key`, e.g. `model`, `callbacks.ema`) inside the block; an argument its
+    target does not take or misses, or a value it refuses, is one line naming `key`. `passed_elsewhere`:
+    keys of the node that are not the target's arguments (a dataset's batch_size goes to the loaders)."""
+    try:
+        yield
+    except InstantiationException as error:
+        cause = error.__cause__
+        if isinstance(cause, SettingError):
+            raise UsageError(cause.named(key)) from None
+        mismatch = argument_mismatch(key, node, passed_elsewhere) if isinstance(cause, TypeError) else None
+        if mismatch is None:
+            raise
+        raise UsageError(mismatch) from None
+    except SettingError as error:  # built without instantiate
+        raise UsageError(error.named(key)) from None
+
+
+def argument_names(target: str) -> tuple[list[str], bool] | None:
+    """The parameters of the callable `target` names (without `self`), and whether it takes any keyword
+    (`**kwargs`); None if it cannot be imported or has no readable signature."""
+    from hydra.utils import get_object
+
+    try:
+        parameters = inspect.signature(get_object(target)).parameters.values()
+    except Exception:  # an unimportable target, a builtin without a signature: say nothing rather than guess
+        return None
+    names = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return names, any(p.kind == p.VAR_KEYWORD for p in parameters)
+
+
+def takes(target: str) -> str:
+    """`src.components.models.SimpleCNN takes in_channels, image_size, num_outputs`."""
+    found = argument_names(target)
+    names = ", ".join(found[0]) if found and found[0] else "no arguments"
+    return f"{target} takes {names}"
+
+
+def argument_mismatch(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[str] = ()) -> str | None:
+    """One line if `node`'s keys do not fit its target's signature (a key it does not take, an argument it
+    needs and lacks); None if they fit or the signature cannot be read."""
+    target = str(node.get("_target_"))
+    found = argument_names(target)
+    if found is None:
+        return None
+    names, any_keyword = found
+    given = [str(name) for name in node if name not in _HYDRA_KEYS and name not in set(passed_elsewhere)]
+    unexpected = [] if any_keyword else [name for name in given if name not in names]
+    if unexpected:
+        return (f"{key}.{unexpected[0]} is not an argument of {key}: {takes(target)}; remove it, or drop it for "
+                f"this run with ~{key}.{unexpected[0]}")
+    from hydra.utils import get_object
+
+    parameters = inspect.signature(get_object(target)).parameters
+    missing = [name for name in names if parameters[name].default is inspect.Parameter.empty
+               and parameters[name].kind != inspect.Parameter.POSITIONAL_ONLY and name not in given]
+    if missing and "_args_" not in node and not node.get("_partial_"):
+        return f"{key} needs {', '.join(missing)}: {takes(target)}; add +{key}.{missing[0]}=VALUE"
+    return None

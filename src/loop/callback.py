@@ -1,0 +1,206 @@
+"""The contract between the loop and its add-ons: a `Callback` is told what the loop does at a few named
+points, and may report, change what it shows, or stop the run; `Callbacks` calls a list of them.
+
+The template's own add-ons are callbacks (src/callbacks/: EMA weights, early stopping, Optuna pruning, the
+NaN watch, MFU, the profiler, the confusion matrix, the input grid), composed from the `callbacks` config
+group (conf/callbacks/); a fork adds its own with one class and one YAML. The loop (src/loop/trainer.py)
+names none of them. Every hook is called on every rank, in the config's order:
+
+    on_run_start(run)              before the first step: the run's parts and its state (fresh or resumed)
+    on_step_end(step)              after each optimizer step: its number, its summed loss (a device tensor)
+                                   and the model inputs of its first micro-batch. No host sync here: a value
+                                   read on the host (`.item()`, `bool()`) would stall every step
+    on_log(step, scalars)          at log steps, with the window's all-reduced train scalars; returns more
+    on_validation(run, val)        after the epoch's val pass, with its metrics (and tables, e.g. the
+                                   confusion matrix); returns more metrics for the epoch's record
+    on_epoch_end(run, record)      with the epoch's final record (and the history in `run.state`); returns a
+                                   `Stop` to end the run after this epoch, agreed by every rank (`agreed`)
+    on_checkpoint(run)             before a checkpoint is written; raise to refuse it
+    on_run_end(run, reason)        after the last step, however the loop stopped (a `StopReason`)
+    on_exception(run, error)       when the loop raises; may raise a clearer error in its place
+    state_dict() / load_state_dict(state)   saved in every checkpoint under the callback's name, and
+                                   given back before `on_run_start` when a run resumes
+
+Only the callbacks that override a hook are called for it, and a callback that sets `enabled = False`
+(in its constructor or in `on_run_start`: nothing to do in this run) is never called again and saves no
+state, so a step pays for the callbacks that act on steps and nothing for the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from src.parallel.distributed import broadcast_object
+
+if TYPE_CHECKING:  # annotations only: the loop's types, which import this module
+    from src.config.schema import TrainerConfig
+    from src.loop.stopping import StopReason
+    from src.loop.trainer import TrainParts, TrainState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Step:
+    """An optimizer step, as `on_step_end` sees it."""
+
+    number: int  # optimizer steps taken so far, this one included (1 = the run's first)
+    loss: torch.Tensor  # the step's loss summed over its micro-batches' samples, on the device: never read it here
+    inputs: tuple[tuple[Any, ...], dict[str, Any]]  # the model's (positional, keyword) inputs of its first micro-batch
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A callback's decision to end the run after this epoch, for good: the epoch's checkpoint records it, and
+    a resumed run trains no more."""
+
+    reason: str  # metrics.json's stop_reason, e.g. early_stopped, pruned (a sweep's summary reads it)
+    message: str  # logged by every rank when the run stops, e.g. "early stopping after epoch 3: ..."
+    ended_by: str  # a resumed run's log: "<ended_by> after epoch N: nothing more to train"
+
+
+@dataclass
+class Run:
+    """What the loop shows its callbacks: its settings, the parts the run built, and its state so far."""
+
+    config: TrainerConfig
+    parts: TrainParts
+    state: TrainState
+    resumed: bool  # the run continues from a checkpoint
+    evaluate: Callable[..., dict[str, Any]]  # evaluate(module, desc): any weights' metrics on the whole val split
+
+
+class Callback:
+    """The base of every add-on: each hook does nothing; override the ones you need (see the module's docstring).
+
+    `name` is the callback's key in the config (`callbacks.<name>`), set when the list is built: its state's
+    name in checkpoints. `metric_splits` names the record's metric prefixes `on_validation` adds (EMA:
+    `val_ema`), so `trainer.monitor` may name them.
+    """
+
+    name: str = ""
+    enabled: bool = True
+    metric_splits: tuple[str, ...] = ()
+
+    def on_run_start(self, run: Run) -> None: ...
+
+    def on_step_end(self, step: Step) -> None: ...
+
+    def on_log(self, step: int, scalars: Mapping[str, float]) -> Mapping[str, float] | None: ...
+
+    def on_validation(self, run: Run, val: Mapping[str, Any]) -> Mapping[str, float] | None: ...
+
+    def on_epoch_end(self, run: Run, record: Mapping[str, float]) -> Stop | None: ...
+
+    def on_checkpoint(self, run: Run) -> None: ...
+
+    def on_run_end(self, run: Run, reason: StopReason) -> None: ...
+
+    def on_exception(self, run: Run, error: BaseException) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def enable_hint(self) -> str | None:
+        """When disabled: what turns it on, for a `trainer.monitor` naming one of its `metric_splits`."""
+        return None
+
+
+HOOKS = ("on_run_start", "on_step_end", "on_log", "on_validation", "on_epoch_end", "on_checkpoint", "on_run_end",
+         "on_exception")
+
+
+def agreed(stop: Stop | None) -> Stop | None:
+    """Rank 0's decision, on every rank: a decision that changes training (stop, prune) must be the same
+    everywhere, or the ranks that go on wait forever in their next collective. A collective: every rank
+    calls it (a no-op in a single process)."""
+    return broadcast_object(stop)  # type: ignore[return-value]
+
+
+class Callbacks:
+    """The run's callbacks, in config order, called hook by hook (each hook calls only the enabled
+    callbacks that override it)."""
+
+    def __init__(self, callbacks: Mapping[str, Callback] | None = None) -> None:
+        self.all = dict(callbacks or {})
+        for name, callback in self.all.items():
+            callback.name = name
+        self._by_hook: dict[str, list[Callback]] = {}
+        self._update_hooks()
+
+    def _update_hooks(self) -> None:
+        enabled = [callback for callback in self.all.values() if callback.enabled]
+        self._by_hook = {hook: [callback for callback in enabled
+                                if getattr(type(callback), hook) is not getattr(Callback, hook)] for hook in HOOKS}
+
+    @property
+    def metric_splits(self) -> tuple[str, ...]:
+        """The metric prefixes the enabled callbacks add to the record."""
+        return tuple(split for callback in self.all.values() if callback.enabled for split in callback.metric_splits)
+
+    def enable_hints(self) -> dict[str, str]:
+        """For each metric prefix a disabled callback would add: what turns it on."""
+        return {split: hint for callback in self.all.values() if not callback.enabled
+                for split in callback.metric_splits if (hint := callback.enable_hint())}
+
+    def run_start(self, run: Run) -> None:
+        for callback in self._by_hook["on_run_start"]:
+            callback.on_run_start(run)
+        self._update_hooks()  # a callback may have found nothing to do in this run
+
+    def step_end(self, step: Step) -> None:
+        for callback in self._by_hook["on_step_end"]:
+            callback.on_step_end(step)
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> dict[str, float]:
+        extra: dict[str, float] = {}
+        for callback in self._by_hook["on_log"]:
+            extra.update(callback.on_log(step, scalars) or {})
+        return extra
+
+    def validation(self, run: Run, val: Mapping[str, Any]) -> dict[str, float]:
+        extra: dict[str, float] = {}
+        for callback in self._by_hook["on_validation"]:
+            extra.update(callback.on_validation(run, val) or {})
+        return extra
+
+    def epoch_end(self, run: Run, record: Mapping[str, float]) -> Stop | None:
+        """The first `Stop` a callback returns, as rank 0 decided it. Every callback is asked, on every rank
+        alike, whatever the others answer: their collectives must match."""
+        deciders = self._by_hook["on_epoch_end"]
+        if not deciders:
+            return None
+        stops = [callback.on_epoch_end(run, record) for callback in deciders]
+        return agreed(next((stop for stop in stops if stop is not None), None))
+
+    def checkpoint(self, run: Run) -> None:
+        for callback in self._by_hook["on_checkpoint"]:
+            callback.on_checkpoint(run)
+
+    def run_end(self, run: Run, reason: StopReason) -> None:
+        for callback in self._by_hook["on_run_end"]:
+            callback.on_run_end(run, reason)
+
+    def exception(self, run: Run, error: BaseException) -> None:
+        for callback in self._by_hook["on_exception"]:
+            callback.on_exception(run, error)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each enabled callback's state, under its name (callbacks without state save nothing)."""
+        states = {name: callback.state_dict() for name, callback in self.all.items() if callback.enabled}
+        return {name: state for name, state in states.items() if state}
+
+    def load_state_dict(self, states: Mapping[str, Any]) -> None:
+        for name, state in states.items():
+            callback = self.all.get(name)
+            if callback is not None and callback.enabled:
+                callback.load_state_dict(state)
+            else:
+                log.info("the checkpoint's state of callback %s is not used: this run has no such callback on", name)

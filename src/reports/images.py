@@ -1,0 +1,34 @@
+"""Images for people: a grid of tensors, drawn without torchvision (which costs every run 0.85-0.95 s to import
+on a 2-core CPU box, measured). Used by the callbacks that show a confusion matrix or the model's inputs."""
+
+from __future__ import annotations
+
+import torch
+
+
+def image_grid(images: torch.Tensor, min_side: int = 32) -> torch.Tensor:
+    """A (3, H, W) grid in [0, 1] of `images` (N, C, H, W), eight to a row.
+
+    Each image is min-max scaled on its own, since normalised inputs are not in [0, 1], and
+    enlarged by a whole factor to at least `min_side` pixels (8x8 digits are specks otherwise).
+    """
+    factor = -(-min_side // min(images.shape[-2:]))
+    images = images.float().repeat_interleave(factor, dim=-2).repeat_interleave(factor, dim=-1)
+    low = images.amin(dim=(1, 2, 3), keepdim=True)
+    high = images.amax(dim=(1, 2, 3), keepdim=True)
+    return tile((images - low) / (high - low).clamp(min=1e-5), columns=8, padding=2, pad_value=1.0)
+
+
+def tile(images: torch.Tensor, columns: int, padding: int, pad_value: float) -> torch.Tensor:
+    """(N, C, H, W) images, C = 1 or 3, as one RGB (3, H', W') grid of `columns` per row, with
+    `padding` pixels of `pad_value` around each: torchvision's make_grid (the unit tests check that it
+    is), without importing torchvision, which costs every run 0.85-0.95 s on a 2-core CPU box (measured)."""
+    count, _, height, width = images.shape
+    columns = min(columns, count)
+    rows = -(-count // columns)
+    grid = images.new_full((3, rows * (height + padding) + padding, columns * (width + padding) + padding), pad_value)
+    for index, image in enumerate(images):
+        row, column = divmod(index, columns)
+        top, left = padding + row * (height + padding), padding + column * (width + padding)
+        grid[:, top : top + height, left : left + width] = image  # a grey image broadcasts to RGB
+    return grid

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from hydra.errors import InstantiationException
+from hydra.utils import get_object
 
 from src.common.errors import UsageError
 
@@ -68,8 +69,6 @@ def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[s
 def argument_names(target: str) -> tuple[list[str], bool] | None:
     """The parameters of the callable `target` names (without `self`), and whether it takes any keyword
     (`**kwargs`); None if it cannot be imported or has no readable signature."""
-    from hydra.utils import get_object
-
     try:
         parameters = inspect.signature(get_object(target)).parameters.values()
     except Exception:  # an unimportable target, a builtin without a signature: say nothing rather than guess
@@ -98,8 +97,6 @@ def argument_mismatch(key: str, node: Mapping[str, Any], passed_elsewhere: Itera
     if unexpected:
         return (f"{key}.{unexpected[0]} is not an argument of {key}: {takes(target)}; remove it, or drop it for "
                 f"this run with ~{key}.{unexpected[0]}")
-    from hydra.utils import get_object
-
     parameters = inspect.signature(get_object(target)).parameters
     missing = [name for name in names if parameters[name].default is inspect.Parameter.empty
                and parameters[name].kind != inspect.Parameter.POSITIONAL_ONLY and name not in given]

@@ -309,7 +309,7 @@ def check_train_config(cfg: DictConfig) -> None:
     missing = OmegaConf.missing_keys(cfg)
     problems = [f"{key} is required: add {key}=VALUE" for key in sorted(missing)]
     rules = {**rules_of("trainer", TrainerConfig), **rules_of("dist", DistConfig), **OPEN_GROUP_RULES}
-    problems += init_from_problems(cfg)
+    problems += init_from_problems(cfg) + strategy_problems(cfg)
     _refuse(problems + value_problems(cfg, rules, skip=missing))
 
 
@@ -319,6 +319,16 @@ def init_from_problems(cfg: DictConfig) -> list[str]:
     if init_from is not None and resume not in (None, "auto"):
         return [f"init_from={init_from} starts a fresh run from weights, resume={resume} continues a run: pass only "
                 "one (with resume=auto, init_from applies only when the run dir holds no checkpoint yet)"]
+    return []
+
+
+def strategy_problems(cfg: DictConfig) -> list[str]:
+    """What dist.strategy=fsdp cannot combine with: EMA weights (src/callbacks/ema.py) keep a full copy of the
+    model on every rank, which is what sharding exists to avoid (their update takes whole tensors)."""
+    decay = OmegaConf.select(cfg, "callbacks.ema.decay")
+    if OmegaConf.select(cfg, "dist.strategy") == "fsdp" and decay is not None:
+        return [f"callbacks.ema.decay={decay} keeps a full copy of the model on every rank, which dist=fsdp exists "
+                "to avoid: use dist=ddp for EMA weights, or callbacks.ema.decay=null"]
     return []
 
 

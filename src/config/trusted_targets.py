@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import yaml
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from src.common.errors import UsageError
@@ -53,8 +54,6 @@ def targets_in(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 def config_dirs() -> list[Path]:
     """The folders this run composes its config from: conf/ and `hydra.searchpath`'s `file://` ones."""
-    from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
         return [DEFAULT_CONF]
     sources = HydraConfig.get().runtime.config_sources

@@ -16,6 +16,7 @@ Nothing here imports torch unless the run has several processes: `python train.p
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
 import shutil
@@ -159,8 +160,6 @@ def die_with_launcher(environ: Mapping[str, str] = os.environ) -> None:
     launcher = environ.get(LAUNCHER_PID)
     if launcher is None or not sys.platform.startswith("linux") or os.getppid() != int(launcher):
         return
-    import ctypes
-
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != int(launcher):  # the launcher died before the kernel watched it

@@ -63,3 +63,86 @@ def test_the_length_check_counts_decorators_docstrings_and_nested_functions(tmp_
     (tmp_path / "long.py").write_text(f'@decorator\ndef long():\n    """Doc."""\n    def inner():\n{body}\n')
     assert function_lengths(tmp_path / "long.py") == {"long.py:2 long": MAX_FUNCTION_LINES + 1,
                                                       "long.py:4 inner": MAX_FUNCTION_LINES - 2}
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """The modules `path` imports when it runs: every import but those under `if TYPE_CHECKING:`."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            node.body = []
+    modules = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules.update({node.module, *(f"{node.module}.{alias.name}" for alias in node.names)})
+    return modules
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+SRC = {module_name(p): p for p in sorted((REPO / "src").rglob("*.py"))}
+
+
+def test_the_loop_names_no_add_on():
+    """Its add-ons are callbacks (src/callbacks/) the config names; the loop imports none of them."""
+    loop = [p for p in SRC.values() if p.parent.name == "loop"]
+    assert {str(p.relative_to(REPO)): sorted(m for m in runtime_imports(p) if m.startswith("src.callbacks"))
+            for p in loop if any(m.startswith("src.callbacks") for m in runtime_imports(p))} == {}
+    assert "src/loop/trainer.py" in {str(p.relative_to(REPO)) for p in loop}
+
+
+def test_the_checkpoint_formats_do_not_import_each_other():
+    formats = {"src.checkpoint.file_store", "src.checkpoint.sharded_store"}
+    for name in formats:
+        assert not runtime_imports(SRC[name]) & formats, name
+
+
+def test_the_import_graph_of_src_has_no_cycle():
+    graph = {name: {m for m in runtime_imports(path) if m in SRC and m != name} for name, path in SRC.items()}
+    cycles = []
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            cycles.append(path[path.index(name):] + [name])
+            return
+        for imported in sorted(graph[name]):
+            visit(imported, [*path, name])
+
+    for name in graph:
+        visit(name, [])
+    assert cycles == []
+
+
+# The imports inside functions of the machinery and the entry points: each one keeps a heavy, optional package out
+# of the runs that do not use it (where a `_target_` or a module boundary could not), named here with its reason.
+DEFERRED = {
+    "src/callbacks/optuna_pruning.py": {"optuna"},  # only in a pruned Optuna trial; the callback is in every run
+    "src/loop/export.py": {"safetensors.torch"},  # an optional package, for exporting only
+    "src/loop/init_from.py": {"safetensors.torch"},  # likewise, for a .safetensors file only
+    "src/parallel/fsdp.py": {"torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict"},  # sharded runs
+    "src/parallel/launch.py": {"src.parallel"},  # torch's store, for a torchrun worker's start time only
+    "src/parallel/ranks.py": {"submitit"},  # only in submitit's and srun's tasks
+    "src/reports/reporting.py": {"torch.utils.tensorboard", "torch.utils.tensorboard.summary"},  # runs that write
+    # TensorBoard events (not eval.py)
+}
+OWN = ["callbacks", "checkpoint", "config", "loop", "parallel", "reports"]
+
+
+def deferred_imports(path: Path) -> set[str]:
+    inside = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inside.update(m for sub in ast.walk(node) if isinstance(sub, (ast.Import, ast.ImportFrom))
+                          for m in ([sub.module] if isinstance(sub, ast.ImportFrom) else [a.name for a in sub.names]))
+    return inside
+
+
+def test_imports_sit_at_the_top_but_for_the_few_named_above():
+    paths = [p for package in OWN for p in sorted((REPO / "src" / package).rglob("*.py"))] + ENTRY_POINTS
+    found = {str(p.relative_to(REPO)): deferred_imports(p) for p in paths}
+    assert {path: modules for path, modules in found.items() if modules} == DEFERRED

@@ -9,7 +9,7 @@ from src.common import files
 
 
 def test_a_shared_write_goes_through_a_temp_file_of_its_own_process(tmp_path: Path, monkeypatch):
-    """Ranks recording the same file at once (src/parallel/retries.py) never write into one temp file."""
+    """Ranks recording the same file at once (src/common/retries.py) never write into one temp file."""
     opened = []
     real_open = open
     monkeypatch.setattr("builtins.open", lambda path, *args: (opened.append(Path(path)), real_open(path, *args))[1])

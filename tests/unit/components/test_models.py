@@ -19,8 +19,7 @@ def image_fields(channels: int, size: tuple[int, int], outputs: int = 7) -> dict
 def from_yaml(name: str, fields: dict) -> torch.nn.Module:
     """`conf/model/<name>.yaml` built the way train.py builds it, with `fields` as the dataset's."""
     config = OmegaConf.create({"model": OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml")})
-    with data_fields.providing(fields, "dataset=test"):
-        return build_model(config.model)
+    return build_model(data_fields.fill(config.model, fields, "dataset=test"))
 
 
 @pytest.fixture(autouse=True)
@@ -57,8 +56,8 @@ def test_a_field_the_dataset_lacks_is_one_line_naming_both_sides():
 def test_an_override_replaces_the_field():
     config = OmegaConf.load(REPO / "conf" / "model" / "mlp.yaml")
     config.num_outputs = 4
-    with data_fields.providing({"num_features": 64, "num_outputs": 10}, "dataset=test"):
-        assert build_model(config)(torch.randn(2, 64)).shape == (2, 4)
+    filled = data_fields.fill(config, {"num_features": 64, "num_outputs": 10}, "dataset=test")
+    assert build_model(filled)(torch.randn(2, 64)).shape == (2, 4)
 
 
 def test_cnn_has_batchnorm_and_the_classic_shape():

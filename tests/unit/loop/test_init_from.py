@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from src.common.errors import UsageError
-from src.loop import checkpoint
+from src.checkpoint.store import FORMAT, FORMAT_1
 from src.loop.init_from import freeze, load_initial_weights, load_on_every_rank, match, read_weights, strip_prefixes
 
 HAS_SAFETENSORS = importlib.util.find_spec("safetensors") is not None
@@ -44,9 +44,13 @@ def save(tmp_path: Path, payload, name: str = "weights.pt") -> Path:
     return path
 
 
-def test_a_checkpoint_of_this_template_gives_its_model_weights_only(tmp_path: Path):
+@pytest.mark.parametrize("layout", [
+    {"format": FORMAT, "optimizer": {}, "loop": {"step": 7}},
+    {"format": FORMAT_1, "optimizer": {}, "step": 7},  # written before the parts were named
+])
+def test_a_checkpoint_of_this_template_gives_its_model_weights_only(tmp_path: Path, layout: dict):
     source = trained_net()
-    path = save(tmp_path, {"format": checkpoint.FORMAT, "model": source.state_dict(), "optimizer": {}, "step": 7})
+    path = save(tmp_path, {**layout, "model": source.state_dict()})
     weights = read_weights(path)
     assert set(weights) == set(source.state_dict())
     torch.manual_seed(2)

@@ -17,11 +17,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
+from src.checkpoint.file_store import FileStore
+from src.checkpoint.store import upgrade
 from src.components.tasks import Classification
 from src.config.schema import TrainerConfig
 from src.data.loaders import Data, GlobalBatchSampler, TensorBatchLoader
 from src.data.splits import DataSplits
-from src.loop.checkpoint import Checkpointer
+from src.loop.callback import Run
 from src.loop.trainer import Trainer, TrainParts, TrainState
 from src.parallel.distributed import DistEnv, Runtime
 from src.reports.reporting import Reporter
@@ -69,10 +71,10 @@ def test_gradients_are_all_reduced_on_the_last_micro_step_only(one_rank_group, t
     trainer = Trainer(TrainerConfig(epochs=1, grad_accum=grad_accum),
                       TrainParts(runtime, Classification(), model, train_model, optimizer,
                                  torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), tiny_data(grad_accum),
-                                 Checkpointer(tmp_path / "checkpoints", False), Reporter(tmp_path, False)))
+                                 FileStore(tmp_path / "checkpoints", False), Reporter(tmp_path, False)))
     assert trainer.ddp is ddp
     state = TrainState()
-    trainer.train_one_epoch(0, state)
+    trainer.train_one_epoch(0, Run(trainer.config, trainer.parts, state, False, trainer.evaluate))
     assert len(micro_steps) == STEPS * grad_accum and state.step == STEPS
     # Without no_sync every micro-step would all-reduce: STEPS * grad_accum calls.
     assert reduced_on == [grad_accum * (step + 1) for step in range(STEPS)]
@@ -105,7 +107,7 @@ def test_an_added_metric_is_reported_for_train_and_val(tmp_path: Path):
     trainer = Trainer(TrainerConfig(epochs=1, save_checkpoints=False, monitor="val/top2", monitor_mode="max"),
                       TrainParts(runtime, WithTop2(), model, model, optimizer,
                                  torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
-                                 Checkpointer(tmp_path / "checkpoints", True),
+                                 FileStore(tmp_path / "checkpoints", True),
                                  Reporter(tmp_path, True, tensorboard=False)))
     state = TrainState()
     trainer.fit(state)
@@ -121,6 +123,7 @@ def test_a_checkpoint_of_an_earlier_version_still_gives_its_state():
     old = {"model": {}, "optimizer": {}, "epoch": 1, "step": 25, "best": 0.5, "train_samples": 1600,
            "train_seconds": 2.0, "history": [{"epoch": 1}], "step_in_epoch": 3, "epoch_totals": None,
            "stopped_early": False}
-    state = TrainState.from_checkpoint(old)
+    state = TrainState()
+    state.load_state_dict(upgrade(old)["loop"])
     assert (state.epoch, state.step, state.step_in_epoch, state.best) == (1, 25, 3, 0.5)
-    assert "stopped_early" not in vars(state)
+    assert "stopped_early" not in vars(state) and state.stopped is None

@@ -1,5 +1,5 @@
-"""src/parallel/launch.py and src/reports/sweep_summary.py without training: run-dir agreement, rank detection,
-cluster environments, sweep tables."""
+"""src/parallel/launch.py, ranks.py, workers.py and src/reports/sweep_summary.py without training: run-dir
+agreement, rank detection, cluster environments, sweep tables."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from conftest import REPO
 from omegaconf import OmegaConf
 
 from src.common.errors import UsageError
-from src.parallel import launch
+from src.parallel import launch, ranks, workers
 from src.reports import sweep_summary
 from src.sweeps import jobs
 
@@ -56,13 +56,12 @@ def test_ranks_agree_on_rank_zeros_start_time():
 
 
 def test_start_time_is_inherited_by_child_processes(monkeypatch):
-    monkeypatch.setattr(launch, "_started_at", None)
     monkeypatch.setenv("DDP_TEMPLATE_RUN_STARTED_AT", "2030-01-02T03:04:05")
     assert launch.run_started_at().strftime("%Y-%m-%d/%H-%M-%S") == "2030-01-02/03-04-05"
-    monkeypatch.setattr(launch, "_started_at", None)
     monkeypatch.delenv("DDP_TEMPLATE_RUN_STARTED_AT")
     stamp = launch.run_started_at()
     assert os.environ["DDP_TEMPLATE_RUN_STARTED_AT"] == stamp.isoformat()
+    assert launch.run_started_at() == stamp  # agreed once: every later resolution reads it
 
 
 def test_only_rank_zero_writes_hydra_files(monkeypatch):
@@ -79,11 +78,35 @@ def adopted_environment(extra: dict[str, str]) -> dict[str, str]:
     """The launcher variables `adopt_cluster_env` exports, given a job environment (in a fresh process)."""
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR")
     env = {k: v for k, v in os.environ.items() if k not in keys and not k.startswith("SLURM_")}
-    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO)!r}); from src.parallel import launch; "
-            f"launch.adopt_cluster_env(); print(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))")
+    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO)!r}); from src.parallel import ranks; "
+            f"main = ranks.is_main_process(); ranks.adopt_cluster_env(); assert ranks.is_main_process() == main; "
+            f"print(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))")
     result = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("environ, main", [
+    ({}, True),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, True),
+    ({"RANK": "1", "WORLD_SIZE": "2"}, False),
+    ({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_NTASKS": "2"}, False),
+    ({"SUBMITIT_EXECUTOR": "slurm", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, True),
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}, False),  # a task of `srun python train.py`
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, True),
+])
+def test_the_main_process_is_read_from_the_launchers_variables_without_changing_them(environ, main):
+    before = dict(environ)
+    assert ranks.is_main_process(environ) is main
+    assert environ == before
+
+
+def test_a_run_dir_holding_only_hydras_files_was_made_for_this_run(tmp_path: Path):
+    assert launch.holds_only_hydras_files(tmp_path / "new")
+    (tmp_path / "run" / ".hydra").mkdir(parents=True)
+    assert launch.holds_only_hydras_files(tmp_path / "run")
+    (tmp_path / "run" / "train.log").write_text("an earlier run's\n")
+    assert not launch.holds_only_hydras_files(tmp_path / "run")
 
 
 def test_srun_tasks_export_the_torchrun_contract():
@@ -101,8 +124,6 @@ def test_a_single_slurm_task_stays_a_single_process():
 
 @pytest.mark.parametrize("configured", [False, True])
 def test_self_launch_rendezvous_on_the_configured_port(monkeypatch, tmp_path: Path, configured: bool):
-    from torch.distributed.launcher import api
-
     master_port = free_port() if configured else None
 
     launched = {}
@@ -111,9 +132,9 @@ def test_self_launch_rendezvous_on_the_configured_port(monkeypatch, tmp_path: Pa
         launched["endpoint"] = config.rdzv_endpoint
         return lambda *args: None
 
-    monkeypatch.setattr(api, "elastic_launch", record_launch)
+    monkeypatch.setattr(workers, "elastic_launch", record_launch)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    launch.launch_workers("train.py", 2, tmp_path, [], master_port, device="cpu", backend="gloo")
+    workers.launch_workers("train.py", 2, tmp_path, [], master_port, device="cpu", backend="gloo")
     expected = f"localhost:{master_port}" if configured else "localhost:0"  # port 0: the OS picks a free one
     assert launched == {"endpoint": expected}
 
@@ -123,10 +144,22 @@ def test_a_busy_master_port_is_refused_before_any_worker_starts(tmp_path: Path):
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        assert not launch.port_is_free(port)
+        assert not workers.port_is_free(port)
         with pytest.raises(UsageError, match=f"dist.master_port={port} is in use on localhost; pick another port"):
-            launch.launch_workers("train.py", 2, tmp_path, [], port)
-    assert launch.port_is_free(port)
+            workers.launch_workers("train.py", 2, tmp_path, [], port)
+    assert workers.port_is_free(port)
+
+
+@pytest.mark.parametrize("exit_codes, usage_error", [
+    ([2, 2], True),
+    ([2, -15], True),  # rank 0 stopped on the usage error first; the agent SIGTERMed rank 1 in its grace second
+    ([-15, 2], True),
+    ([1, -15], False),  # a crash
+    ([2, 1], False),
+    ([-9, -15], False),  # killed: no usage error at all
+])
+def test_a_group_stopped_on_a_usage_error_is_recognised(exit_codes, usage_error):
+    assert workers.stopped_on_a_usage_error(exit_codes) is usage_error
 
 
 def test_override_quoting_survives_hydras_grammar():
@@ -224,7 +257,7 @@ def test_a_wrapped_usage_error_stays_findable_through_the_torchrun_wrapper(monke
             raise RuntimeError("Error in call to target 'src.components.datasets.image_folder'") from error
 
     with pytest.raises(RuntimeError) as raised:
-        launch.recording_errors(build)()
+        workers.recording_errors(build)()
     assert str(find_usage_error(raised.value)) == "image folder data/train not found"
 
 
@@ -243,9 +276,9 @@ print(signal.value)
 def test_only_a_worker_of_launch_workers_is_armed_to_die_with_it(launcher: str | None, armed: bool):
     """The worker's parent is the launcher named in its environment: SIGKILL when it dies (9). A process
     whose parent is another, or that no launch_workers started, is left as it is (0)."""
-    env = {key: value for key, value in os.environ.items() if key != launch._LAUNCHER_PID}
+    env = {key: value for key, value in os.environ.items() if key != launch.LAUNCHER_PID}
     if launcher is not None:
-        env[launch._LAUNCHER_PID] = str(os.getpid() if launcher == "parent" else os.getpid() + 1_000_000)
+        env[launch.LAUNCHER_PID] = str(os.getpid() if launcher == "parent" else os.getpid() + 1_000_000)
     result = subprocess.run([sys.executable, "-c", PDEATHSIG_OF_THIS_PROCESS], cwd=REPO, env=env,
                             capture_output=True, text=True, check=True)
     assert int(result.stdout) == (9 if armed else 0)

@@ -15,11 +15,12 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from src.checkpoint.file_store import FileStore
 from src.components.tasks import Classification
 from src.config.schema import TrainerConfig
 from src.data.loaders import Data, GlobalBatchSampler, TensorBatchLoader
 from src.data.splits import DataSplits
-from src.loop.checkpoint import Checkpointer
+from src.loop.callback import Run
 from src.loop.trainer import Trainer, TrainParts, TrainState
 from src.parallel.distributed import DistEnv, Runtime
 from src.reports import progress
@@ -106,8 +107,9 @@ def test_a_training_epoch_bar_ends_at_its_steps_also_when_resumed(terminal, monk
     trainer = Trainer(TrainerConfig(epochs=1),
                       TrainParts(Runtime(DistEnv(), cpu, backend=None), Classification(), model, model, optimizer,
                                  torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
-                                 Checkpointer(tmp_path / "checkpoints", False), reporter))
-    trainer.train_one_epoch(0, TrainState(step=step_in_epoch, step_in_epoch=step_in_epoch))
+                                 FileStore(tmp_path / "checkpoints", False), reporter))
+    state = TrainState(step=step_in_epoch, step_in_epoch=step_in_epoch)
+    trainer.train_one_epoch(0, Run(trainer.config, trainer.parts, state, False, trainer.evaluate))
     drawn = bar_states(terminal.getvalue(), "epoch 1/1")
     assert drawn == [f"{n}/{steps}" for n in range(step_in_epoch, steps + 1)]
 

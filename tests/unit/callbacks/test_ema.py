@@ -1,27 +1,29 @@
-"""EMA weights (src/loop/ema.py): the update's math, its place in the loop, its checkpoint and its settings.
+"""EMA weights (src/callbacks/ema.py): the update's math, its place in the loop, its checkpoint and its settings.
 The command-line claims (2 ranks = 1 process, bitwise resume, eval.py weights=ema) are in
 tests/integration/test_ema_cli.py."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
+from src import checkpoint
+from src.callbacks.ema import EMA, EmaWeights
+from src.checkpoint.file_store import FileStore
 from src.common.errors import UsageError
 from src.components.tasks import Classification
-from src.config import schema
-from src.config.schema import EmaConfig, TrainerConfig
+from src.config import building, schema
+from src.config.schema import TrainerConfig
 from src.data.loaders import Data, TensorBatchLoader
 from src.loop import records
-from src.loop.checkpoint import Checkpointer
-from src.loop.ema import EmaWeights
+from src.loop.callback import Callbacks
 from src.loop.setup import build_task
 from src.loop.trainer import Trainer, TrainParts, TrainState
 from src.parallel import launch
@@ -104,7 +106,7 @@ def test_the_update_does_not_sync_with_the_gpu():
 SAMPLES, BATCH = 48, 8
 
 
-def tiny_parts(tmp_path: Path, model: nn.Module, grad_accum: int = 1) -> TrainParts:
+def tiny_parts(tmp_path: Path, model: nn.Module, grad_accum: int = 1, callbacks: Callbacks | None = None) -> TrainParts:
     from src.data.loaders import GlobalBatchSampler
     from src.data.splits import DataSplits
 
@@ -119,20 +121,41 @@ def tiny_parts(tmp_path: Path, model: nn.Module, grad_accum: int = 1) -> TrainPa
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return TrainParts(Runtime(DistEnv(), cpu, backend=None), Classification(), model, model, optimizer,
                       torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
-                      Checkpointer(tmp_path / "checkpoints", True), Reporter(tmp_path, True, tensorboard=False))
+                      FileStore(tmp_path / "checkpoints", True), Reporter(tmp_path, True, tensorboard=False),
+                      callbacks or Callbacks())
 
 
 def ema_trainer(tmp_path: Path, model: nn.Module, epochs: int = 2, **config) -> Trainer:
-    settings = {"monitor": "val_ema/acc", "monitor_mode": "max", "ema": EmaConfig(decay=0.8), **config}
-    return Trainer(TrainerConfig(epochs=epochs, **settings), tiny_parts(tmp_path, model, settings.get("grad_accum", 1)))
+    settings = {"monitor": "val_ema/acc", "monitor_mode": "max", **config}
+    callbacks = Callbacks({"ema": EMA(decay=0.8, warmup_steps=0)})
+    return Trainer(TrainerConfig(epochs=epochs, **settings),
+                   tiny_parts(tmp_path, model, settings.get("grad_accum", 1), callbacks))
 
 
-def test_the_loop_updates_once_per_optimizer_step_and_validates_the_ema_every_epoch(tmp_path: Path):
+def ema_of(trainer: Trainer) -> EmaWeights:
+    return trainer.parts.callbacks.all["ema"].weights
+
+
+def resumed(trainer: Trainer, path: Path) -> TrainState:
+    """`trainer` continued from the checkpoint `path` (every part restored, as train.py does), its EMA built."""
+    state = TrainState()
+    checkpoint.read(path).restore(trainer.stateful(state))
+    trainer.parts.callbacks.run_start(trainer_run(trainer, state))
+    return state
+
+
+def trainer_run(trainer: Trainer, state: TrainState):
+    from src.loop.callback import Run
+
+    return Run(trainer.config, trainer.parts, state, True, trainer.evaluate)
+
+
+def test_the_loop_updates_once_per_optimizer_step_and_validates_the_ema_every_epoch(tmp_path: Path, monkeypatch):
     model = model_with_batchnorm()
     trainer = ema_trainer(tmp_path, model, grad_accum=2)
     updates = []
-    update = trainer.ema.update
-    trainer.ema.update = lambda step: (updates.append(step), update(step))
+    update = EmaWeights.update
+    monkeypatch.setattr(EmaWeights, "update", lambda self, step: (updates.append(step), update(self, step)))
     state = TrainState()
     trainer.fit(state)
     steps_per_epoch = SAMPLES // BATCH
@@ -142,22 +165,22 @@ def test_the_loop_updates_once_per_optimizer_step_and_validates_the_ema_every_ep
     assert state.best == max(record["val_ema/acc"] for record in state.history)
     summary = json.loads((tmp_path / "metrics.json").read_text())
     assert summary["val_ema/acc"] == state.history[-1]["val_ema/acc"]
-    saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
-    assert saved["best_weights"] == "ema" and saved["ema"].keys() == saved["model"].keys()
-    for name, tensor in trainer.ema.state_dict().items():
-        assert torch.equal(saved["ema"][name], tensor), name
+    saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["callbacks"]["ema"]
+    model_state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert saved["best_weights"] == "ema" and saved["weights"].keys() == model_state.keys()
+    for name, tensor in ema_of(trainer).state_dict().items():
+        assert torch.equal(saved["weights"][name], tensor), name
 
 
 def test_a_resumed_trainer_takes_the_checkpoints_ema(tmp_path: Path):
     first = ema_trainer(tmp_path / "first", model_with_batchnorm(), epochs=1)
     first.fit(TrainState())
-    payload = first.state_dict(TrainState())
-    model = model_with_batchnorm()
-    model.load_state_dict(payload["model"])
-    second = ema_trainer(tmp_path / "second", model)
-    second.load_state_dict(payload)
-    for name, tensor in second.ema.state_dict().items():
-        assert torch.equal(tensor, payload["ema"][name]), name
+    last = tmp_path / "first" / "checkpoints" / "last.pt"
+    payload = torch.load(last, weights_only=True)
+    second = ema_trainer(tmp_path / "second", model_with_batchnorm())
+    resumed(second, last)
+    for name, tensor in ema_of(second).state_dict().items():
+        assert torch.equal(tensor, payload["callbacks"]["ema"]["weights"][name]), name
         if "weight" in name:
             assert not torch.equal(tensor, payload["model"][name]), name  # not merely the model's weights
 
@@ -165,12 +188,16 @@ def test_a_resumed_trainer_takes_the_checkpoints_ema(tmp_path: Path):
 def test_a_checkpoint_without_ema_resumes_with_the_ema_starting_from_its_model(tmp_path: Path):
     model = model_with_batchnorm()
     without = Trainer(TrainerConfig(epochs=1, monitor="val/acc", monitor_mode="max"), tiny_parts(tmp_path, model))
-    payload = without.state_dict(TrainState(epoch=1, step=6))
-    assert "ema" not in payload and payload["best_weights"] == "model"
-    resumed = ema_trainer(tmp_path / "resumed", copy.deepcopy(model))
-    state = resumed.load_state_dict(payload)
+    without.parts.store.save(without.stateful(TrainState(epoch=1, step=6)), step=6, is_best=False)
+    last = tmp_path / "checkpoints" / "last.pt"
+    payload = torch.load(last, weights_only=True)
+    assert payload["callbacks"] == {}
+    fresh = model_with_batchnorm()
+    torch.nn.init.constant_(fresh[0].weight, 0.5)  # other weights than the checkpoint's
+    again = ema_trainer(tmp_path / "resumed", fresh)
+    state = resumed(again, last)
     assert state.step == 6
-    for name, tensor in resumed.ema.state_dict().items():
+    for name, tensor in ema_of(again).state_dict().items():
         assert torch.equal(tensor, payload["model"][name]), name
 
 
@@ -180,7 +207,7 @@ def test_a_checkpoint_without_ema_resumes_with_the_ema_starting_from_its_model(t
 def test_the_epoch_record_line_and_summary_carry_val_ema():
     train = {"loss": 0.5, "acc": 0.8, "count": 100, "timed_count": 100}
     record = records.epoch_record(1, 10, train, {"loss": 0.4, "acc": 0.85, "count": 50}, 0.1, 2.0, 1.0,
-                                  {"loss": 0.3, "acc": 0.9, "count": 50})
+                                  records.metric_values("val_ema", {"loss": 0.3, "acc": 0.9, "count": 50}))
     assert (record["val_ema/loss"], record["val_ema/acc"]) == (0.3, 0.9)
     line = records.epoch_line(record, 5, 50)
     assert "val loss 0.4000 acc 0.8500  val_ema loss 0.3000 acc 0.9000 (50 samples)" in line
@@ -199,24 +226,31 @@ def composed(config_name: str, overrides: list[str]):
         return compose(config_name, overrides=overrides)
 
 
+def built_ema(overrides: list[str]) -> EMA:
+    """The `ema` callback of the composed config, built as train.py builds it."""
+    node = composed("config", overrides).callbacks.ema
+    with building.errors_named("callbacks.ema", node):
+        return instantiate(node)
+
+
 def test_the_ema_settings_are_declared_once_and_off_by_default():
-    cfg = composed("config", ["trainer.ema.decay=0.999", "trainer.ema.warmup_steps=100"])
-    trainer = OmegaConf.to_object(cfg.trainer)
-    assert trainer.ema == EmaConfig(decay=0.999, warmup_steps=100)
-    assert OmegaConf.to_object(composed("config", []).trainer).ema == EmaConfig(decay=None, warmup_steps=0)
+    ema = built_ema(["callbacks.ema.decay=0.999", "callbacks.ema.warmup_steps=100"])
+    assert (ema.decay, ema.warmup_steps, ema.enabled) == (0.999, 100, True)
+    off = built_ema([])
+    assert (off.decay, off.warmup_steps, off.enabled) == (None, 0, False)
 
 
 @pytest.mark.parametrize("override, message", [
-    ("trainer.ema.decay=1.5", "trainer.ema.decay=1.5 must be in (0, 1) (or null)"),
-    ("trainer.ema.decay=0", "trainer.ema.decay=0.0 must be in (0, 1) (or null)"),
-    ("trainer.ema.decay=1", "trainer.ema.decay=1.0 must be in (0, 1) (or null)"),
-    ("trainer.ema.warmup_steps=-1", "trainer.ema.warmup_steps=-1 must be at least 0"),
+    ("callbacks.ema.decay=1.5", "callbacks.ema.decay=1.5 must be in (0, 1) (or null)"),
+    ("callbacks.ema.decay=0", "callbacks.ema.decay=0 must be in (0, 1) (or null)"),
+    ("callbacks.ema.decay=1", "callbacks.ema.decay=1 must be in (0, 1) (or null)"),
+    ("callbacks.ema.warmup_steps=-1", "callbacks.ema.warmup_steps=-1 must be at least 0"),
 ])
 def test_bad_ema_values_are_refused_at_run_start(override, message):
     with pytest.raises(UsageError) as error:
-        schema.check_train_config(composed("config", [override]))
+        built_ema([override])
     assert str(error.value) == message
-    schema.check_train_config(composed("config", ["trainer.ema.decay=0.5", "trainer.ema.warmup_steps=0"]))
+    built_ema(["callbacks.ema.decay=0.5", "callbacks.ema.warmup_steps=0"])
 
 
 def test_eval_weights_is_model_or_ema():
@@ -231,10 +265,11 @@ TASK = OmegaConf.create({"_target_": "src.components.tasks.Classification"})
 
 
 def test_val_ema_may_be_monitored_only_with_ema_weights():
-    build_task(TASK, INFO, {"task": "classification"}, "val_ema/acc", ema=True)
+    on, off = Callbacks({"ema": EMA(0.9, 0)}), Callbacks({"ema": EMA(None, 0)})
+    build_task(TASK, INFO, {"task": "classification"}, "val_ema/acc", on.metric_splits, on.enable_hints())
     with pytest.raises(UsageError) as error:
-        build_task(TASK, INFO, {"task": "classification"}, "val_ema/acc", ema=False)
-    assert str(error.value) == ("trainer.monitor=val_ema/acc needs EMA weights: set trainer.ema.decay (e.g. 0.999), "
+        build_task(TASK, INFO, {"task": "classification"}, "val_ema/acc", off.metric_splits, off.enable_hints())
+    assert str(error.value) == ("trainer.monitor=val_ema/acc needs EMA weights: set callbacks.ema.decay (e.g. 0.999), "
                                 "or monitor val/acc")
     with pytest.raises(UsageError, match="choose one of val/loss, val/acc, val_ema/loss, val_ema/acc, train/loss"):
-        build_task(TASK, INFO, {"task": "classification"}, "val_ema/f1", ema=True)
+        build_task(TASK, INFO, {"task": "classification"}, "val_ema/f1", on.metric_splits, on.enable_hints())

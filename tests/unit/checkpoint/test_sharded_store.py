@@ -1,6 +1,6 @@
-"""Sharded checkpoint directories in one process (DCP runs without a process group): the layout, the
-pointers, pruning, what counts as complete, and reading the tensors back. Several ranks:
-tests/integration/test_fsdp_cli.py."""
+"""Sharded checkpoint directories (src/checkpoint/sharded_store.py) in one process (DCP runs without a process
+group): the layout, the pointers, pruning, what counts as complete, and reading the tensors back. Several
+ranks: tests/integration/test_fsdp_cli.py."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import pytest
 import torch
 from torch import nn
 
+from src import checkpoint
+from src.checkpoint import layout
+from src.checkpoint.sharded_store import ShardedStore
+from src.checkpoint.store import FORMAT
 from src.common.errors import UsageError
-from src.loop import checkpoint, sharded_checkpoint
-from src.loop.checkpoint import Checkpointer
+from src.parallel import fsdp
 
 
 def trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -24,64 +27,63 @@ def trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def save(checkpointer: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+def save(checkpointer: ShardedStore, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
          is_best: bool) -> None:
-    model_state, optimizer_state = sharded_checkpoint.model_and_optimizer_state(model, optimizer)
-    checkpointer.save({"model": model_state, "optimizer": optimizer_state, "scheduler": {}, "step": step,
-                       "epoch": 0, "config": {}}, is_best=is_best)
+    checkpointer.save({"model": model, "optimizer": optimizer, "scheduler": {}, "loop": {"step": step, "epoch": 0},
+                       "config": {}}, step, is_best=is_best)
 
 
 @pytest.fixture
-def saved(tmp_path: Path) -> Checkpointer:
+def saved(tmp_path: Path) -> ShardedStore:
     """Steps 5 (best), 10 and 15 saved with keep_last=1."""
-    checkpointer = Checkpointer(tmp_path / "checkpoints", is_main_process=True, keep_last=1, sharded=True)
+    checkpointer = ShardedStore(tmp_path / "checkpoints", is_main_process=True, keep_last=1)
     model, optimizer = trained(0)
     for step, is_best in ((5, True), (10, False), (15, False)):
         save(checkpointer, model, optimizer, step, is_best)
     return checkpointer
 
 
-def test_a_save_is_a_directory_named_by_step_and_last_and_best_name_directories(saved: Checkpointer):
+def test_a_save_is_a_directory_named_by_step_and_last_and_best_name_directories(saved: ShardedStore):
     directory = saved.directory
     assert sorted(path.name for path in directory.iterdir()) == ["best", "last", "step_000000005", "step_000000015"]
     assert (directory / "last").read_text() == "step_000000015" and (directory / "best").read_text() == "step_000000005"
     assert sorted(path.name for path in (directory / "step_000000015").iterdir()) == [
         ".metadata", "__0_0.distcp", "state.pt"]
     state = torch.load(directory / "step_000000015" / "state.pt", weights_only=True)
-    assert state["format"] == checkpoint.FORMAT and state["step"] == 15 and "model" not in state
+    assert state["format"] == FORMAT and state["loop"]["step"] == 15 and "model" not in state
     assert set(state["optimizer"]) == {"param_groups"}  # the optimizer's tensors are in the shards
 
 
-def test_resume_auto_takes_last_and_falls_back_past_an_incomplete_directory(saved: Checkpointer):
-    assert saved.resume_path("auto") == saved.directory / "last"
+def test_resume_auto_takes_last_and_falls_back_past_an_incomplete_directory(saved: ShardedStore):
+    assert layout.resume_path(saved.directory, "auto") == saved.directory / "last"
     with pytest.raises(UsageError, match="already holds a run"):
-        saved.resume_path(None)
+        layout.resume_path(saved.directory, None)
     assert saved.newest_first() == [saved.directory / "last", saved.directory / "step_000000005"]
     (saved.directory / "step_000000015" / ".metadata").unlink()  # as if killed before the index was renamed in
     with pytest.raises(UsageError, match=r"step_000000015 is incomplete \(no .metadata or state.pt"):
-        checkpoint.load(saved.directory / "last")
-    assert checkpoint.load(saved.directory / "step_000000005")["step"] == 5
+        checkpoint.read(saved.directory / "last")
+    assert checkpoint.read(saved.directory / "step_000000005").loop["step"] == 5
 
 
-def test_restore_reads_the_model_and_optimizer_into_a_fresh_pair(saved: Checkpointer):
+def test_restore_reads_the_model_and_optimizer_into_a_fresh_pair(saved: ShardedStore):
     model, optimizer = trained(0)
     fresh_model, fresh_optimizer = trained(1)
-    sharded_checkpoint.restore(fresh_model, fresh_optimizer, checkpoint.load(saved.directory / "last"))
+    checkpoint.read(saved.directory / "last").restore({"model": fresh_model, "optimizer": fresh_optimizer})
     for ours, theirs in zip(fresh_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(ours, theirs)
         assert torch.equal(fresh_optimizer.state[ours]["momentum_buffer"], optimizer.state[theirs]["momentum_buffer"])
-    whole = sharded_checkpoint.full_model_state(saved.directory / "step_000000015")
+    whole = checkpoint.read(saved.directory / "step_000000015").model_weights()
     assert all(torch.equal(whole[name], tensor) for name, tensor in model.state_dict().items())
 
 
 def test_a_ddp_optimizer_state_is_put_to_parameter_names():
     model, optimizer = trained(0)
-    by_name = sharded_checkpoint.by_name(optimizer.state_dict(), model)
+    by_name = fsdp.by_name(optimizer.state_dict(), model)
     assert list(by_name["state"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert by_name["param_groups"][0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
 
 
-def test_init_from_gathers_a_sharded_checkpoint_into_whole_weights(saved: Checkpointer):
+def test_init_from_gathers_a_sharded_checkpoint_into_whole_weights(saved: ShardedStore):
     from src.loop import init_from
 
     model, _ = trained(0)

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from src.callbacks.divergence import NonFiniteLossWatch, TrainingDiverged
 from src.common.errors import UsageError
-from src.loop.divergence import NonFiniteLossWatch, TrainingDiverged
 
 
 def test_finite_losses_pass_and_the_first_bad_step_is_named():

@@ -1,4 +1,5 @@
-"""Checkpoint files: atomic writes, safe loading, resume decisions."""
+"""Checkpoint files (src/checkpoint/file_store.py, writing.py, layout.py): atomic writes, safe loading, resume
+decisions."""
 
 import errno
 import os
@@ -7,33 +8,40 @@ from pathlib import Path
 import pytest
 import torch
 
+from src import checkpoint
+from src.checkpoint import layout, writing
+from src.checkpoint.file_store import FileStore
+from src.checkpoint.store import FORMAT
 from src.common import files
 from src.common.errors import UsageError
-from src.loop import checkpoint
-from src.loop.checkpoint import Checkpointer
 
 
 def payload(value: float) -> dict:
-    return {"model": {"w": torch.full((3,), value)}, "epoch": 1, "step": 10}
+    """Parts by name, as the trainer hands them to the store (here as plain states)."""
+    return {"model": {"w": torch.full((3,), value)}, "loop": {"epoch": 1, "step": 10}}
+
+
+def save(saver: FileStore, value: float, is_best: bool, step: int = 10, mid_epoch: bool = False) -> None:
+    saver.save(payload(value), step, is_best, mid_epoch)
 
 
 def test_save_writes_last_and_copies_best(tmp_path: Path):
-    saver = Checkpointer(tmp_path / "checkpoints", is_main_process=True)
-    saver.save(payload(1.0), is_best=True)
-    saver.save(payload(2.0), is_best=False)
-    assert checkpoint.load(saver.last_path)["model"]["w"].tolist() == [2.0, 2.0, 2.0]
-    assert checkpoint.load(saver.best_path)["model"]["w"].tolist() == [1.0, 1.0, 1.0]
+    saver = FileStore(tmp_path / "checkpoints", is_main_process=True)
+    save(saver, 1.0, is_best=True)
+    save(saver, 2.0, is_best=False)
+    assert checkpoint.read(saver.directory / "last.pt").state["model"]["w"].tolist() == [2.0, 2.0, 2.0]
+    assert checkpoint.read(saver.directory / "best.pt").state["model"]["w"].tolist() == [1.0, 1.0, 1.0]
     assert sorted(p.name for p in saver.directory.iterdir()) == ["best.pt", "last.pt"]
 
 
 def test_only_the_main_process_writes(tmp_path: Path):
-    Checkpointer(tmp_path / "checkpoints", is_main_process=False).save(payload(1.0), is_best=True)
+    save(FileStore(tmp_path / "checkpoints", is_main_process=False), 1.0, is_best=True)
     assert not (tmp_path / "checkpoints").exists()
 
 
 def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch):
-    saver = Checkpointer(tmp_path, is_main_process=True)
-    saver.save(payload(1.0), is_best=False)
+    saver = FileStore(tmp_path, is_main_process=True)
+    save(saver, 1.0, is_best=False)
 
     def crash(obj, f):
         f.write(b"half a file")  # save_atomic hands torch.save its temp file, open
@@ -41,8 +49,8 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError):
-        saver.save(payload(2.0), is_best=False)
-    assert checkpoint.load(saver.last_path)["model"]["w"].tolist() == [1.0, 1.0, 1.0]
+        save(saver, 2.0, is_best=False)
+    assert checkpoint.read(tmp_path / "last.pt").state["model"]["w"].tolist() == [1.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize(
@@ -56,17 +64,18 @@ def test_bad_files_give_one_clear_error(tmp_path: Path, content, message):
     else:
         path.write_bytes(content)
     with pytest.raises(UsageError, match=message) as error:
-        checkpoint.load(path)
+        checkpoint.read(path)
     assert str(path) in str(error.value) and "\n" not in str(error.value)
 
 
 def test_truncated_checkpoint_is_refused(tmp_path: Path):
-    saver = Checkpointer(tmp_path, is_main_process=True)
-    saver.save(payload(1.0), is_best=False)
-    data = saver.last_path.read_bytes()
-    saver.last_path.write_bytes(data[: len(data) // 2])
+    saver = FileStore(tmp_path, is_main_process=True)
+    save(saver, 1.0, is_best=False)
+    last = tmp_path / "last.pt"
+    data = last.read_bytes()
+    last.write_bytes(data[: len(data) // 2])
     with pytest.raises(UsageError, match="cannot be read"):
-        checkpoint.load(saver.last_path)
+        checkpoint.read(last)
 
 
 def test_loading_never_runs_code_from_the_file(tmp_path: Path):
@@ -75,30 +84,32 @@ def test_loading_never_runs_code_from_the_file(tmp_path: Path):
             return (print, ("pwned",))
 
     path = tmp_path / "evil.pt"
-    torch.save({"format": checkpoint.FORMAT, "x": Evil()}, path)
+    torch.save({"format": FORMAT, "x": Evil()}, path)
     with pytest.raises(UsageError, match="cannot be read"):
-        checkpoint.load(path)
+        checkpoint.read(path)
 
 
 def test_missing_checkpoint_names_the_path(tmp_path: Path):
     with pytest.raises(UsageError, match="does not exist"):
-        checkpoint.load(tmp_path / "nope.pt")
+        checkpoint.read(tmp_path / "nope.pt")
 
 
 def test_model_mismatch_names_the_file(tmp_path: Path):
-    with pytest.raises(UsageError, match="does not fit this model"):
-        checkpoint.load_model_state(torch.nn.Linear(2, 3), {"weight": torch.zeros(5, 2)}, tmp_path / "a.pt")
+    saver = FileStore(tmp_path, is_main_process=True)
+    saver.save({"model": {"weight": torch.zeros(5, 2)}}, step=1, is_best=False)
+    with pytest.raises(UsageError, match=f"checkpoint {tmp_path / 'last.pt'} does not fit this model"):
+        checkpoint.read(tmp_path / "last.pt").load_model(torch.nn.Linear(2, 3))
 
 
 def test_resume_decisions(tmp_path: Path):
-    saver = Checkpointer(tmp_path / "checkpoints", is_main_process=True)
-    assert saver.resume_path(None) is None
-    assert saver.resume_path("auto") is None
-    assert saver.resume_path("some/file.pt") == Path("some/file.pt")
-    saver.save(payload(1.0), is_best=False)
-    assert saver.resume_path("auto") == saver.last_path
+    directory = tmp_path / "checkpoints"
+    assert layout.resume_path(directory, None) is None
+    assert layout.resume_path(directory, "auto") is None
+    assert layout.resume_path(directory, "some/file.pt") == Path("some/file.pt")
+    save(FileStore(directory, is_main_process=True), 1.0, is_best=False)
+    assert layout.resume_path(directory, "auto") == directory / "last.pt"
     with pytest.raises(UsageError, match="already holds a run; pass resume=auto"):
-        saver.resume_path(None)
+        layout.resume_path(directory, None)
 
 
 def test_saves_fsync_the_file_and_its_directory(tmp_path: Path, monkeypatch):
@@ -107,8 +118,8 @@ def test_saves_fsync_the_file_and_its_directory(tmp_path: Path, monkeypatch):
     synced = []
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
-    saver = Checkpointer(tmp_path, is_main_process=True)
-    saver.save(payload(1.0), is_best=True, step=10)
+    saver = FileStore(tmp_path, is_main_process=True)
+    save(saver, 1.0, is_best=True, step=10, mid_epoch=True)
     files.write_text_atomically(tmp_path / "metrics.json", "{}")
     written = ["last.pt", "best.pt", "step_000000010.pt", "metrics.json"]
     assert synced == [entry for name in written for entry in (f"{tmp_path / name}.tmp", str(tmp_path))]
@@ -116,9 +127,10 @@ def test_saves_fsync_the_file_and_its_directory(tmp_path: Path, monkeypatch):
 
 
 def test_no_room_on_disk_is_one_line_with_the_bytes_needed(tmp_path: Path, monkeypatch):
-    saver = Checkpointer(tmp_path, is_main_process=True)
-    saver.save(payload(1.0), is_best=False)
-    before = saver.last_path.read_bytes()
+    saver = FileStore(tmp_path, is_main_process=True)
+    save(saver, 1.0, is_best=False)
+    last = tmp_path / "last.pt"
+    before = last.read_bytes()
     real_save = torch.save
 
     def disk_full(obj, f):
@@ -132,14 +144,14 @@ def test_no_room_on_disk_is_one_line_with_the_bytes_needed(tmp_path: Path, monke
 
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(UsageError) as error:
-        saver.save(payload(2.0), is_best=False)
+        save(saver, 2.0, is_best=False)
     monkeypatch.undo()
-    needed = checkpoint.serialized_size({"format": checkpoint.FORMAT, **payload(2.0)})
+    needed = writing.serialized_size({"format": FORMAT, **payload(2.0)})
     assert f"it needs {needed:,} bytes" in str(error.value) and "No space left on device" in str(error.value)
-    assert saver.last_path.read_bytes() == before
+    assert last.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]  # no temp file left behind
 
 
 def test_the_byte_count_is_the_file_size(tmp_path: Path):
-    checkpoint.save_atomic(payload(3.0), tmp_path / "a.pt")
-    assert checkpoint.serialized_size(payload(3.0)) == (tmp_path / "a.pt").stat().st_size
+    writing.save_atomic(payload(3.0), tmp_path / "a.pt")
+    assert writing.serialized_size(payload(3.0)) == (tmp_path / "a.pt").stat().st_size

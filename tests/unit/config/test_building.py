@@ -1,0 +1,52 @@
+"""Building what a config names (src/config/building.py): an argument the target does not take, or lacks, or a
+value it refuses, is one line naming the config key; any other error of the target is left as it is."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from src.common.errors import UsageError
+from src.config import building
+
+CNN = {"_target_": "src.components.models.SimpleCNN", "in_channels": 1, "image_size": [8, 8], "num_outputs": 10}
+TAKES = "src.components.models.SimpleCNN takes in_channels, image_size, num_outputs, channels, hidden, dropout"
+
+
+def built(key: str, node: dict, passed_elsewhere=()):
+    config = OmegaConf.create(node)
+    with building.errors_named(key, config, passed_elsewhere):
+        return instantiate(config)
+
+
+@pytest.mark.parametrize("node, message", [
+    ({**CNN, "foo": 1}, f"model.foo is not an argument of model: {TAKES}; remove it, or drop it for this run with "
+                        "~model.foo"),
+    ({key: value for key, value in CNN.items() if key != "num_outputs"},
+     f"model needs num_outputs: {TAKES}; add +model.num_outputs=VALUE"),
+])
+def test_an_argument_the_target_does_not_take_or_lacks_is_one_line(node, message):
+    with pytest.raises(UsageError) as error:
+        built("model", node)
+    assert str(error.value) == message
+
+
+def test_keys_passed_elsewhere_are_not_arguments():
+    digits = {"_target_": "src.components.datasets.digits", "val_size": 360, "batch_size": 64, "foo": 1}
+    with pytest.raises(UsageError, match=r"^dataset.foo is not an argument of dataset: src.components.datasets.digits"):
+        built("dataset", digits, passed_elsewhere=("batch_size",))
+
+
+def test_a_value_a_callback_refuses_names_its_key():
+    with pytest.raises(UsageError) as error:
+        built("callbacks.early_stopping", {"_target_": "src.callbacks.early_stopping.EarlyStopping", "patience": 0,
+                                           "min_delta": -1.0})
+    assert str(error.value) == ("callbacks.early_stopping.patience=0 must be at least 1 (or null); "
+                                "callbacks.early_stopping.min_delta=-1.0 must be a number >= 0")
+
+
+def test_other_errors_of_the_target_keep_their_report():
+    with pytest.raises(Exception, match="Error in call to target") as error:
+        built("model", {**CNN, "hidden": "abc"})  # a TypeError inside the model, not an argument mismatch
+    assert not isinstance(error.value, UsageError)

@@ -3,7 +3,7 @@
     python benchmarks/run.py                 # 3 repeats, writes benchmarks/RESULTS.md
     python benchmarks/run.py --repeats 5 --epochs 20
     python benchmarks/run.py --cases lightning --repeats 3 --epochs 10
-    python benchmarks/run.py --cases digits --template-args trainer.ema.decay=0.999   # the cost of a feature
+    python benchmarks/run.py --cases digits --template-args callbacks.ema.decay=0.999   # the cost of a feature
 
 Each case runs the template (`train.py`) and the bare loop (`benchmarks/bare_loop.py`) as
 separate processes, interleaved (ours, bare, ours, bare, ...) so that a busy machine slows
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", choices=["digits", "ddp", "lightning"],
                         help="which cases to run (default: all; lightning only if it is installed)")
     parser.add_argument("--template-args", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="overrides added to every template run, e.g. trainer.ema.decay=0.999")
+                        help="overrides added to every template run, e.g. callbacks.ema.decay=0.999")
     args = parser.parse_args()
     has_lightning = importlib.util.find_spec("lightning") is not None
     if args.cases is None:

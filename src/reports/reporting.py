@@ -104,18 +104,16 @@ class Reporter:
     process only: on other ranks every method does nothing.
 
     With `tensorboard=False` it writes the files alone (no `tb/` dir, no TensorBoard import: it costs
-    ~0.5 s, imported here, the one deferred import of this module, only by runs that write events).
+    ~0.5 s, imported in `_events`, the deferred imports of this module, only by runs that write events).
+    The event file and its `tb/` dir are created by the first event, so a run refused before any leaves none.
     With `progress=True` it draws progress bars when stdout is a terminal (`trainer.progress`).
     """
 
     def __init__(self, run_dir: Path, is_main_process: bool, tensorboard: bool = True, progress: bool = False) -> None:
         self.run_dir = run_dir
         self.is_main_process = is_main_process
-        self._writer = None
-        if self.is_main_process and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(run_dir / "tb"))
+        self._tensorboard = is_main_process and tensorboard
+        self._writer: Any = None
         self._console = sys.stdout if shows_progress(progress, is_main_process, sys.stdout) else None
         self._bar = tqdm(disable=True)  # no bar before progress() makes one
 
@@ -133,25 +131,32 @@ class Reporter:
         if "train/loss" in values:
             # Already on the host: no sync. No redraw: the next update() draws it, within tqdm's rate limit.
             self._bar.set_postfix(loss=f"{values['train/loss']:.4f}", refresh=False)
+        if self._tensorboard:
+            for tag, value in values.items():
+                self._events().add_scalar(tag, value, global_step=step)
+
+    def _events(self) -> Any:
+        """The run's TensorBoard writer, made (with `tb/`) on first use; only where `_tensorboard` is set."""
         if self._writer is None:
-            return
-        for tag, value in values.items():
-            self._writer.add_scalar(tag, value, global_step=step)
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+        return self._writer
 
     @property
     def shows_images(self) -> bool:
         """Whether `image()` writes anything (rank 0 with TensorBoard): callbacks skip drawing otherwise."""
-        return self._writer is not None
+        return self._tensorboard
 
     def image(self, tag: str, image: torch.Tensor, step: int) -> None:
         """A (3, H, W) image in [0, 1] under `tag` in TensorBoard."""
-        if self._writer is not None:
-            self._writer.add_image(tag, image, global_step=step)
+        if self._tensorboard:
+            self._events().add_image(tag, image, global_step=step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Markdown under `tag` in TensorBoard's text tab."""
-        if self._writer is not None:
-            self._writer.add_text(tag, text, global_step=step)
+        if self._tensorboard:
+            self._events().add_text(tag, text, global_step=step)
 
     def file(self, name: str, text: str) -> None:
         """A file of the run dir (say, a table as CSV), replaced atomically."""
@@ -163,17 +168,17 @@ class Reporter:
 
         Written into the run's own event file, so multirun jobs line up side by side.
         """
-        if self._writer is None:
+        if not self._tensorboard:
             return
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
         metrics = {f"hparam/{k}": v for k, v in final_metrics.items() if math.isfinite(v)}
         experiment, session_start, session_end = hparams_summary(dict(hparams), metrics)
-        file_writer = self._writer._get_file_writer()
+        file_writer = self._events()._get_file_writer()
         for summary in (experiment, session_start, session_end):
             file_writer.add_summary(summary)
         for tag, value in metrics.items():
-            self._writer.add_scalar(tag, value)
+            self._events().add_scalar(tag, value)
 
     def write_metrics(self, summary: Mapping[str, Any]) -> None:
         """Replace metrics.json atomically, so a reader never sees half a file."""

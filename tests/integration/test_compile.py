@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import check, metrics, torchrun, train, weights
 
+from src import checkpoint
 from src.components.models import SimpleCNN
-from src.loop import sharded_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -67,8 +67,7 @@ def test_a_compiled_fsdp_run_trains_like_the_eager_fsdp_run(tmp_path: Path, indu
     for key in ("train/loss", "val/loss"):
         assert compiled[key] == pytest.approx(eager[key], rel=1e-4), key
     assert compiled["val/acc"] == eager["val/acc"]
-    saved, reference = (sharded_checkpoint.full_model_state(sharded_checkpoint.resolve(tmp_path / run / "checkpoints"
-                                                                                        / "last"))
+    saved, reference = (checkpoint.read(tmp_path / run / "checkpoints" / "last").model_weights()
                         for run in ("compiled", "eager"))
     assert list(saved) == list(reference)  # the plain module's names: no `_orig_mod.` prefixes
     for name, tensor in saved.items():  # as above: per tensor, relative to its norm

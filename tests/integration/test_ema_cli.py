@@ -1,4 +1,4 @@
-"""EMA weights end to end (trainer.ema.decay): the real command line on 1 and 2 processes.
+"""EMA weights end to end (callbacks.ema.decay): the real command line on 1 and 2 processes.
 
 - 2 ranks at batch 32 each keep the EMA 1 process keeps at batch 64 (sync-BN, SGD: the settings of
   test_equivalence.py's sync-BN test);
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, check, metrics, run, torchrun, train
+from format_1 import rewrite_as_format_1
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytestmark = pytest.mark.slow
@@ -26,14 +27,17 @@ TIMING_KEYS = {"epoch_time_s", "samples_per_s"}
 
 # test_equivalence.py's sync-BN comparison (BatchNorm, SGD, constant LR, global batch 64), with EMA.
 CNN_EMA = ["model=cnn", "optimizer=sgd", "scheduler=constant", "trainer.epochs=1", "dataset.batch_size=64",
-           "dist.sync_bn=true", "trainer.ema.decay=0.9"]
+           "dist.sync_bn=true", "callbacks.ema.decay=0.9"]
 # test_fault_tolerance.py's resume runs, with EMA (and its warmup) monitored.
 TWO_EPOCHS_EMA = ["trainer.epochs=2", "optimizer=sgd", "optimizer.lr=0.01", "scheduler=constant",
-                  "trainer.ema.decay=0.9", "trainer.ema.warmup_steps=10", "trainer.monitor=val_ema/acc"]
+                  "callbacks.ema.decay=0.9", "callbacks.ema.warmup_steps=10", "trainer.monitor=val_ema/acc"]
 
 
 def checkpoint(run_dir: Path, name: str = "last.pt") -> dict:
-    return torch.load(run_dir / "checkpoints" / name, map_location="cpu", weights_only=True)
+    """A checkpoint's parts, with the EMA callback's weights as `ema` and its state as `ema_state`."""
+    saved = torch.load(run_dir / "checkpoints" / name, map_location="cpu", weights_only=True)
+    ema = saved["callbacks"].get("ema", {})
+    return {**saved, **({"ema": ema["weights"], "ema_state": ema} if ema else {})}
 
 
 def without_timing(summary: dict) -> dict:
@@ -68,12 +72,20 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return workdir / "run"
 
 
-def test_a_run_stopped_mid_epoch_resumes_to_bitwise_the_same_ema(tmp_path: Path, straight: Path):
+@pytest.mark.parametrize("layout", ["today's", "format 1"])
+def test_a_run_stopped_mid_epoch_resumes_to_bitwise_the_same_ema(tmp_path: Path, straight: Path, layout: str):
+    """Also from checkpoints written before the parts were named (format 1: `ema`, the loop's fields at the top
+    level; tests/fixtures/format_1.py writes them), which src/checkpoint/store.py upgrades on read."""
     first = check(train([*TWO_EPOCHS_EMA, "trainer.checkpoint_every_steps=5", "trainer.max_steps=27",
                          "hydra.run.dir=run"], tmp_path))
     assert "stopped at step 27 with a checkpoint" in first.stdout
     stopped = checkpoint(tmp_path / "run")
-    assert (stopped["epoch"], stopped["step"], stopped["step_in_epoch"]) == (1, 27, 5) and "ema" in stopped
+    loop = stopped["loop"]
+    assert (loop["epoch"], loop["step"], loop["step_in_epoch"]) == (1, 27, 5) and "ema" in stopped
+    if layout == "format 1":
+        rewrite_as_format_1(tmp_path / "run" / "checkpoints")
+        assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["ema"].keys() == \
+            stopped["ema"].keys()
     check(train([*TWO_EPOCHS_EMA, "resume=auto", "hydra.run.dir=run"], tmp_path))
     resumed, reference = checkpoint(tmp_path / "run"), checkpoint(straight)
     for key in ("ema", "model"):
@@ -95,8 +107,8 @@ def test_val_ema_is_reported_every_epoch_and_picks_best(straight: Path):
     assert [event.step for event in events.Scalars("val_ema/acc")] == [22, 44]
     best = checkpoint(straight, "best.pt")
     values = [record["val_ema/acc"] for record in summary["history"]]
-    assert best["best_weights"] == "ema" and best["best"] == max(values)
-    assert best["epoch"] == 1 + values.index(max(values))
+    assert best["ema_state"]["best_weights"] == "ema" and best["loop"]["best"] == max(values)
+    assert best["loop"]["epoch"] == 1 + values.index(max(values))
 
 
 def evaluate(args: list[str], cwd: Path) -> dict:

@@ -106,7 +106,7 @@ def test_a_step_checkpoint_resumes_mid_epoch_exactly(workdir: Path, straight: Pa
     assert "stopped at step 27 with a checkpoint" in first.stdout
     checkpoints = sorted(p.name for p in (workdir / "run" / "checkpoints").iterdir())
     assert checkpoints == ["best.pt", "last.pt", "step_000000025.pt", "step_000000027.pt"]  # keep_last=2
-    saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
+    saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)["loop"]
     assert (saved["epoch"], saved["step"], saved["step_in_epoch"]) == (1, 27, 5)
     assert saved["epoch_totals"]["count"] == [5 * 64]  # the unfinished epoch's samples so far, by name
     second = check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))
@@ -117,7 +117,7 @@ def test_a_step_checkpoint_resumes_mid_epoch_exactly(workdir: Path, straight: Pa
 def test_a_run_resumes_on_another_world_size(workdir: Path, straight: Path):
     check(torchrun(2, [*TWO_EPOCHS, "trainer.max_steps=27", "hydra.run.dir=run"], workdir))
     saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
-    assert saved["config"]["trainer"]["max_steps"] == 27 and saved["step"] == 27
+    assert saved["config"]["trainer"]["max_steps"] == 27 and saved["loop"]["step"] == 27
     check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))  # now one process
     summary = metrics(workdir / "run")
     assert summary["world_size"] == 1 and summary["step"] == 44
@@ -138,7 +138,7 @@ def test_sigterm_checkpoints_and_stops_cleanly(workdir: Path, straight: Path):
     assert process.returncode == 0, err[-2000:]
     assert "SIGTERM: checkpointing at the next log step" in err + out
     assert "stopped at step" in out
-    saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
+    saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)["loop"]
     assert saved["epoch"] == 1 and 22 < saved["step"] < 44 and saved["step"] % 2 == 0
     check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))
     assert_same_run(workdir / "run", straight)
@@ -160,18 +160,18 @@ WRITER = """
 import sys, torch
 sys.path.insert(0, {repo!r})
 from pathlib import Path
-from src.loop.checkpoint import Checkpointer
-saver = Checkpointer(Path({directory!r}), is_main_process=True)
-saver.save({{"model": {{"w": torch.zeros(3)}}, "epoch": 1}}, is_best=False)
+from src.checkpoint.file_store import FileStore
+saver = FileStore(Path({directory!r}), is_main_process=True)
+saver.save({{"model": {{"w": torch.zeros(3)}}, "loop": {{"epoch": 1}}}}, step=1, is_best=False)
 print("first saved", flush=True)
-saver.save({{"model": {{"w": torch.ones(64 * 2**20)}}, "epoch": 2}}, is_best=False)  # 256 MB: takes a while
+saver.save({{"model": {{"w": torch.ones(64 * 2**20)}}, "loop": {{"epoch": 2}}}}, step=2, is_best=False)  # 256 MB: slow
 """
 
 
 def test_a_process_killed_while_writing_leaves_the_previous_checkpoint(tmp_path: Path):
     from conftest import REPO
 
-    from src.loop import checkpoint
+    from src import checkpoint
 
     code = WRITER.format(repo=str(REPO), directory=str(tmp_path))
     writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -182,7 +182,7 @@ def test_a_process_killed_while_writing_leaves_the_previous_checkpoint(tmp_path:
         time.sleep(0.001)
     writer.kill()  # mid-write of the second checkpoint
     writer.wait(timeout=30)
-    assert checkpoint.load(tmp_path / "last.pt")["epoch"] == 1
+    assert checkpoint.read(tmp_path / "last.pt").loop["epoch"] == 1
 
 
 def test_sigterm_to_torchrun_checkpoints_every_rank_at_the_same_step(workdir: Path):
@@ -197,7 +197,7 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_at_the_same_step(workdir: Pa
         time.sleep(0.02)
     agent.send_signal(signal.SIGTERM)
     agent.communicate(timeout=120)
-    saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
+    saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)["loop"]
     assert saved["epoch"] == 1 and 22 < saved["step"] < 44 and saved["step"] % 2 == 0
     assert "stopped at step" in (workdir / "run" / "train.log").read_text()
     check(torchrun(2, [*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))

@@ -1,6 +1,6 @@
 """Fine-tuning and early stopping on the real command line: `init_from` starts a fresh run from another
 run's model weights (a new head where the class count differs), `trainer.freeze` keeps a backbone
-bitwise unchanged (linear probing), and `trainer.early_stopping` ends a plateaued run at the same epoch on
+bitwise unchanged (linear probing), and `callbacks.early_stopping` ends a plateaued run at the same epoch on
 every rank, for good: `resume=auto` afterwards trains no more."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import check, metrics, torchrun, train, weights
+from format_1 import rewrite_as_format_1
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +83,7 @@ def test_init_from_loads_the_matching_weights_exactly_and_keeps_a_fresh_head(wor
     assert_equal(parameters(loaded, "classifier.2."), parameters(source, "classifier.2."))
     assert_equal(parameters(loaded, "classifier.5."), parameters(fresh, "classifier.5."))
     assert not torch.equal(fresh["features.0.weight"], source["features.0.weight"])
-    assert torch.load(workdir / "plain" / "checkpoints" / "last.pt", weights_only=True)["step"] == 1  # fresh count
+    assert torch.load(workdir / "plain" / "checkpoints" / "last.pt", weights_only=True)["loop"]["step"] == 1  # fresh
 
 
 def test_strict_init_from_refuses_another_head(workdir_with_a_source: Path):
@@ -108,8 +109,8 @@ def test_init_from_applies_to_a_fresh_start_only(workdir_with_a_source: Path):
 
 
 # 2 steps an epoch; val/acc cannot improve by more than 1.0 after epoch 1, so patience=2 ends epoch 3.
-PLATEAU = ["trainer.epochs=10", "trainer.limit_train_batches=2", "trainer.early_stopping.patience=2",
-           "trainer.early_stopping.min_delta=1.0"]
+PLATEAU = ["trainer.epochs=10", "trainer.limit_train_batches=2", "callbacks.early_stopping.patience=2",
+           "callbacks.early_stopping.min_delta=1.0"]
 
 
 @pytest.mark.parametrize("processes", [1, 2])
@@ -127,8 +128,11 @@ def test_early_stopping_ends_every_rank_at_the_same_epoch_for_good(tmp_path: Pat
         text = log.read_text()
         assert "early stopping after epoch 3: val/acc has not improved by more than 1 for 2 epochs" in text, log
         assert "epoch 4/10" not in text
-    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    assert (saved["epoch"], saved["early_stopped_at"]) == (3, 3)
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["loop"]
+    assert (saved["epoch"], saved["stopped"]["reason"], saved["stopped"]["epoch"]) == (3, "early_stopped", 3)
+    if processes == 2:  # as if written before the parts were named (format 1: `early_stopped_at`)
+        rewrite_as_format_1(run_dir / "checkpoints")
+        assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["early_stopped_at"] == 3
     files = {p: p.read_bytes() for p in [run_dir / "metrics.json", run_dir / "checkpoints" / "last.pt"]}
 
     launch([*PLATEAU, "resume=auto", "hydra.run.dir=run"])

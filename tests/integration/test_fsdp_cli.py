@@ -19,9 +19,10 @@ import pytest
 import torch
 from conftest import REPO, TRAIN, check, metrics, run, torchrun, weights
 from faults import TORCHRUN, descendants, wait_until
+from format_1 import rewrite_as_format_1
 from lazy_runs import LazyRuns
 
-from src.loop import sharded_checkpoint
+from src import checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -64,11 +65,14 @@ RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
 class Runs(LazyRuns):
     """The runs of RUNS, launched on first use; and copies of them resumed on other world sizes."""
 
-    def resumed(self, name: str, processes: int, extra: tuple[str, ...] = ()) -> Path:
-        """A copy of run `name`'s dir, continued with `resume=auto` on `processes` ranks."""
+    def resumed(self, name: str, processes: int, extra: tuple[str, ...] = (), format_1: bool = False) -> Path:
+        """A copy of run `name`'s dir (its checkpoints rewritten in format 1's layout if asked: tests/fixtures/
+        format_1.py), continued with `resume=auto` on `processes` ranks."""
         suffix = "".join(f"_{override.replace('=', '-').replace('+', '')}" for override in extra)
-        run_dir = self.root / f"{name.replace(' ', '_')}_resumed_on_{processes}{suffix}"
+        run_dir = self.root / f"{name.replace(' ', '_')}_resumed_on_{processes}{suffix}{'_format_1' * format_1}"
         shutil.copytree(self(name), run_dir)
+        if format_1:
+            assert rewrite_as_format_1(run_dir / "checkpoints")
         self.launch(processes, [*TWO_EPOCHS, *extra, "resume=auto", f"hydra.run.dir={run_dir}"])
         return run_dir
 
@@ -80,7 +84,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
 
 def sharded_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The whole model of a run's newest sharded checkpoint, gathered in this process."""
-    return sharded_checkpoint.full_model_state(sharded_checkpoint.resolve(run_dir / "checkpoints" / "last"))
+    return checkpoint.read(run_dir / "checkpoints" / "last").model_weights()
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -147,7 +151,7 @@ def test_the_fsdp_run_writes_sharded_checkpoint_directories(runs: Runs):
         ".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
     assert not list(checkpoints.glob("*.pt")) and not list(checkpoints.glob("*.tmp"))
     state = torch.load(checkpoints / "step_000000022" / "state.pt", weights_only=True)  # never runs code
-    assert "model" not in state and state["step"] == 22 and state["config"]["dist"]["strategy"] == "fsdp"
+    assert "model" not in state and state["loop"]["step"] == 22 and state["config"]["dist"]["strategy"] == "fsdp"
 
 
 # -- resume: bitwise on the same world size, resharded on others ------------------------------
@@ -158,6 +162,13 @@ def test_stopped_on_2_ranks_and_resumed_on_2_ends_bitwise_equal(runs: Runs):
     assert (stopped / "last").read_text() == "step_000000027"
     assert sorted(path.name for path in stopped.iterdir()) == ["last", "step_000000025", "step_000000027"]
     resumed = runs.resumed("stopped on 2", 2)
+    assert "after epoch 0, step 27 (27 steps into epoch 1)" in (resumed / "train.log").read_text()
+    assert_bitwise_equal(resumed, runs("straight"))
+
+
+def test_a_sharded_checkpoint_written_before_the_parts_were_named_resumes_bitwise(runs: Runs):
+    """Format 1's state.pt (the loop's fields at the top level; src/checkpoint/store.py upgrades it on read)."""
+    resumed = runs.resumed("stopped on 2", 2, format_1=True)
     assert "after epoch 0, step 27 (27 steps into epoch 1)" in (resumed / "train.log").read_text()
     assert_bitwise_equal(resumed, runs("straight"))
 

@@ -1,5 +1,5 @@
 """Presets and diagnostics through the real CLI: debug=fast|overfit|profile, experiment=*,
-and the NaN guard (`trainer.detect_anomaly`)."""
+and the NaN guard (`callbacks.divergence.detect_anomaly`)."""
 
 from __future__ import annotations
 
@@ -129,8 +129,8 @@ def test_file_dataset_experiments_run_end_to_end(workdir: Path, name, write_file
     "extra,message",
     [
         ([], "error: the loss became NaN or infinite at optimizer step 2; the run stopped without saving"),
-        (["trainer.detect_anomaly=true"], "error: Function 'LogSoftmaxBackward0' returned nan values in its 0th "
-                                          "output at optimizer step 2"),
+        (["callbacks.divergence.detect_anomaly=true"], "error: Function 'LogSoftmaxBackward0' returned nan values in "
+                                                       "its 0th output at optimizer step 2"),
     ],
 )
 def test_a_diverging_loss_stops_the_run_naming_the_step(workdir: Path, extra, message):

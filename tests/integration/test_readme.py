@@ -37,7 +37,7 @@ EXERCISED_BY = {
     "torchrun --nproc_per_node=2 eval.py checkpoint=PATH": "test_eval_cli.py::test_sharded_eval_equals_one_process",
     "python eval.py checkpoint=outputs/DATE/TIME/checkpoints/best.pt weights=ema":
         "test_ema_cli.py::test_eval_of_the_ema_weights_reproduces_val_ema",
-    "python train.py trainer.ema.decay=0.999 trainer.monitor=val_ema/acc":
+    "python train.py callbacks.ema.decay=0.999 trainer.monitor=val_ema/acc":
         "test_ema_cli.py::test_val_ema_is_reported_every_epoch_and_picks_best",
     "python train.py": "test_train_cli.py::test_single_process_run_dir_contract",
     "python train.py --cfg job": "test_train_cli.py::test_help_lists_groups_and_cfg_job_skips_torch",
@@ -178,9 +178,9 @@ def test_the_benchmark_script_writes_its_table(tmp_path: Path):
     output = tmp_path / "RESULTS.md"
     check(run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--repeats", "1", "--epochs", "1",
                "--cases", "lightning" if HAS_LIGHTNING else "digits", "--output", str(output),
-               "--template-args", "trainer.ema.decay=0.9"], tmp_path))
+               "--template-args", "callbacks.ema.decay=0.9"], tmp_path))
     text = output.read_text()
-    assert "--template-args trainer.ema.decay=0.9`" in text  # the template ran with the feature measured
+    assert "--template-args callbacks.ema.decay=0.9`" in text  # the template ran with the feature measured
     rows = {row[0].strip(): [float(cell) for cell in row[1:]]
             for row in (line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| digits"))}
     versus = ("", " vs Lightning") if HAS_LIGHTNING else ("",)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from src.common.errors import UsageError
 from src.checkpoint.store import FORMAT, FORMAT_1
+from src.common.errors import UsageError
 from src.loop.init_from import freeze, load_initial_weights, load_on_every_rank, match, read_weights, strip_prefixes
 
 HAS_SAFETENSORS = importlib.util.find_spec("safetensors") is not None

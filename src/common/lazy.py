@@ -6,36 +6,51 @@ here) or anything built on it. So train.py and eval.py declare their torch-side 
 at the top with their other imports (the dependency graph stays in plain sight), and `load_all()` imports
 them where the run begins, while garbage collection still pauses for start-up (src/common/heap.py).
 Everywhere else, imports are plain imports at the top of their modules.
+
+A declared module is a stand-in that imports the module on first use of one of its attributes. It is not
+put into `sys.modules` (as importlib's LazyLoader would): anything that walks the loaded modules, as
+`inspect.getmodule` does while torch imports itself, would import them all half-way through.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 from types import ModuleType
+from typing import Any
 
-_deferred: list[ModuleType] = []  # declared by module(), not yet imported by load_all()
+_deferred: list[Deferred] = []  # declared by module(), in order
 
 
-def module(name: str) -> ModuleType:
-    """The module `name`, imported on first use of one of its attributes (importlib's LazyLoader)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.loader is None:
-        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-    spec.loader = importlib.util.LazyLoader(spec.loader)
-    lazy = importlib.util.module_from_spec(spec)
-    sys.modules[name] = lazy
-    parent, _, child = name.rpartition(".")
-    if parent:  # as an import binds it: `src.loop.trainer` is an attribute of `src.loop`
-        setattr(sys.modules[parent], child, lazy)
-    spec.loader.exec_module(lazy)
-    _deferred.append(lazy)
-    return lazy
+class Deferred:
+    """The module `name`, imported when one of its attributes is first read."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._module: ModuleType | None = None
+
+    def load(self) -> ModuleType:
+        if self._module is None:
+            self._module = importlib.import_module(self._name)
+        return self._module
+
+    def __getattr__(self, attribute: str) -> Any:  # only for what the stand-in itself lacks: the module's names
+        return getattr(self.load(), attribute)
+
+    def __repr__(self) -> str:
+        return f"<module {self._name!r}, imported on first use>"
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled by name (submitit pickles the entry point's `main`)
+        return Deferred, (self._name,)
+
+
+def module(name: str) -> Any:
+    """A stand-in for the module `name` (see the module's docstring); typed Any, as the module it stands for."""
+    deferred = Deferred(name)
+    _deferred.append(deferred)
+    return deferred
 
 
 def load_all() -> None:
-    """Import every module `module()` deferred so far (an attribute read imports a lazy module)."""
-    while _deferred:
-        getattr(_deferred.pop(0), "__name__")
+    """Import every module `module()` declared, in the order declared."""
+    for deferred in _deferred:
+        deferred.load()

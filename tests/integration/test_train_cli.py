@@ -43,6 +43,9 @@ def test_single_process_run_dir_contract(default_run):
     result_stdout = stdout
     assert f"run dir: {run_dir.resolve()}" in result_stdout
     assert "final: train/loss=" in result_stdout
+    # The console shows the overrides and the run-start line; the composed config is in the run dir and the log.
+    assert f"[INFO] overrides: {' '.join(TINY)}\n" in result_stdout and "| world size 1 |" in result_stdout
+    assert "config:" not in result_stdout and "[INFO] config:\ntask:\n" in (run_dir / "train.log").read_text()
 
     config = (run_dir / ".hydra" / "config.yaml").read_text()
     assert "_target_: src.components.models.SimpleCNN" in config and "epochs: 2" in config
@@ -57,13 +60,14 @@ def test_single_process_run_dir_contract(default_run):
     assert summary["val/acc"] > 0.9 and summary["train/loss"] < summary["history"][0]["train/loss"]
 
     saved = torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
-    assert {"model", "optimizer", "scheduler", "epoch", "step", "config"} <= saved.keys()
-    assert saved["epoch"] == 2 and saved["step"] == summary["step"]
+    assert {"model", "optimizer", "scheduler", "loop", "config"} <= saved.keys()
+    assert {"epoch", "step"} <= saved["loop"].keys()
+    assert saved["loop"]["epoch"] == 2 and saved["loop"]["step"] == summary["step"]
     assert saved["config"]["trainer"]["epochs"] == 2
     plain = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
     plain.load_state_dict(saved["model"])  # unwrapped: no DDP or compile prefixes
     best = torch.load(run_dir / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
-    assert best["epoch"] == max(summary["history"], key=lambda h: h["val/acc"])["epoch"]
+    assert best["loop"]["epoch"] == max(summary["history"], key=lambda h: h["val/acc"])["epoch"]
 
 
 def test_tensorboard_events_are_readable(default_run):

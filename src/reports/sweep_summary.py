@@ -25,7 +25,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from src.common.files import write_text_atomically
-from src.parallel.launch import is_main_process
+from src.parallel.ranks import is_main_process
 from src.sweeps import jobs
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """What a sweep's job dir says about its job, and how a sweep run again treats it.
 
 Shared by both sweepers (src/sweeps/grid.py, src/sweeps/optuna_sweeper.py) and the summary
-(src/reports/sweep_summary.py). A job is `completed` (every epoch, or stopped early by
-`trainer.early_stopping`), `pruned` (stopped by the Optuna pruner, with a checkpoint), `failed` (it
+(src/reports/sweep_summary.py). A job is `completed` (every epoch, or ended early by a callback such as
+early stopping), `pruned` (stopped by the Optuna pruner, with a checkpoint), `failed` (it
 raised: the summary callback left a FAILED file) or `incomplete` (killed, preempted, or still running).
 Run again into the same sweep dir, a sweep skips completed and pruned jobs, and runs the others
 again in their own dirs: with `resume=auto` semantics (src/parallel/launch.py resume_setting), so
@@ -33,7 +33,7 @@ def job_state(job_dir: Path) -> str | None:
     if (job_dir / FAILED_MARKER).exists():
         return "failed"
     metrics = read_metrics(job_dir)
-    if metrics.get("stop_reason") in ("pruned", "early_stopped"):
+    if "stop_reason" in metrics:  # a callback ended the run for good: the pruner, early stopping, a fork's own
         return "pruned" if metrics["stop_reason"] == "pruned" else "completed"
     epochs = OmegaConf.load(config_file).trainer.epochs
     return "completed" if metrics.get("epoch") == epochs else "incomplete"

@@ -61,9 +61,17 @@ def test_tensorboard_has_input_grid_model_summary_and_confusion_image(finished_r
 
 
 def test_start_summary_is_printed_once_and_no_progress_bar_outside_a_terminal(finished_run):
+    """The console: the overrides and the run-start line once; the resolved config in each rank's log file."""
     run_dir, result = finished_run
-    assert result.stdout.count("config:\n") == 1 and result.stdout.count("| world size ") == 1
-    assert "_target_: src.components.models.SimpleCNN" in result.stdout and "trainer:\n  epochs: 1\n" in result.stdout
+    assert result.stdout.count("[INFO] overrides: trainer.epochs=1\n") == 1
+    assert result.stdout.count("| world size ") == 1
+    assert "config:\n" not in result.stdout and "_target_: src.components.models.SimpleCNN" not in result.stdout
+    logs = [run_dir / "train.log", *sorted(run_dir.glob("train.rank*.log"))]
+    assert len(logs) == metrics(run_dir)["world_size"]
+    for log in logs:
+        text = log.read_text()
+        assert text.count("config:\n") == 1 and "_target_: src.components.models.SimpleCNN" in text, log
+        assert "trainer:\n  epochs: 1\n" in text, log
     assert "parameters, " in result.stdout and "per rank" in result.stdout
     assert "epochs: 1" in (run_dir / ".hydra" / "config.yaml").read_text()  # Hydra's copy is still saved
     for output in (result.stdout, result.stderr):

@@ -34,7 +34,7 @@ from src.parallel.launch import RunContext
 # The evaluation's own modules: torch and everything built on it, imported where the evaluation begins, so
 # that `--help` and `--cfg job` answer without them (src/common/lazy.py).
 distributed = lazy.module("src.parallel.distributed")
-workers = lazy.module("src.parallel.workers")
+workers = lazy.module("src.parallel.workers", with_the_run=False)  # a launcher's and its workers' only
 loaders = lazy.module("src.data.loaders")
 evaluation = lazy.module("src.loop.evaluation")
 precision = lazy.module("src.loop.precision")
@@ -61,7 +61,8 @@ def main(cfg: DictConfig) -> float:
     context = RunContext.of(HydraConfig.get())
     with exit_on_usage_error(ranks.is_main_process(), in_sweep=context.in_sweep):
         schema.check_eval_config(cfg)  # values the schema's types cannot refuse, before any work
-        return workers.recording_errors(evaluate_checkpoint)(cfg, context.choices["dataset"], context.run_dir)
+        evaluate_job = workers.recording_errors(evaluate_checkpoint) if ranks.is_worker() else evaluate_checkpoint
+        return evaluate_job(cfg, context.choices["dataset"], context.run_dir)
 
 
 def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> float:

@@ -39,7 +39,7 @@ from src.reports.hparams import run_hparams
 # `--help` and `--cfg job` answer without them (src/common/lazy.py).
 distributed = lazy.module("src.parallel.distributed")
 fsdp = lazy.module("src.parallel.fsdp")
-workers = lazy.module("src.parallel.workers")
+workers = lazy.module("src.parallel.workers", with_the_run=False)  # a launcher's and its workers' only
 seeding = lazy.module("src.common.seeding")
 loaders = lazy.module("src.data.loaders")
 resume = lazy.module("src.checkpoint.resume")
@@ -71,7 +71,7 @@ def main(cfg: DictConfig) -> float:
             workers.launch_workers(__file__, cfg.dist.nproc_per_node, context.run_dir, context.overrides,
                                    cfg.dist.master_port, cfg.trainer.device, cfg.dist.backend)
             return json.loads((context.run_dir / "metrics.json").read_text())[cfg.trainer.monitor]
-        return workers.recording_errors(train)(cfg, context)
+        return (workers.recording_errors(train) if ranks.is_worker() else train)(cfg, context)
 
 
 def train(cfg: DictConfig, context: RunContext) -> float:

@@ -43,14 +43,16 @@ class Deferred:
         return Deferred, (self._name,)
 
 
-def module(name: str) -> Any:
-    """A stand-in for the module `name` (see the module's docstring); typed Any, as the module it stands for."""
+def module(name: str, with_the_run: bool = True) -> Any:
+    """A stand-in for the module `name` (see the module's docstring); typed Any, as the module it stands for.
+    `with_the_run=False`: not imported by `load_all`, only if used (say, what only a launcher's workers need)."""
     deferred = Deferred(name)
-    _deferred.append(deferred)
+    if with_the_run:
+        _deferred.append(deferred)
     return deferred
 
 
 def load_all() -> None:
-    """Import every module `module()` declared, in the order declared."""
+    """Import every module `module()` declared with the run, in the order declared."""
     for deferred in _deferred:
         deferred.load()

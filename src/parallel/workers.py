@@ -1,8 +1,8 @@
 """`dist.nproc_per_node=N`: `python train.py` starts its own DDP group of N local workers; and what a worker
 of any launcher reports when it fails.
 
-Imported by the processes that start workers or are one (through train.py's and eval.py's import boundary),
-never by `--help` or `--cfg job`: torch's elastic launcher comes with it.
+Imported only by the processes that start workers or are one (train.py's and eval.py's import boundary
+declares it apart from the run's modules): torch's elastic launcher comes with it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from src.common.errors import USAGE_ERROR_EXIT_CODE, UsageError, WorkersReportedUsageError, find_usage_error
 from src.parallel import distributed
 from src.parallel.launch import LAUNCHER_PID, quote_override
-from src.parallel.ranks import DistEnv, is_worker
+from src.parallel.ranks import DistEnv
 
 T = TypeVar("T")
 
@@ -103,15 +103,13 @@ def port_is_free(port: int) -> bool:
 
 
 def recording_errors(function: Callable[..., T]) -> Callable[..., T]:
-    """`function`, wrapped in torch's @record when this process is a launcher's worker:
-    an exception's traceback then goes to the error file torchrun reads, and torchrun
-    shows it in its failure summary instead of "To enable traceback see ...".
+    """`function`, wrapped in torch's @record, for a launcher's worker: an exception's traceback then goes
+    to the error file torchrun reads, and torchrun shows it in its failure summary instead of "To enable
+    traceback see ...".
 
     A usage error is the exception: its one `error:` line is the whole report, so it passes
     @record unrecorded (a torchrun summary would otherwise show ~40 lines of traceback under it).
     """
-    if not is_worker():
-        return function
 
     def raising_usage_errors_past_record(*args: Any, **kwargs: Any) -> T:
         try:

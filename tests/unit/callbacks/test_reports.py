@@ -44,6 +44,7 @@ def test_no_input_grid_where_inputs_are_not_images(tmp_path: Path):
                                                                                       "num_features": 30}), [[0, 1]]))
     masks = TensorDataset(torch.randn(8, 5, 8, 8), torch.zeros(8))  # 5 channels: not an image to show
     InputGrid(count=16).on_run_start(run_of(reporter, image_splits(masks), [[0, 1]]))
+    reporter.scalars({"lr": 0.1}, step=1)  # an event, so the events file exists
     reporter.close()
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()

@@ -77,7 +77,7 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
     with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
         reporting.setup_logging(run_dir, runtime.env.rank, name="eval")
         val = evaluate_saved_model(path, payload, task, dataset_cfg, dataset_choice, runtime, amp_dtype, cfg.weights)
-        return report(val, path, payload["epoch"], runtime, run_dir, cfg.weights)[monitored]
+        return report(val, path, payload["epoch"], runtime, run_dir, cfg.weights, task.unit)[monitored]
 
 
 def read_checkpoint(cfg: DictConfig) -> tuple[Path, dict]:
@@ -104,16 +104,17 @@ def evaluate_saved_model(path, payload, task, dataset_cfg, dataset_choice, runti
     from src.data.loaders import build_splits, make_val_loader
     from src.loop import checkpoint
     from src.loop.evaluation import evaluate
-    from src.loop.setup import build_model, check_fit, model_fields
+    from src.loop.setup import bind_to_dataset, build_model, check_fit, model_fields
 
     saved = OmegaConf.create(payload["config"])
     splits = build_splits(dataset_cfg)
     check_fit(task, splits.info, saved.task._target_, f"{dataset_choice} ({dataset_cfg._target_})")
+    bind_to_dataset(task, splits, f"dataset={dataset_choice}")  # the task's inputs and target, by the data's fields
     data_fields.check_same(payload["config"].get("data_fields"), model_fields(task, splits.info),
                            f"checkpoint {path}", f"dataset={dataset_choice}")
     # The plain module, not DDP: evaluation syncs no gradients, only the metric sums. Its config
     # was saved resolved, with the shapes it was built with.
-    module = build_model(saved.model)
+    module = build_model(saved.model, task)
     if "sharded" in payload:  # dist=fsdp's directory: its shards read into the whole model on every rank
         from src.loop import sharded_checkpoint
 
@@ -128,16 +129,17 @@ def evaluate_saved_model(path, payload, task, dataset_cfg, dataset_choice, runti
 
 
 def report(val: dict, path: Path, epoch: int, runtime, run_dir: Path,  # noqa: ANN001 - Runtime
-           weights: str = "model") -> dict:
-    """Write the val metrics to this evaluation's metrics.json and the log; returns what was written."""
+           weights: str = "model", unit: str = "samples") -> dict:
+    """Write the val metrics to this evaluation's metrics.json and the log; returns what was written. The count
+    is named by the task's `unit`: num_samples, num_tokens, ..."""
     from src.reports import reporting
 
     metrics = {f"val/{name}": value for name, value in val.items() if isinstance(value, float)}
-    result = {**metrics, "num_samples": val["count"], "world_size": runtime.world_size,
+    result = {**metrics, f"num_{unit}": val["count"], "world_size": runtime.world_size,
               "checkpoint": str(path.resolve()), "epoch": epoch, "weights": weights}
     reporting.Reporter(run_dir, runtime.is_main_process, tensorboard=False).write_metrics(result)
-    log.info("%s  num_samples=%d  world_size=%d  checkpoint %s (epoch %d, %s weights)  run dir: %s",
-             "  ".join(f"{k}={v:.6f}" for k, v in metrics.items()), val["count"], runtime.world_size, path,
+    log.info("%s  num_%s=%d  world_size=%d  checkpoint %s (epoch %d, %s weights)  run dir: %s",
+             "  ".join(f"{k}={v:.6f}" for k, v in metrics.items()), unit, val["count"], runtime.world_size, path,
              epoch, weights, run_dir)
     return result
 

@@ -90,9 +90,9 @@ def run(cfg: DictConfig, run_dir: Path, runtime, choices: dict[str, str]) -> flo
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
     data = build_data(cfg.dataset, runtime.env.rank, runtime.world_size, runtime.device, cfg.seed, trainer_cfg)
-    # The task must fit the dataset, and produce the monitored metric; the model takes its
-    # shapes from what the dataset provides (`${data:FIELD}` in its YAML).
-    task = build_task(cfg.task, data.splits.info, choices, trainer_cfg.monitor, ema=trainer_cfg.ema.decay is not None)
+    # The task must fit the dataset, produce the monitored metric and find its inputs and target among the
+    # dataset's fields; the model takes its shapes from what the dataset provides (`${data:FIELD}` in its YAML).
+    task = build_task(cfg.task, data.splits, choices, trainer_cfg.monitor, ema=trainer_cfg.ema.decay is not None)
     with data_fields.providing(model_fields(task, data.splits.info), f"dataset={choices['dataset']}"):
         parts = build_parts(cfg, trainer_cfg, run_dir, runtime, data, task, resumed, checkpointer)
         return train_and_report(trainer_cfg, parts, resumed, run_dir)
@@ -112,7 +112,7 @@ def build_parts(cfg, trainer_cfg, run_dir, runtime, data, task, resumed, checkpo
     from src.sweeps import pruning  # an Optuna sweep's trial: its pruner may stop the run after an epoch
 
     performance.set_backend_flags(runtime.device, trainer_cfg.tf32, trainer_cfg.deterministic)
-    model = initial_model(cfg, trainer_cfg, resumed)
+    model = initial_model(cfg, trainer_cfg, resumed, task)
     sharding = OmegaConf.to_object(cfg.dist.fsdp) if cfg.dist.strategy == "fsdp" else None
     module, train_model = distributed.prepare_model(model, runtime, cfg.dist.sync_bn, cfg.dist.find_unused_parameters,
                                                     sharding, autocast_dtype(trainer_cfg.precision))
@@ -136,15 +136,16 @@ def build_parts(cfg, trainer_cfg, run_dir, runtime, data, task, resumed, checkpo
                       epoch_judge=pruning.epoch_judge(runtime.is_main_process, trainer_cfg.monitor))
 
 
-def initial_model(cfg, trainer_cfg, resumed):  # noqa: ANN001, ANN201 - DictConfig, TrainerConfig, Resumed
-    """The model and the weights it starts from: the resumed run's; else, on a fresh start, those of
+def initial_model(cfg, trainer_cfg, resumed, task):  # noqa: ANN001, ANN201 - DictConfig, TrainerConfig, Resumed, Task
+    """The model (refused if it cannot take the task's inputs) and the weights it starts from: the resumed run's;
+    else, on a fresh start, those of
     `init_from` (weights only: the optimizer, schedule and step count start afresh); else its fresh
     initialisation. Then the parameters `trainer.freeze` names are frozen, before DDP and the optimizer
     see them. Weights that do not fit are refused before the run writes anything."""
     from src.loop import checkpoint, init_from, performance
     from src.loop.setup import build_model
 
-    model = performance.with_memory_format(build_model(cfg.model), trainer_cfg.channels_last)
+    model = performance.with_memory_format(build_model(cfg.model, task), trainer_cfg.channels_last)
     if resumed is not None and "model" in resumed[1]:  # a sharded checkpoint's: read once the model is sharded
         checkpoint.load_model_state(model, resumed[1]["model"], resumed[0])
         if cfg.init_from is not None:
@@ -168,7 +169,7 @@ def train_and_report(trainer_cfg, parts, resumed, run_dir: Path) -> float:  # no
         log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", resume_from, state.epoch,
                  state.step, state.step_in_epoch, state.epoch + 1)
     reporting.log_run_start(run_dir, parts.runtime, parts.module, parts.data, trainer_cfg.grad_accum,
-                            parts.saved_config)
+                            parts.saved_config, parts.task.unit)
     parts.reporter.model_summary(parts.module)
     parts.reporter.input_images(parts.data.splits, parts.data.train_sampler, parts.task)
     if not trainer.fit(state).is_final:  # max_steps or preemption, with a checkpoint
@@ -185,7 +186,7 @@ def report_final(trainer, state, run_dir: Path) -> float:  # noqa: ANN001 - Trai
     parts = trainer.parts
     summary = trainer.summary(state, parts.data.num_val_samples)
     final = {k: v for k, v in summary.items()
-             if k.startswith(("train/", "val/", "val_ema/")) and k != "val/num_samples"}
+             if k.startswith(("train/", "val/", "val_ema/")) and not k.startswith("val/num_")}
     hydra_cfg = HydraConfig.get()  # the run's command line and chosen options: what its HParams line shows
     hparams = run_hparams(parts.saved_config, hydra_cfg.overrides.task, hydra_cfg.runtime.choices,
                           parts.data.train_sampler.global_batch_size)

@@ -7,8 +7,10 @@ Every builder returns a `DataSplits`: two datasets whose items are tuples (or di
 `num_features`, `num_targets`, ...). Model YAMLs take the fields they need as `${data:FIELD}`;
 tasks check the fields they need (`num_classes` for classification, `num_targets` for regression).
 
-Image datasets give `(float32 image C x H x W, label)` items; `breast_cancer` and `diabetes` give
-`(float32 feature vector, target)`; `two_input_synthetic` gives `(rgb, mask, target)`.
+Every builder names its samples' parts (`fields`) and which one is the `target`, so a task binds the
+model's inputs and its target by name: image datasets give `(image, label)` items (float32 C x H x W, int64);
+`breast_cancer` gives `(features, label)`, `diabetes` `(features, target)`; `two_input_synthetic` gives
+`(rgb, mask, target)`.
 `digits`, `breast_cancer`, `diabetes` (bundled with scikit-learn) and the synthetic ones need no
 files, so they run anywhere. The others read the standard on-disk formats and fail with a
 `DatasetNotFoundError` naming the folder and the files to put there. torchvision is imported inside
@@ -26,7 +28,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from src.data.image_tensors import ImageTensorDataset
-from src.data.splits import DatasetNotFoundError, DataSplits, image_info
+from src.data.splits import IMAGE_FIELDS, DatasetNotFoundError, DataSplits, image_info
 
 if TYPE_CHECKING:
     import numpy as np
@@ -62,6 +64,7 @@ def digits(val_size: int = 360, split_seed: int = 0) -> DataSplits:
         train=TensorDataset((train_images - mean) / std, labels[train_index]),
         val=TensorDataset((images[val_index] - mean) / std, labels[val_index]),
         info=image_info(10, 1, 8, 8),
+        **IMAGE_FIELDS,
     )
 
 
@@ -103,7 +106,8 @@ def breast_cancer(val_size: int = 114, split_seed: int = 0) -> DataSplits:
     labels = torch.tensor(table[:, -1], dtype=torch.int64)
     (train_x, train_y), (val_x, val_y) = _standardised_split(features, labels, val_size, split_seed, "breast_cancer")
     return DataSplits(train=TensorDataset(train_x, train_y), val=TensorDataset(val_x, val_y),
-                      info={"num_classes": 2, "num_features": features.shape[1]})
+                      info={"num_classes": 2, "num_features": features.shape[1]}, fields=("features", "label"),
+                      target="label")
 
 
 def diabetes(val_size: int = 88, split_seed: int = 0) -> DataSplits:
@@ -128,6 +132,7 @@ def diabetes(val_size: int = 88, split_seed: int = 0) -> DataSplits:
         train=TensorDataset(train_x, (train_t - mean) / std), val=TensorDataset(val_x, (val_t - mean) / std),
         info={"num_features": features.shape[1], "num_targets": 1, "target_mean": mean.item(),
               "target_std": std.item()},
+        fields=("features", "target"), target="target",
     )
 
 
@@ -174,7 +179,8 @@ def two_input_synthetic(
     target = target / target[:num_train].std()
     train = TensorDataset(rgb[:num_train], masks[:num_train], target[:num_train])
     val = TensorDataset(rgb[num_train:], masks[num_train:], target[num_train:])
-    return DataSplits(train=train, val=val, info={"in_channels": 3, "image_size": [height, width], "num_targets": 1})
+    return DataSplits(train=train, val=val, info={"in_channels": 3, "image_size": [height, width], "num_targets": 1},
+                      fields=("rgb", "mask", "target"), target="target")
 
 
 def _random_rectangles(count: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
@@ -211,6 +217,7 @@ def synthetic(
         train=TensorDataset(images[:num_train], labels[:num_train]),
         val=TensorDataset(images[num_train:], labels[num_train:]),
         info=image_info(num_classes, channels, height, width),
+        **IMAGE_FIELDS,
     )
 
 
@@ -256,6 +263,7 @@ def _mnist_format(
         train=train,
         val=val,
         info=image_info(10, 1, 28, 28),
+        **IMAGE_FIELDS,
     )
 
 
@@ -292,6 +300,7 @@ def cifar10(
         train=train,
         val=val,
         info=image_info(10, 3, 32, 32),
+        **IMAGE_FIELDS,
     )
 
 
@@ -343,7 +352,8 @@ def image_folder(
             f"only in train {sorted(set(train.classes) - set(val.classes))}, "
             f"only in val {sorted(set(val.classes) - set(train.classes))}"
         )
-    return DataSplits(train=train, val=val, info=image_info(len(train.classes), channels, height, width))
+    return DataSplits(train=train, val=val, info=image_info(len(train.classes), channels, height, width),
+                      **IMAGE_FIELDS)
 
 
 def _class_folders(folder: Path, transform: Callable) -> ImageFolder:

@@ -1,25 +1,32 @@
-"""The task and model of a run, built from their configs; the task checked against the dataset and the metric."""
+"""The task and model of a run, built from their configs: the task checked against the dataset and the metric
+and bound to the dataset's fields, the model checked against the inputs the task gives it."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from src.common.errors import UsageError
+from src.data.splits import DataSplits
 from src.loop.task import Task
 
 
-def build_task(task_cfg: DictConfig, info: Mapping[str, Any], choices: Mapping[str, str], monitor: str,
+def build_task(task_cfg: DictConfig, splits: DataSplits, choices: Mapping[str, str], monitor: str,
                ema: bool = False) -> Task:
     """The task `task_cfg` names, refusing a dataset it does not fit and a metric it does not compute
-    (val_ema/<name>: only with EMA weights, `ema`), with one line naming both sides and what to choose instead."""
+    (val_ema/<name>: only with EMA weights, `ema`), with one line naming both sides and what to choose instead;
+    its inputs and target bound to the dataset's fields."""
     task = instantiate(task_cfg)
     task_name = choices.get("task") or type(task).__name__
-    check_fit(task, info, task_name, choices.get("dataset") or "this dataset")
+    dataset_name = f"dataset={choices['dataset']}" if choices.get("dataset") else "the dataset"
+    check_fit(task, splits.info, task_name, choices.get("dataset") or "this dataset")
+    bind_to_dataset(task, splits, dataset_name)
     splits = ("val", "val_ema", "train") if ema else ("val", "train")
     metrics = [f"{split}/{name}" for split in splits for name in task.metric_names]
     if monitor.startswith("val_ema/") and not ema and f"val/{monitor.split('/', 1)[1]}" in metrics:
@@ -44,11 +51,63 @@ def check_fit(task: Task, info: Mapping[str, Any], task_name: str, dataset_name:
         )
 
 
+def bind_to_dataset(task: Task, splits: DataSplits, dataset_name: str) -> None:
+    """Bind the task's inputs and target to the dataset's named fields (a dataset that names none: to one
+    of its samples' structure) and tell it the output width to expect (for its first-batch output check)."""
+    sample = None if splits.fields is not None else _first_sample(splits.train)
+    task.bind(splits.fields, splits.target, sample, dataset_name)
+    task.output_width = task.num_outputs(splits.info) if task.check(splits.info) is None else None
+
+
+def _first_sample(dataset: Any) -> Any:
+    """Sample 0 of a dataset that names no fields, to see its structure; drawn with the random state put
+    back afterwards, so that a random transform it applies leaves the run's seeded weights as they were."""
+    with torch.random.fork_rng(devices=[]):
+        return dataset[0]
+
+
 def model_fields(task: Task, info: Mapping[str, Any]) -> dict[str, Any]:
     """What `${data:FIELD}` gives a model YAML: the dataset's info, and the output width the task needs."""
     return {**info, "num_outputs": task.num_outputs(info)}
 
 
-def build_model(model_cfg: Any) -> nn.Module:
-    """The model `model_cfg` names (`_target_` and options; `${data:...}` fields resolved from the dataset)."""
-    return instantiate(model_cfg)
+def build_model(model_cfg: Any, task: Task | None = None) -> nn.Module:
+    """The model `model_cfg` names (`_target_` and options; `${data:...}` fields resolved from the dataset).
+    With the run's `task`: refused in one line if its `forward` cannot take the inputs the task binds, and
+    the task told which key of `model_cfg` sets the output width (what its output check names)."""
+    model = instantiate(model_cfg)
+    if task is not None and task.binding is not None:
+        check_inputs(model, task)
+        task.output_setting = output_setting(model_cfg)
+    return model
+
+
+def check_inputs(model: nn.Module, task: Task) -> None:
+    """Refuse a model whose `forward` cannot be called with the inputs the task binds, before any training."""
+    binding = task.binding
+    assert binding is not None
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward implemented in C: nothing to check
+        return
+    try:
+        signature.bind(*binding.args, **binding.kwargs)
+    except TypeError as error:
+        raise UsageError(
+            f"{type(model).__name__}.forward{_parameters(signature)} cannot take the task's inputs {binding.inputs()} "
+            f"({error}) from {binding.fields()} (target: {binding.target}): set task.inputs=[FIELD,...] to the "
+            "fields it takes, in order, or choose a model that takes these inputs"
+        ) from None
+
+
+def _parameters(signature: inspect.Signature) -> str:
+    return f"({', '.join(str(p).split(':')[0].split('=')[0].strip() for p in signature.parameters.values())})"
+
+
+def output_setting(model_cfg: Any) -> str:
+    """`model.<key>`: the key of the model config that takes `${data:num_outputs}` (model.num_outputs if none)."""
+    if isinstance(model_cfg, DictConfig):
+        for key, value in OmegaConf.to_container(model_cfg, resolve=False).items():
+            if value == "${data:num_outputs}":
+                return f"model.{key}"
+    return "model.num_outputs"

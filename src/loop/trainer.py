@@ -20,9 +20,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src.common.seeding import epoch_seed, seed_generators, step_seed
 from src.config.schema import TrainerConfig
+from src.data.batches import to_device
 from src.data.loaders import Data, train_batch_to_device
 from src.loop import records
 from src.loop.checkpoint import Checkpointer
+from src.loop.counting import StepDivisor
 from src.loop.divergence import NonFiniteLossWatch, TrainingDiverged, diverged_message
 from src.loop.ema import EmaWeights
 from src.loop.evaluation import evaluate, metrics_of
@@ -45,7 +47,7 @@ class TrainState:
     epoch: int = 0  # epochs completed
     step: int = 0  # optimizer steps taken
     best: float | None = None  # best value of the monitored metric
-    train_samples: int = 0  # training samples seen, all ranks
+    train_samples: int = 0  # training units seen, all ranks (the task's count: samples, tokens, ...)
     train_seconds: float = 0.0  # wall time spent in training epochs
     history: list[dict[str, float]] = field(default_factory=list)
     step_in_epoch: int = 0  # optimizer steps already taken in the unfinished epoch `epoch`
@@ -84,10 +86,11 @@ class TrainParts:
 
 
 class LogWindow:
-    """The optimizer steps since the last train/* scalars: the epoch's sums and the clock when it began."""
+    """The optimizer steps since the last train/* scalars: the epoch's sums, the step and the clock when it began."""
 
-    def __init__(self, totals: torch.Tensor) -> None:
+    def __init__(self, totals: torch.Tensor, step: int) -> None:
         self.totals = totals
+        self.step = step
         self.started = time.perf_counter()
 
 
@@ -106,6 +109,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
         self.stopping = StopRule(config.max_steps, device, config.log_every_steps)  # armed while fit() runs
         self.epoch_metrics = MetricSums(parts.task.sum_shapes(parts.data.splits.info), device)
+        self.output_checked = False  # the task checks the model's output once, on the first batch
         self.utilization = FirstWindowUtilization(parts.module, device, config.precision, parts.runtime.world_size,
                                                   parts.data.train_sampler.micro_batch_size)
         # EMA weights (trainer.ema.decay), starting from the module's weights now: initial, or resumed.
@@ -182,13 +186,12 @@ class Trainer:
         stopped, with the same remaining samples). Returns its train metrics, or why the run stopped
         before the epoch's end (after a step checkpoint)."""
         restored = self._start_epoch(epoch, state)
-        window = LogWindow(self.epoch_metrics.totals())
+        window = LogWindow(self.epoch_metrics.totals(), state.step)
         steps_per_epoch = self.parts.data.train_sampler.steps_per_epoch
         progress = self.parts.reporter.progress(f"epoch {epoch + 1}/{self.config.epochs}", steps_per_epoch,
                                                 done=state.step_in_epoch)
-        for micro_step, batch in enumerate(self.parts.data.train_loader):
-            if not self._micro_step(micro_step, batch, state):
-                continue  # gradients accumulate: no optimizer step yet
+        for micro_batches in _optimizer_steps(self.parts.data.train_loader, self.config.grad_accum):
+            self._train_step(micro_batches, state)
             progress.update()
             stop = self._after_step(state, window)
             if stop is not None:
@@ -212,7 +215,7 @@ class Trainer:
         parameter elements trainer.freeze froze, and whether (and after which epoch) early stopping ended it."""
         summary = records.run_summary(state.history, num_val_samples, self.parts.runtime.world_size,
                                       self.parts.data.train_sampler.global_batch_size,
-                                      state.train_samples / state.train_seconds)
+                                      state.train_samples / state.train_seconds, self.parts.task.unit)
         summary["frozen_parameters"] = sum(p.numel() for p in self.parts.module.parameters() if not p.requires_grad)
         if state.early_stopped_at is not None:
             summary.update(stop_reason=StopReason.EARLY_STOPPED.value, stopped_at_epoch=state.early_stopped_at)
@@ -238,28 +241,28 @@ class Trainer:
         state.epoch_totals = None
         return restored
 
-    def _micro_step(self, micro_step: int, batch: Any, state: TrainState) -> bool:
-        """Forward and backward one micro-batch; on the step's last one, the optimizer step too.
-        Returns whether an optimizer step was taken."""
-        accum, device = self.config.grad_accum, self.parts.runtime.device
-        if micro_step % accum == 0:
-            # Seeded per optimizer step (differently per rank): dropout and augmentation
-            # draw the same after a resume at any step, and independently across ranks.
-            seed_generators(step_seed(self.parts.seed, self.parts.runtime.env.rank, state.step), device)
-        batch = train_batch_to_device(self.parts.data.train_loader, batch, device)
-        is_step_end = (micro_step + 1) % accum == 0
-        self._forward_backward(batch, sync=is_step_end, step=state.step + 1)
-        if is_step_end:
-            self._optimizer_step()
-            state.step += 1
-            if self.ema is not None:
-                self.ema.update(state.step)  # on the device, no host sync (src/loop/ema.py)
-            if self.parts.profiler is not None:
-                self.parts.profiler.step()
-            if self.config.detect_anomaly:
-                self.loss_watch.check_now()
-            state.step_in_epoch += 1
-        return is_step_end
+    def _train_step(self, micro_batches: list[Any], state: TrainState) -> None:
+        """One optimizer step: forward and backward each of its micro-batches, each micro-step's summed loss
+        divided by the step's global count of the task's units (src/loop/counting.py), then the update."""
+        device, task = self.parts.runtime.device, self.parts.task
+        # Seeded per optimizer step (differently per rank): dropout and augmentation
+        # draw the same after a resume at any step, and independently across ranks.
+        seed_generators(step_seed(self.parts.seed, self.parts.runtime.env.rank, state.step), device)
+        batches = [to_device(batch, device) for batch in micro_batches]
+        # Counted from the targets before the first forward: the counts' all-reduce overlaps it.
+        divisor = StepDivisor([task.count(task.split(batch)[2]) for batch in batches], self.parts.runtime.world_size)
+        for index, batch in enumerate(batches):
+            batch = train_batch_to_device(self.parts.data.train_loader, batch, device)  # augmented on the device
+            self._forward_backward(batch, divisor, index, sync=index == len(batches) - 1, step=state.step + 1)
+        self._optimizer_step()
+        state.step += 1
+        if self.ema is not None:
+            self.ema.update(state.step)  # on the device, no host sync (src/loop/ema.py)
+        if self.parts.profiler is not None:
+            self.parts.profiler.step()
+        if self.config.detect_anomaly:
+            self.loss_watch.check_now()
+        state.step_in_epoch += 1
 
     def _after_step(self, state: TrainState, window: LogWindow) -> StopReason | None:
         """After an optimizer step: the log window's scalars, then why to stop (the caller checkpoints),
@@ -291,13 +294,13 @@ class Trainer:
         state.train_samples += train["timed_count"]
         state.train_seconds += train_seconds
         record = records.epoch_record(state.epoch, state.step, train, val, self._lr(),
-                                      time.perf_counter() - started, train_seconds, val_ema)
+                                      time.perf_counter() - started, train_seconds, val_ema, self.parts.task.unit)
         state.history.append(record)
         is_best = self._improves(state, record[self.config.monitor])
         self._check_early_stop(state)  # before the checkpoint, which then holds the decision
         self._ask_epoch_judge(state)  # likewise
-        self.parts.reporter.scalars(records.epoch_scalars(record), record["step"])
-        log.info("%s", records.epoch_line(record, self.config.epochs, val["count"]))
+        self.parts.reporter.scalars(records.epoch_scalars(record, self.parts.task.unit), record["step"])
+        log.info("%s", records.epoch_line(record, self.config.epochs, val["count"], self.parts.task.unit))
         if self.config.save_checkpoints:
             self.parts.checkpointer.save(self.state_dict(state), is_best)
         # After the checkpoint: metrics.json never reports an epoch a restart would lose.
@@ -307,8 +310,9 @@ class Trainer:
 
     # -- a step ------------------------------------------------------------------------
 
-    def _forward_backward(self, batch: Any, sync: bool, step: int) -> None:
-        task, accum = self.parts.task, self.config.grad_accum
+    def _forward_backward(self, batch: Any, divisor: StepDivisor, index: int, sync: bool, step: int) -> None:
+        """Micro-step `index` of the step: its loss, divided by `divisor`, back-propagated."""
+        task = self.parts.task
         args, kwargs, target = task.split(batch)
         self.utilization.see_inputs(args, kwargs)  # shapes for counting FLOPs (src/loop/performance.py)
         # On micro-steps before the last one, DDP must not all-reduce gradients yet, nor FSDP reduce-scatter them.
@@ -320,13 +324,16 @@ class Trainer:
         with sync_context:
             with autocast(self.parts.runtime.device, self.amp_dtype):
                 outputs = self.parts.train_model(*args, **kwargs)
-            loss_sum, count = task.loss(outputs, target)
-            # Each micro-batch holds 1/accum of the rank's samples; DDP averages over ranks,
-            # so the gradient is the mean over the global batch.
-            loss = loss_sum / (count * accum)
+            if not self.output_checked:  # a wrong output shape is one line, before any update
+                task.check_output(outputs, target)
+                self.output_checked = True
+            loss_sum = task.loss(outputs, target)
+            # The sum over the global batch divided by its global count: DDP averages over ranks,
+            # so the gradient is the mean over every unit of the step.
+            loss = divisor(loss_sum)
             self.loss_watch.observe(loss_sum, step)
             self._backward(loss, step)
-        self.epoch_metrics.add(task.batch_sums(outputs, target, loss_sum, count))
+        self.epoch_metrics.add(task.batch_sums(outputs, target, loss_sum, divisor.counts[index]))
 
     def _backward(self, loss: torch.Tensor, step: int) -> None:
         try:
@@ -394,11 +401,23 @@ class Trainer:
         metrics = metrics_of(self.parts.task, self.epoch_metrics.reduce(baseline=window.totals))
         self.loss_watch.check(metrics["loss"])
         window.totals = self.epoch_metrics.totals()
-        samples_per_s = metrics["count"] / seconds
-        scalars = records.window_scalars(metrics, self._lr(), samples_per_s)
-        # MFU and peak memory on GPUs of known peak
-        self.parts.reporter.scalars({**scalars, **self.utilization.scalars(samples_per_s)}, step)
-        window.started = time.perf_counter()
+        unit = self.parts.task.unit
+        scalars = records.window_scalars(metrics, self._lr(), metrics["count"] / seconds, unit)
+        samples = metrics["count"] if unit == "samples" else \
+            (step - window.step) * self.parts.data.train_sampler.global_batch_size
+        # MFU (FLOPs per sample x samples/s) and peak memory on GPUs of known peak
+        self.parts.reporter.scalars({**scalars, **self.utilization.scalars(samples / seconds)}, step)
+        window.started, window.step = time.perf_counter(), step
+
+
+def _optimizer_steps(loader: Any, grad_accum: int) -> Any:
+    """The loader's micro-batches, `grad_accum` at a time: one optimizer step's (its sampler yields whole steps)."""
+    step: list[Any] = []
+    for batch in loader:
+        step.append(batch)
+        if len(step) == grad_accum:
+            yield step
+            step = []
 
 
 def _ended_before(state: TrainState) -> StopReason | None:

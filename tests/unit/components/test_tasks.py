@@ -19,7 +19,7 @@ def summed(task, info, outputs, targets, chunks=(0, 5, 6, 17, None)):
     sums = MetricSums(task.sum_shapes(info), torch.device("cpu"))
     bounds = list(chunks[:-1]) + [len(targets)]
     for start, stop in zip(bounds, bounds[1:]):
-        loss, count = task.loss(outputs[start:stop], targets[start:stop])
+        loss, count = task.loss(outputs[start:stop], targets[start:stop]), task.count(targets[start:stop])
         sums.add(task.batch_sums(outputs[start:stop], targets[start:stop], loss, count))
     return metrics_of(task, sums.reduce())
 
@@ -40,7 +40,7 @@ def test_binary_metrics_equal_scikit_learns():
 def test_binary_pos_weight_is_torchs_for_0_1_labels():
     torch.manual_seed(3)
     logits, labels = torch.randn(17), torch.randint(0, 2, (17,))
-    loss, count = Binary(pos_weight=3.0).loss(logits, labels)
+    loss, count = Binary(pos_weight=3.0).loss(logits, labels), Binary().count(labels)
     expected = F.binary_cross_entropy_with_logits(logits, labels.float(), reduction="sum",
                                                   pos_weight=torch.tensor(3.0))
     assert count == 17 and loss.item() == pytest.approx(expected.item(), rel=1e-6)
@@ -68,6 +68,8 @@ def test_regression_metrics_equal_scikit_learns_for_several_outputs(loss: str):
 def test_regression_refuses_an_output_width_that_would_broadcast():
     with pytest.raises(UsageError, match="the model gives 1 outputs per sample but the target has 3 values"):
         Regression().loss(torch.zeros(4, 1), torch.zeros(4, 3))
+    with pytest.raises(UsageError, match="the model gives 1 outputs per sample but the target has 3 values"):
+        Regression().check_output(torch.zeros(4, 1), torch.zeros(4, 3))
     with pytest.raises(UsageError, match="task.loss=huber is not one of l1, mse"):
         Regression(loss="huber")
 

@@ -19,6 +19,7 @@ from src.components.tasks import Classification
 from src.config import schema
 from src.config.schema import EmaConfig, TrainerConfig
 from src.data.loaders import Data, TensorBatchLoader
+from src.data.splits import DataSplits
 from src.loop import records
 from src.loop.checkpoint import Checkpointer
 from src.loop.ema import EmaWeights
@@ -227,14 +228,15 @@ def test_eval_weights_is_model_or_ema():
 
 
 INFO = {"num_classes": 10, "num_features": 64}
+SPLITS = DataSplits(train=[], val=[], info=INFO, fields=("image", "label"), target="label")
 TASK = OmegaConf.create({"_target_": "src.components.tasks.Classification"})
 
 
 def test_val_ema_may_be_monitored_only_with_ema_weights():
-    build_task(TASK, INFO, {"task": "classification"}, "val_ema/acc", ema=True)
+    build_task(TASK, SPLITS, {"task": "classification"}, "val_ema/acc", ema=True)
     with pytest.raises(UsageError) as error:
-        build_task(TASK, INFO, {"task": "classification"}, "val_ema/acc", ema=False)
+        build_task(TASK, SPLITS, {"task": "classification"}, "val_ema/acc", ema=False)
     assert str(error.value) == ("trainer.monitor=val_ema/acc needs EMA weights: set trainer.ema.decay (e.g. 0.999), "
                                 "or monitor val/acc")
     with pytest.raises(UsageError, match="choose one of val/loss, val/acc, val_ema/loss, val_ema/acc, train/loss"):
-        build_task(TASK, INFO, {"task": "classification"}, "val_ema/f1", ema=True)
+        build_task(TASK, SPLITS, {"task": "classification"}, "val_ema/f1", ema=True)

@@ -10,8 +10,9 @@ tasks check the fields they need (`num_classes` for classification, `num_targets
 Every builder names its samples' parts (`fields`) and which one is the `target`, so a task binds the
 model's inputs and its target by name: image datasets give `(image, label)` items (float32 C x H x W, int64);
 `breast_cancer` gives `(features, label)`, `diabetes` `(features, target)`; `two_input_synthetic` gives
-`(rgb, mask, target)`.
-`digits`, `breast_cancer`, `diabetes` (bundled with scikit-learn) and the synthetic ones need no
+`(rgb, mask, target)`; `python_docs` gives `(tokens, next_tokens)` (padded byte sequences).
+`digits`, `breast_cancer`, `diabetes` (bundled with scikit-learn), `python_docs` (shipped with Python) and the
+synthetic ones need no
 files, so they run anywhere. The others read the standard on-disk formats and fail with a
 `DatasetNotFoundError` naming the folder and the files to put there. torchvision is imported inside
 the builders, and scikit-learn's bundled files are read without importing it, so that importing
@@ -193,6 +194,39 @@ def _random_rectangles(count: int, height: int, width: int, generator: torch.Gen
     inside_rows = (rows >= corner[:, 0, None, None]) & (rows < (corner[:, 0] + size[:, 0])[:, None, None])
     inside_cols = (cols >= corner[:, 1, None, None]) & (cols < (corner[:, 1] + size[:, 1])[:, None, None])
     return (inside_rows & inside_cols).float().unsqueeze(1)
+
+
+PAD_TARGET = -100  # the target of a padding position: task=causal_lm's ignore_index (torch's default)
+
+
+def python_docs(max_length: int = 64, val_size: int = 256, split_seed: int = 0) -> DataSplits:
+    """CPython's own documentation (`pydoc_data.topics`, shipped with Python: no download), one paragraph a
+    document, as byte-level token sequences for next-token prediction (task=causal_lm).
+
+    A sample is `(tokens, next_tokens)`, int64 (max_length,) each: the paragraph's first `max_length` bytes of
+    UTF-8 and the bytes one position further on. A shorter paragraph is padded at the end: tokens with 0 (NUL,
+    which the text never holds), next_tokens with PAD_TARGET, which the task ignores; so a batch holds
+    1 to max_length tokens per document, and batches (and ranks) hold different numbers of tokens. The first
+    `val_size` documents of a permutation drawn from `split_seed` are val.
+    """
+    import re
+    from pydoc_data.topics import topics
+
+    texts = [topics[name] for name in sorted(topics)]
+    documents = [part.strip().encode()[: max_length + 1] for text in texts for part in re.split(r"\n\s*\n", text)]
+    documents = [document for document in documents if len(document) >= 2]  # at least one token to predict
+    tokens = torch.zeros(len(documents), max_length, dtype=torch.int64)
+    next_tokens = torch.full((len(documents), max_length), PAD_TARGET, dtype=torch.int64)
+    for row, document in enumerate(documents):
+        ids = torch.frombuffer(bytearray(document), dtype=torch.uint8).long()
+        tokens[row, : len(ids) - 1], next_tokens[row, : len(ids) - 1] = ids[:-1], ids[1:]
+    train_index, val_index = _split_indices(len(documents), val_size, split_seed, "python_docs")
+    return DataSplits(
+        train=TensorDataset(tokens[train_index], next_tokens[train_index]),
+        val=TensorDataset(tokens[val_index], next_tokens[val_index]),
+        info={"vocab_size": 256, "max_length": max_length},
+        fields=("tokens", "next_tokens"), target="next_tokens",
+    )
 
 
 def synthetic(

@@ -1,8 +1,10 @@
-"""Tasks: what a batch means, what the loss is, and which sums the metrics are made of.
+"""Tasks: what the loss is, over which unit, what the model's output must look like, and which sums the
+metrics are made of. Classification, binary and regression count samples; causal_lm counts tokens.
 
 A task is a subclass of `src.loop.task.Task` (the contract the loop relies on, documented there)
 named by `conf/task/<name>.yaml`. Adding a task is one subclass (here or in any importable module)
-plus one YAML.
+plus one YAML. Which of a batch's fields are the model's inputs and the target is bound from the
+dataset's named fields (or the task's `inputs` and `target`) by the base class.
 """
 
 from __future__ import annotations

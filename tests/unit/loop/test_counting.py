@@ -97,3 +97,16 @@ def test_tensor_counts_are_all_reduced_asynchronously_in_a_real_group(one_rank_g
     assert divisor._pending is not None  # launched when built: before the first forward
     assert divisor(torch.tensor(24.0)).item() == pytest.approx(2.0)
     assert int(divisor.global_count) == 12
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to see host syncs")
+def test_counting_tokens_does_not_sync_with_the_gpu():
+    targets = [target.cuda() for target in token_batches()[0]]
+    loss = torch.tensor(5.0, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        divisor = StepDivisor([(target != IGNORE).sum() for target in targets], world_size=1)
+        scaled = divisor(loss)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert scaled.item() == pytest.approx(5.0 / sum(int((t != IGNORE).sum()) for t in targets))

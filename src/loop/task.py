@@ -47,8 +47,8 @@ class Binding:
 
     def split(self, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
         if self.positions and not isinstance(batch, Mapping) and len(batch) != len(self.positions):
-            raise UsageError(f"the dataset names {len(self.positions)} fields ({', '.join(self.positions)}) but its "
-                             f"samples have {len(batch)} parts: name one field per part in DataSplits(fields=...)")
+            raise UsageError(f"{self.dataset} names {len(self.positions)} fields ({', '.join(self.positions)}) but "
+                             f"its samples have {len(batch)} parts: name one field per part in DataSplits(fields=...)")
         return (tuple(self._pick(batch, key) for key in self.args),
                 {name: self._pick(batch, key) for name, key in self.kwargs.items()}, self._pick(batch, self.target))
 

@@ -86,7 +86,7 @@ def test_a_name_or_position_the_dataset_does_not_have_is_one_line(task, fields, 
 
 def test_samples_of_another_length_than_the_fields_are_refused_in_one_line():
     task = bound(Regression(), fields=("rgb", "target"))
-    with pytest.raises(UsageError, match="the dataset names 2 fields \\(rgb, target\\) but its samples have 3 parts"):
+    with pytest.raises(UsageError, match=r"dataset=scenes names 2 fields \(rgb, target\) but its samples have 3 "):
         task.split((RGB, MASK, TARGET))
 
 

@@ -88,7 +88,7 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
         reporting.setup_logging(run_dir, runtime.env.rank, name="eval")
         val = evaluate_saved_model(saved_checkpoint, task, dataset_cfg, dataset_choice, runtime, amp_dtype,
                                    cfg.weights)
-        return report(val, path, saved_checkpoint.loop["epoch"], runtime, run_dir, cfg.weights)[monitored]
+        return report(val, path, saved_checkpoint.loop["epoch"], runtime, run_dir, cfg.weights, task.unit)[monitored]
 
 
 def read_checkpoint(cfg: DictConfig) -> Any:
@@ -114,13 +114,14 @@ def evaluate_saved_model(saved_checkpoint, task, dataset_cfg, dataset_choice, ru
     with building.errors_named("dataset", dataset_cfg, passed_elsewhere=loaders.LOADER_KEYS):
         splits = loaders.build_splits(dataset_cfg)
     setup.check_fit(task, splits.info, saved.task._target_, f"{dataset_choice} ({dataset_cfg._target_})")
+    setup.bind_to_dataset(task, splits, f"dataset={dataset_choice}")  # the task's inputs and target, by field
     data_fields.check_same(saved_checkpoint.config.get("data_fields"), setup.model_fields(task, splits.info),
                            f"checkpoint {path}", f"dataset={dataset_choice}")
     # The plain module, not DDP: evaluation syncs no gradients, only the metric sums. Its config
     # was saved resolved, with the shapes it was built with; a sharded checkpoint's shards are read
     # into the whole model on every rank.
     with building.errors_named("model", saved.model):
-        module = setup.build_model(saved.model)
+        module = setup.build_model(saved.model, task)
     saved_checkpoint.load_model(module, weights)
     module.to(runtime.device)
     val_batch = dataset_cfg.get("val_batch_size") or dataset_cfg.batch_size
@@ -130,14 +131,15 @@ def evaluate_saved_model(saved_checkpoint, task, dataset_cfg, dataset_choice, ru
 
 
 def report(val: dict, path: Path, epoch: int, runtime, run_dir: Path,  # noqa: ANN001 - Runtime
-           weights: str = "model") -> dict:
-    """Write the val metrics to this evaluation's metrics.json and the log; returns what was written."""
+           weights: str = "model", unit: str = "samples") -> dict:
+    """Write the val metrics to this evaluation's metrics.json and the log; returns what was written. The count
+    is named by the task's `unit`: num_samples, num_tokens, ..."""
     metrics = {f"val/{name}": value for name, value in val.items() if isinstance(value, float)}
-    result = {**metrics, "num_samples": val["count"], "world_size": runtime.world_size,
+    result = {**metrics, f"num_{unit}": val["count"], "world_size": runtime.world_size,
               "checkpoint": str(path.resolve()), "epoch": epoch, "weights": weights}
     reporting.Reporter(run_dir, runtime.is_main_process, tensorboard=False).write_metrics(result)
-    log.info("%s  num_samples=%d  world_size=%d  checkpoint %s (epoch %d, %s weights)  run dir: %s",
-             "  ".join(f"{k}={v:.6f}" for k, v in metrics.items()), val["count"], runtime.world_size, path,
+    log.info("%s  num_%s=%d  world_size=%d  checkpoint %s (epoch %d, %s weights)  run dir: %s",
+             "  ".join(f"{k}={v:.6f}" for k, v in metrics.items()), unit, val["count"], runtime.world_size, path,
              epoch, weights, run_dir)
     return result
 

@@ -102,10 +102,12 @@ def run(cfg: DictConfig, context: RunContext, runtime: Any) -> float:
         data = loaders.build_data(cfg.dataset, runtime.env.rank, runtime.world_size, runtime.device, cfg.seed,
                                   trainer_cfg)
     callbacks = build_callbacks(cfg.callbacks)
-    # The task must fit the dataset, and produce the monitored metric (the callbacks add metrics, e.g. val_ema/*).
+    # The task must fit the dataset, produce the monitored metric (the callbacks add metrics, e.g. val_ema/*) and
+    # find its inputs and target among the dataset's fields.
     with building.errors_named("task", cfg.task):
-        task = setup.build_task(cfg.task, data.splits.info, context.choices, trainer_cfg.monitor,
+        task = setup.build_task(cfg.task, data.splits, context.choices, trainer_cfg.monitor,
                                 callbacks.metric_splits, callbacks.enable_hints())
+    task.output_setting = setup.output_setting(cfg.model)  # what its output check names: read before filling
     saved_config = fill_model_config(cfg, setup.model_fields(task, data.splits.info), context.choices["dataset"])
     parts = build_parts(cfg, trainer_cfg, context, runtime, data, task, callbacks, store, saved_config, resumed)
     return train_and_report(trainer_cfg, parts, resumed, context, cfg.print_config)
@@ -136,7 +138,7 @@ def build_parts(cfg, trainer_cfg, context, runtime, data, task, callbacks, store
     """What the loop needs once the data and task are known: the model (wrapped for DDP, or sharded, and
     compiled), the optimizer and schedule, the reporter (a TrainParts)."""
     performance.set_backend_flags(runtime.device, trainer_cfg.tf32, trainer_cfg.deterministic)
-    model = initial_model(cfg, trainer_cfg, resumed)
+    model = initial_model(cfg, trainer_cfg, resumed, task)
     sharding = OmegaConf.to_object(cfg.dist.fsdp) if cfg.dist.strategy == "fsdp" else None
     module, train_model = distributed.prepare_model(model, runtime, cfg.dist.sync_bn, cfg.dist.find_unused_parameters,
                                                     sharding, precision.autocast_dtype(trainer_cfg.precision))
@@ -152,13 +154,14 @@ def build_parts(cfg, trainer_cfg, context, runtime, data, task, callbacks, store
                               saved_config=saved_config)
 
 
-def initial_model(cfg, trainer_cfg, resumed):  # noqa: ANN001, ANN201 - DictConfig, TrainerConfig, Checkpoint
-    """The model and the weights it starts from, on a fresh start: those of `init_from` (weights only: the
-    optimizer, schedule and step count start afresh), else its fresh initialisation; a resumed run's are
-    read later, into the prepared model. Then the parameters `trainer.freeze` names are frozen, before DDP
-    and the optimizer see them. Weights that do not fit are refused before the run writes anything."""
+def initial_model(cfg, trainer_cfg, resumed, task):  # noqa: ANN001, ANN201 - DictConfig, TrainerConfig, Checkpoint, Task
+    """The model (refused if it cannot take the task's inputs) and the weights it starts from, on a fresh
+    start: those of `init_from` (weights only: the optimizer, schedule and step count start afresh), else its
+    fresh initialisation; a resumed run's are read later, into the prepared model. Then the parameters
+    `trainer.freeze` names are frozen, before DDP and the optimizer see them. Weights that do not fit are
+    refused before the run writes anything."""
     with building.errors_named("model", cfg.model):
-        model = performance.with_memory_format(setup.build_model(cfg.model), trainer_cfg.channels_last)
+        model = performance.with_memory_format(setup.build_model(cfg.model, task), trainer_cfg.channels_last)
     if resumed is not None and cfg.init_from is not None:
         log.info("init_from=%s not applied: the run resumes from %s", cfg.init_from, resumed.path)
     elif cfg.init_from is not None:
@@ -176,7 +179,7 @@ def train_and_report(trainer_cfg, parts, resumed, context: RunContext, print_con
         log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", resumed.path, state.epoch,
                  state.step, state.step_in_epoch, state.epoch + 1)
     reporting.log_run_start(context.run_dir, parts.runtime, parts.module, parts.data, trainer_cfg.grad_accum,
-                            parts.saved_config, context.overrides, print_config)
+                            parts.saved_config, context.overrides, print_config, parts.task.unit)
     parts.reporter.text("model/summary", reporting.model_summary(parts.module))
     if not loop.fit(state, resumed=resumed is not None).is_final:  # max_steps or preemption, with a checkpoint
         log.info("stopped at step %d with a checkpoint; continue with: resume=auto hydra.run.dir=%s",
@@ -189,7 +192,7 @@ def report_final(loop, state, context: RunContext) -> float:  # noqa: ANN001 - T
     """The finished run's hparams and final metrics; returns the monitored one."""
     parts = loop.parts
     summary = loop.summary(state, parts.data.num_val_samples)
-    final = {k: v for k, v in summary.items() if "/" in k and k != "val/num_samples"}
+    final = {k: v for k, v in summary.items() if "/" in k and not k.startswith("val/num_")}
     hparams = run_hparams(parts.saved_config, context.overrides, context.choices,
                           parts.data.train_sampler.global_batch_size)
     parts.reporter.hparams(hparams, final)

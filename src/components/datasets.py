@@ -7,9 +7,12 @@ Every builder returns a `DataSplits`: two datasets whose items are tuples (or di
 `num_features`, `num_targets`, ...). Model YAMLs take the fields they need as `${data:FIELD}`;
 tasks check the fields they need (`num_classes` for classification, `num_targets` for regression).
 
-Image datasets give `(float32 image C x H x W, label)` items; `breast_cancer` and `diabetes` give
-`(float32 feature vector, target)`; `two_input_synthetic` gives `(rgb, mask, target)`.
-`digits`, `breast_cancer`, `diabetes` (bundled with scikit-learn) and the synthetic ones need no
+Every builder names its samples' parts (`fields`) and which one is the `target`, so a task binds the
+model's inputs and its target by name: image datasets give `(image, label)` items (float32 C x H x W, int64);
+`breast_cancer` gives `(features, label)`, `diabetes` `(features, target)`; `two_input_synthetic` gives
+`(rgb, mask, target)`; `python_docs` gives `(tokens, next_tokens)` (padded byte sequences).
+`digits`, `breast_cancer`, `diabetes` (bundled with scikit-learn), `python_docs` (shipped with Python) and the
+synthetic ones need no
 files, so they run anywhere. The others read the standard on-disk formats and fail with a
 `DatasetNotFoundError` naming the folder and the files to put there. torchvision is imported inside
 the builders, and scikit-learn's bundled files are read without importing it, so that importing
@@ -26,7 +29,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from src.data.image_tensors import ImageTensorDataset
-from src.data.splits import DatasetNotFoundError, DataSplits, image_info
+from src.data.splits import IMAGE_FIELDS, DatasetNotFoundError, DataSplits, image_info
 
 if TYPE_CHECKING:
     import numpy as np
@@ -62,6 +65,7 @@ def digits(val_size: int = 360, split_seed: int = 0) -> DataSplits:
         train=TensorDataset((train_images - mean) / std, labels[train_index]),
         val=TensorDataset((images[val_index] - mean) / std, labels[val_index]),
         info=image_info(10, 1, 8, 8),
+        **IMAGE_FIELDS,
     )
 
 
@@ -103,7 +107,8 @@ def breast_cancer(val_size: int = 114, split_seed: int = 0) -> DataSplits:
     labels = torch.tensor(table[:, -1], dtype=torch.int64)
     (train_x, train_y), (val_x, val_y) = _standardised_split(features, labels, val_size, split_seed, "breast_cancer")
     return DataSplits(train=TensorDataset(train_x, train_y), val=TensorDataset(val_x, val_y),
-                      info={"num_classes": 2, "num_features": features.shape[1]})
+                      info={"num_classes": 2, "num_features": features.shape[1]}, fields=("features", "label"),
+                      target="label")
 
 
 def diabetes(val_size: int = 88, split_seed: int = 0) -> DataSplits:
@@ -128,6 +133,7 @@ def diabetes(val_size: int = 88, split_seed: int = 0) -> DataSplits:
         train=TensorDataset(train_x, (train_t - mean) / std), val=TensorDataset(val_x, (val_t - mean) / std),
         info={"num_features": features.shape[1], "num_targets": 1, "target_mean": mean.item(),
               "target_std": std.item()},
+        fields=("features", "target"), target="target",
     )
 
 
@@ -174,7 +180,8 @@ def two_input_synthetic(
     target = target / target[:num_train].std()
     train = TensorDataset(rgb[:num_train], masks[:num_train], target[:num_train])
     val = TensorDataset(rgb[num_train:], masks[num_train:], target[num_train:])
-    return DataSplits(train=train, val=val, info={"in_channels": 3, "image_size": [height, width], "num_targets": 1})
+    return DataSplits(train=train, val=val, info={"in_channels": 3, "image_size": [height, width], "num_targets": 1},
+                      fields=("rgb", "mask", "target"), target="target")
 
 
 def _random_rectangles(count: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
@@ -187,6 +194,39 @@ def _random_rectangles(count: int, height: int, width: int, generator: torch.Gen
     inside_rows = (rows >= corner[:, 0, None, None]) & (rows < (corner[:, 0] + size[:, 0])[:, None, None])
     inside_cols = (cols >= corner[:, 1, None, None]) & (cols < (corner[:, 1] + size[:, 1])[:, None, None])
     return (inside_rows & inside_cols).float().unsqueeze(1)
+
+
+PAD_TARGET = -100  # the target of a padding position: task=causal_lm's ignore_index (torch's default)
+
+
+def python_docs(max_length: int = 64, val_size: int = 256, split_seed: int = 0) -> DataSplits:
+    """CPython's own documentation (`pydoc_data.topics`, shipped with Python: no download), one paragraph a
+    document, as byte-level token sequences for next-token prediction (task=causal_lm).
+
+    A sample is `(tokens, next_tokens)`, int64 (max_length,) each: the paragraph's first `max_length` bytes of
+    UTF-8 and the bytes one position further on. A shorter paragraph is padded at the end: tokens with 0 (NUL,
+    which the text never holds), next_tokens with PAD_TARGET, which the task ignores; so a batch holds
+    1 to max_length tokens per document, and batches (and ranks) hold different numbers of tokens. The first
+    `val_size` documents of a permutation drawn from `split_seed` are val.
+    """
+    import re
+    from pydoc_data.topics import topics
+
+    texts = [topics[name] for name in sorted(topics)]
+    documents = [part.strip().encode()[: max_length + 1] for text in texts for part in re.split(r"\n\s*\n", text)]
+    documents = [document for document in documents if len(document) >= 2]  # at least one token to predict
+    tokens = torch.zeros(len(documents), max_length, dtype=torch.int64)
+    next_tokens = torch.full((len(documents), max_length), PAD_TARGET, dtype=torch.int64)
+    for row, document in enumerate(documents):
+        ids = torch.frombuffer(bytearray(document), dtype=torch.uint8).long()
+        tokens[row, : len(ids) - 1], next_tokens[row, : len(ids) - 1] = ids[:-1], ids[1:]
+    train_index, val_index = _split_indices(len(documents), val_size, split_seed, "python_docs")
+    return DataSplits(
+        train=TensorDataset(tokens[train_index], next_tokens[train_index]),
+        val=TensorDataset(tokens[val_index], next_tokens[val_index]),
+        info={"vocab_size": 256, "max_length": max_length},
+        fields=("tokens", "next_tokens"), target="next_tokens",
+    )
 
 
 def synthetic(
@@ -211,6 +251,7 @@ def synthetic(
         train=TensorDataset(images[:num_train], labels[:num_train]),
         val=TensorDataset(images[num_train:], labels[num_train:]),
         info=image_info(num_classes, channels, height, width),
+        **IMAGE_FIELDS,
     )
 
 
@@ -256,6 +297,7 @@ def _mnist_format(
         train=train,
         val=val,
         info=image_info(10, 1, 28, 28),
+        **IMAGE_FIELDS,
     )
 
 
@@ -292,6 +334,7 @@ def cifar10(
         train=train,
         val=val,
         info=image_info(10, 3, 32, 32),
+        **IMAGE_FIELDS,
     )
 
 
@@ -343,7 +386,8 @@ def image_folder(
             f"only in train {sorted(set(train.classes) - set(val.classes))}, "
             f"only in val {sorted(set(val.classes) - set(train.classes))}"
         )
-    return DataSplits(train=train, val=val, info=image_info(len(train.classes), channels, height, width))
+    return DataSplits(train=train, val=val, info=image_info(len(train.classes), channels, height, width),
+                      **IMAGE_FIELDS)
 
 
 def _class_folders(folder: Path, transform: Callable) -> ImageFolder:

@@ -2,9 +2,9 @@
 
 `conf/model/<name>.yaml` names the class in `_target_`, sets the options, and takes the shapes from
 the dataset and task as `${data:FIELD}` (src/config/data_fields.py), e.g. `num_outputs: ${data:num_outputs}`.
-A model's `forward` takes the batch parts the task names as inputs: one image batch for the
-classifiers here, `(rgb, mask)` for `TwoInputCNN`. Adding a model is one class here (or anywhere
-importable) plus one YAML file.
+A model's `forward` takes the sample fields the task binds as inputs (by default every field but the
+target, in order): one image batch for the classifiers here, `(rgb, mask)` for `TwoInputCNN`, token ids for
+`TinyGPT`. Adding a model is one class here (or anywhere importable) plus one YAML file.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -116,3 +117,76 @@ class TwoInputCNN(nn.Module):
         weights = mask / mask.sum(dim=(2, 3), keepdim=True).clamp(min=1e-6)  # each mask's pixels sum to 1
         pooled = (self.features(rgb) * weights).sum(dim=(2, 3))
         return self.head(pooled)
+
+
+class LeNet5(nn.Module):
+    """LeNet-5 for 32x32 images: conv 6 5x5, max-pool 2, conv 16 5x5, max-pool 2, fully connected 120, 84 and
+    `num_outputs`, with ReLU (the layout of PyTorch's CIFAR-10 tutorial network; LeCun et al. 1998 used
+    tanh-like squashing and subsampling layers with weights)."""
+
+    def __init__(self, in_channels: int, num_outputs: int, image_size: Sequence[int] = (32, 32)) -> None:
+        super().__init__()
+        height, width = (((side - 4) // 2 - 4) // 2 for side in image_size)  # after the valid 5x5 convs, pools
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 6, 5), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(16 * height * width, 120), nn.ReLU(inplace=True),
+            nn.Linear(120, 84), nn.ReLU(inplace=True), nn.Linear(84, num_outputs),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class TinyGPT(nn.Module):
+    """A small decoder-only transformer over token ids (N, T) giving next-token logits (N, T, num_outputs):
+    token and learned position embeddings, `depth` pre-LayerNorm blocks of causal self-attention and a 4x MLP,
+    a final LayerNorm and a linear head (GPT-2's layout, as in nanoGPT). Attention is
+    `F.scaled_dot_product_attention(is_causal=True)`: position t sees positions up to t only, so the padding
+    at the end of a shorter sequence never changes the logits of its tokens. No BatchNorm: sync-BN is moot."""
+
+    def __init__(self, vocab_size: int, num_outputs: int, max_length: int, width: int = 64, depth: int = 2,
+                 heads: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"TinyGPT: width={width} must be divisible by heads={heads}")
+        self.token_embedding = nn.Embedding(vocab_size, width)
+        self.position_embedding = nn.Embedding(max_length, width)
+        self.blocks = nn.Sequential(*(_CausalBlock(width, heads, dropout) for _ in range(depth)))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, num_outputs)
+        self.dropout = nn.Dropout(dropout)
+        for module in self.modules():  # GPT-2's initialisation: N(0, 0.02) weights, zero biases
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.dropout(self.token_embedding(tokens) + self.position_embedding(positions))
+        return self.head(self.norm(self.blocks(x)))
+
+
+class _CausalBlock(nn.Module):
+    """x + attention(LayerNorm(x)), then x + MLP(LayerNorm(x)); attention causal, over `heads` heads."""
+
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.dropout_p = heads, dropout
+        self.attention_norm, self.mlp_norm = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.projection = nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        qkv = self.qkv(self.attention_norm(x)).view(batch, length, 3, self.heads, width // self.heads)
+        query, key, value = qkv.permute(2, 0, 3, 1, 4)  # each (batch, heads, length, head width)
+        attended = F.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                                  dropout_p=self.dropout_p if self.training else 0.0)
+        x = x + self.dropout(self.projection(attended.transpose(1, 2).reshape(batch, length, width)))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))

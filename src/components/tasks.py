@@ -1,8 +1,10 @@
-"""Tasks: what a batch means, what the loss is, and which sums the metrics are made of.
+"""Tasks: what the loss is, over which unit, what the model's output must look like, and which sums the
+metrics are made of. Classification, binary and regression count samples; causal_lm counts tokens.
 
 A task is a subclass of `src.loop.task.Task` (the contract the loop relies on, documented there)
 named by `conf/task/<name>.yaml`. Adding a task is one subclass (here or in any importable module)
-plus one YAML.
+plus one YAML. Which of a batch's fields are the model's inputs and the target is bound from the
+dataset's named fields (or the task's `inputs` and `target`) by the base class.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from src.common.errors import UsageError
-from src.loop.task import Shapes, Task, ratio
+from src.loop.task import Shapes, Task, ratio, shape
 
 
 class Classification(Task):
@@ -29,9 +31,25 @@ class Classification(Task):
         super().__init__(**options)  # inputs, target, monitor, mode
         self.label_smoothing = label_smoothing
 
-    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
-        loss = F.cross_entropy(outputs.float(), target, reduction="sum", label_smoothing=self.label_smoothing)
-        return loss, target.shape[0]
+    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(outputs.float(), target, reduction="sum", label_smoothing=self.label_smoothing)
+
+    def check_output(self, outputs: torch.Tensor, target: torch.Tensor) -> None:
+        rows, classes = target.shape[0] if target.dim() else 0, self.output_width or "num_classes"
+        if target.dim() != 1 or target.is_floating_point():
+            raise UsageError(
+                f"task=classification takes one class index per sample (int64 targets of shape (N,)), but the target "
+                f"holds {str(target.dtype).removeprefix('torch.')} of shape {shape(target)} (the model returns "
+                f"{shape(outputs)}): for a class per position use a task of such targets (task=causal_lm for "
+                "tokens), or a dataset whose target is one class label per sample"
+            )
+        width = self.output_width or (outputs.shape[1] if outputs.dim() == 2 else None)
+        if outputs.dim() != 2 or outputs.shape[0] != rows or outputs.shape[1] != width:
+            raise UsageError(
+                f"task=classification takes logits of shape (N, num_classes) = ({rows}, {classes}) for targets of "
+                f"shape {shape(target)}, but the model returns {shape(outputs)}: build it with "
+                f"{self.output_setting}={classes} (its YAML's ${{data:num_outputs}})"
+            )
 
     def sum_shapes(self, info: Mapping[str, Any]) -> Shapes:
         return {"correct": ()}
@@ -75,14 +93,24 @@ class Binary(Task):
     def num_outputs(self, info: Mapping[str, Any]) -> int:
         return 1
 
-    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits, labels = _binary(outputs, target)
         if self.pos_weight is None:
-            return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum"), labels.shape[0]
+            return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
         # torch's pos_weight scales the positive term; for 0/1 labels that is a weight of pos_weight on
         # positive samples, made here from the labels with no tensor built from a Python number per step.
         per_sample = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
-        return (per_sample * (1 + (self.pos_weight - 1) * labels)).sum(), labels.shape[0]
+        return (per_sample * (1 + (self.pos_weight - 1) * labels)).sum()
+
+    def check_output(self, outputs: torch.Tensor, target: torch.Tensor) -> None:
+        rows = target.shape[0] if target.dim() else 0
+        if target.dim() == 0 or target.numel() != rows:
+            raise UsageError(f"task=binary takes one 0/1 label per sample (a target of shape (N,) or (N, 1)), but the "
+                             f"target has shape {shape(target)}: choose a dataset of one label per sample")
+        if outputs.dim() == 0 or outputs.shape[0] != rows or outputs.numel() != rows:
+            raise UsageError(f"task=binary takes one logit per sample, (N,) or (N, 1) = ({rows}, 1) for targets of "
+                             f"shape {shape(target)}, but the model returns {shape(outputs)}: build it with "
+                             f"{self.output_setting}=1 (its YAML's ${{data:num_outputs}} gives 1)")
 
     def sum_shapes(self, info: Mapping[str, Any]) -> Shapes:
         return {"tp": (), "fp": (), "fn": ()}
@@ -127,18 +155,33 @@ class Regression(Task):
             raise UsageError(f"task.loss={loss} is not one of {', '.join(self.LOSSES)}")
         self.loss_name = loss
 
-    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
-        predicted, actual = _as_rows(outputs, target)
+    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        predicted, actual = _as_rows(outputs, target, self.output_setting)
         error = predicted - actual
         per_value = error.abs() if self.loss_name == "l1" else error.square()
-        return per_value.mean(dim=1).sum(), actual.shape[0]
+        return per_value.mean(dim=1).sum()
+
+    def check_output(self, outputs: torch.Tensor, target: torch.Tensor) -> None:
+        if not target.is_floating_point():
+            raise UsageError(f"task=regression learns real-valued targets, but the target holds "
+                             f"{str(target.dtype).removeprefix('torch.')} (class labels?): use task=classification "
+                             "or task=binary, or a dataset of real-valued targets")
+        if target.dim() > 2:
+            raise UsageError(f"task=regression takes targets of shape (N,) or (N, values), but the target has shape "
+                             f"{shape(target)}: flatten each sample's values in the dataset")
+        if outputs.dim() == 0 or outputs.shape[0] != target.shape[0] or outputs.dim() > 2:
+            values = target.shape[1] if target.dim() == 2 else 1
+            raise UsageError(f"task=regression takes outputs of shape (N, values) = ({target.shape[0]}, {values}) for "
+                             f"targets of shape {shape(target)}, but the model returns {shape(outputs)}: build it "
+                             f"with {self.output_setting}={values} (its YAML's ${{data:num_outputs}})")
+        _as_rows(outputs, target, self.output_setting)
 
     def sum_shapes(self, info: Mapping[str, Any]) -> Shapes:
         width = (int(info["num_targets"]),)
         return {"abs_error": (), "squared_error": width, "target": width, "target_squared": width}
 
     def sums(self, outputs: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
-        predicted, actual = _as_rows(outputs.detach(), target)
+        predicted, actual = _as_rows(outputs.detach(), target, self.output_setting)
         error = predicted - actual
         return {"abs_error": error.abs().sum(), "squared_error": error.square().sum(dim=0),
                 "target": actual.sum(dim=0), "target_squared": actual.square().sum(dim=0)}
@@ -156,11 +199,59 @@ class Regression(Task):
         }
 
 
-def _as_rows(outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _as_rows(outputs: torch.Tensor, target: torch.Tensor, setting: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs and targets as float32 (N, values) matrices: a target of shape (N,) is one value a sample."""
     rows = target.shape[0]
     predicted, actual = outputs.float().reshape(rows, -1), target.float().reshape(rows, -1)
     if predicted.shape != actual.shape:  # (N, 1) against (N, 3) would broadcast into nonsense
         raise UsageError(f"the model gives {predicted.shape[1]} outputs per sample but the target has "
-                         f"{actual.shape[1]} values: build the model with ${{data:num_outputs}} outputs")
+                         f"{actual.shape[1]} values: build the model with {setting}={actual.shape[1]} (its YAML's "
+                         "${data:num_outputs})")
     return predicted, actual
+
+
+
+class CausalLM(Task):
+    """Next-token prediction: logits (N, T, vocab) for targets (N, T) of token ids, `ignore_index` where a
+    sequence is padding. The unit is the token: the loss of a step is the sum over every rank's and
+    micro-step's non-pad tokens divided by their number (`count` is a device tensor, summed by the loop
+    without a host sync). Metrics per token: loss (nats), perplexity (exp of the loss) and accuracy."""
+
+    metric_names = ("loss", "perplexity", "acc")
+    monitor, mode = "val/loss", "min"
+    unit = "tokens"
+    needs = ("vocab_size", "token sequences")
+
+    def __init__(self, ignore_index: int = -100, **options: Any) -> None:
+        super().__init__(**options)  # inputs, target, monitor, mode
+        self.ignore_index = ignore_index
+
+    def count(self, target: torch.Tensor) -> torch.Tensor:
+        return (target != self.ignore_index).sum()
+
+    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(outputs.float().flatten(0, -2), target.flatten(), ignore_index=self.ignore_index,
+                               reduction="sum")
+
+    def check_output(self, outputs: torch.Tensor, target: torch.Tensor) -> None:
+        if target.dim() != 2 or target.is_floating_point():
+            raise UsageError(f"task=causal_lm takes token ids (int64 targets of shape (N, T)), but the target holds "
+                             f"{str(target.dtype).removeprefix('torch.')} of shape {shape(target)}: choose a "
+                             "dataset of token sequences")
+        vocab = self.output_width or (outputs.shape[-1] if outputs.dim() == 3 else "vocab_size")
+        if outputs.shape != (*target.shape, vocab):
+            raise UsageError(f"task=causal_lm takes logits of shape (N, T, vocab_size) = ({target.shape[0]}, "
+                             f"{target.shape[1]}, {vocab}) for targets of shape {shape(target)}, but the model "
+                             f"returns {shape(outputs)}: build it with {self.output_setting}={vocab} (its YAML's "
+                             "${data:num_outputs}) and logits in (batch, position, vocabulary) order")
+
+    def sum_shapes(self, info: Mapping[str, Any]) -> Shapes:
+        return {"correct": ()}
+
+    def sums(self, outputs: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"correct": ((outputs.argmax(dim=-1) == target) & (target != self.ignore_index)).sum()}
+
+    def compute(self, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        loss = ratio(sums["loss"], sums["count"])
+        perplexity = math.exp(loss) if loss < 700 else math.inf  # nan stays nan
+        return {"loss": loss, "perplexity": perplexity, "acc": ratio(sums["correct"], sums["count"])}

@@ -290,7 +290,7 @@ class EvalSchema:
     trusted_targets: list[str]
     dataset: Any
     weights: str = setting("model", one_of("model", "ema"))  # which weights of the checkpoint to evaluate:
-    # model | ema (its EMA weights: a run with trainer.ema.decay set)
+    # model | ema (its EMA weights: a run with callbacks.ema.decay set)
     trainer: EvalTrainerConfig = field(default_factory=EvalTrainerConfig)
     dist: EvalDistConfig = field(default_factory=EvalDistConfig)
 

@@ -1,4 +1,4 @@
-"""What every dataset builder returns: the train and val splits and what the data provides."""
+"""What every dataset builder returns: the train and val splits, what the data provides, and what its samples hold."""
 
 from __future__ import annotations
 
@@ -13,11 +13,31 @@ from src.common.errors import UsageError
 
 @dataclass(frozen=True)
 class DataSplits:
-    """A dataset's train and val splits and what it provides (`info`: shapes, class count, ...)."""
+    """A dataset's train and val splits, what it provides (`info`: shapes, class count, ...) and the names
+    of its samples' parts, so that a task can bind the model's inputs and its target by name.
+
+    `fields`: the names of a sample's parts, in order for tuple samples, the keys for dict samples; None:
+    unnamed (tuple positions, the last is the target). `target`: the field the task learns to predict
+    (None: the last field). A task's default is "the target field is the target, the rest are the model's
+    inputs, in order" (src/loop/task.py).
+    """
 
     train: Dataset
     val: Dataset
     info: Mapping[str, Any]
+    fields: tuple[str, ...] | None = None
+    target: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.fields is not None:
+            object.__setattr__(self, "fields", tuple(self.fields))  # a list from a fork's builder too
+        if self.fields is not None and len(set(self.fields)) != len(self.fields):
+            raise ValueError(f"DataSplits.fields must be distinct names, got {self.fields}")
+        if self.target is not None and self.fields is not None and self.target not in self.fields:
+            raise ValueError(f"DataSplits.target={self.target!r} is not one of its fields {self.fields}")
+
+
+IMAGE_FIELDS = {"fields": ("image", "label"), "target": "label"}  # (image, class label) samples
 
 
 def image_info(num_classes: int, channels: int, height: int, width: int) -> dict[str, Any]:

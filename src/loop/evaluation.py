@@ -27,7 +27,8 @@ def evaluate(
     lockstep: bool = False,
 ) -> dict[str, Any]:
     """The task's metrics of `module` over this rank's batches, summed over all ranks, with `count`
-    (samples) and the task's val-only tables (e.g. `confusion`).
+    (the task's units: samples, tokens, ...) and the task's val-only tables (e.g. `confusion`). The model's
+    output is checked against the target on the first batch (`Task.check_output`).
 
     Pass the unwrapped module: evaluation needs no gradient sync, and ranks may run a
     different number of batches, which DDP's per-forward collectives would not allow.
@@ -40,12 +41,13 @@ def evaluate(
     was_training = module.training
     module.eval()
     batches = _in_lockstep(loader, device) if lockstep else loader
-    for batch in batches:
+    for index, batch in enumerate(batches):
         args, kwargs, target = task.split(to_device(batch, device))
         with autocast(device, amp_dtype):
             outputs = module(*args, **kwargs)
-        loss_sum, count = task.loss(outputs, target)
-        sums.add(task.batch_sums(outputs, target, loss_sum, count, val=True))
+        if index == 0:
+            task.check_output(outputs, target)
+        sums.add(task.batch_sums(outputs, target, task.loss(outputs, target), task.count(target), val=True))
     module.train(was_training)
     return metrics_of(task, sums.reduce())
 
@@ -66,5 +68,5 @@ def _in_lockstep(loader: Iterable[Any], device: torch.device) -> Iterator[Any]:
 
 
 def metrics_of(task: Task, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The task's metrics from all-reduced sums, with the sample `count`."""
+    """The task's metrics from all-reduced sums, with the `count` of the task's units."""
     return {**task.compute(sums), "count": int(sums["count"])}

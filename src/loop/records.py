@@ -8,6 +8,11 @@ from typing import Any
 _NOT_METRICS = ("count", "timed_count")
 
 
+def rate_name(unit: str) -> str:
+    """`samples_per_s`, `tokens_per_s`, ...: the throughput's name in records and metrics.json, by the task's unit."""
+    return f"{unit}_per_s"
+
+
 def metric_values(split: str, metrics: dict[str, Any]) -> dict[str, float]:
     """`split/<name>` for each metric the task computed; counts and tables (e.g. the confusion
     matrix) are reported on their own."""
@@ -22,9 +27,11 @@ def format_metrics(record: dict[str, Any], split: str) -> str:
 
 
 def epoch_record(epoch: int, step: int, train: dict[str, Any], val: dict[str, Any], lr: float,
-                 epoch_seconds: float, train_seconds: float, extra: dict[str, float] | None = None) -> dict[str, float]:
+                 epoch_seconds: float, train_seconds: float, extra: dict[str, float] | None = None,
+                 unit: str = "samples") -> dict[str, float]:
     """One entry of the run's history: the epoch's train and val metrics, the callbacks' `extra` metrics
-    (`split/<name>`, e.g. val_ema/*: the EMA weights' val metrics), its lr, time and throughput."""
+    (`split/<name>`, e.g. val_ema/*: the EMA weights' val metrics), its lr, time and throughput (the task's
+    `unit` per second)."""
     return {
         "epoch": epoch,
         "step": step,
@@ -33,46 +40,54 @@ def epoch_record(epoch: int, step: int, train: dict[str, Any], val: dict[str, An
         **(extra or {}),
         "lr": lr,
         "epoch_time_s": epoch_seconds,
-        "samples_per_s": train["timed_count"] / train_seconds,
+        rate_name(unit): train["timed_count"] / train_seconds,
     }
 
 
-def epoch_scalars(record: dict[str, float]) -> dict[str, float]:
+def epoch_scalars(record: dict[str, float], unit: str = "samples") -> dict[str, float]:
     """An epoch record's TensorBoard scalars."""
     return {
         **{key.replace("train/", "epoch/train_"): v for key, v in record.items() if key.startswith("train/")},
         **{key: v for key, v in record.items() if "/" in key and not key.startswith("train/")},
         "time/epoch_s": record["epoch_time_s"],
-        "throughput/epoch_samples_per_s": record["samples_per_s"],
+        f"throughput/epoch_{rate_name(unit)}": record[rate_name(unit)],
     }
 
 
-def epoch_line(record: dict[str, float], epochs: int, num_val: int) -> str:
-    """`epoch 3/20  step 84  train loss ...  val loss ... (359 samples)  5120 samples/s`, with the callbacks'
-    splits after the val metrics (e.g. `val_ema loss ...` when the EMA weights are validated too)."""
+def epoch_line(record: dict[str, float], epochs: int, num_val: int, unit: str = "samples") -> str:
+    """`epoch 3/20  step 84  train loss ...  val loss ... (359 samples)  5120 samples/s` (tokens for a task
+    that counts tokens), with the callbacks' splits after the val metrics (e.g. `val_ema loss ...` when the
+    EMA weights are validated too)."""
     splits = dict.fromkeys(key.split("/", 1)[0] for key in record if "/" in key and not key.startswith("train/"))
     val = "  ".join(format_metrics(record, split) for split in splits)
-    return "epoch %d/%d  step %d  %s  %s (%d samples)  %.0f samples/s" % (
-        record["epoch"], epochs, record["step"], format_metrics(record, "train"), val, num_val,
-        record["samples_per_s"])
+    return "epoch %d/%d  step %d  %s  %s (%d %s)  %.0f %s/s" % (
+        record["epoch"], epochs, record["step"], format_metrics(record, "train"), val, num_val, unit,
+        record[rate_name(unit)], unit)
 
 
-def window_scalars(window: dict[str, Any], lr: float, samples_per_s: float) -> dict[str, float]:
-    """A log window's train/* scalars, with the lr and the throughput."""
-    return {**metric_values("train", window), "lr": lr, "throughput/samples_per_s": samples_per_s}
+def window_scalars(window: dict[str, Any], lr: float, per_s: float, unit: str = "samples",
+                   samples_per_s: float | None = None) -> dict[str, float]:
+    """A log window's train/* scalars, with the lr and the throughput: `per_s`, the task's units a second, and
+    for a task whose unit is not the sample (tokens, pixels) also `samples_per_s` (what MFU is counted in)."""
+    rates = {f"throughput/{rate_name(unit)}": per_s}
+    if unit != "samples" and samples_per_s is not None:
+        rates["throughput/samples_per_s"] = samples_per_s
+    return {**metric_values("train", window), "lr": lr, **rates}
 
 
-def run_summary(history: list[dict[str, float]], num_val_samples: int, world_size: int, global_batch_size: int,
-                samples_per_s: float) -> dict[str, Any]:
-    """The run so far, as written to metrics.json: the last epoch's metrics and the history."""
+def run_summary(history: list[dict[str, float]], num_val: int, world_size: int, global_batch_size: int,
+                per_s: float, unit: str = "samples") -> dict[str, Any]:
+    """The run so far, as written to metrics.json: the last epoch's metrics and the history; `num_val` (the
+    val units the metrics cover) and `per_s` (training throughput) named by the task's unit, e.g.
+    `val/num_samples` and `samples_per_s`, `val/num_tokens` and `tokens_per_s`."""
     last = history[-1]
     return {
         **{key: value for key, value in last.items() if "/" in key},  # every split's metrics
         "epoch": last["epoch"],
         "step": last["step"],
-        "val/num_samples": num_val_samples,
+        f"val/num_{unit}": num_val,
         "world_size": world_size,
         "global_batch_size": global_batch_size,
-        "samples_per_s": samples_per_s,
+        rate_name(unit): per_s,
         "history": history,
     }

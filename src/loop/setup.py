@@ -1,28 +1,35 @@
-"""The task and model of a run, built from their configs; the task checked against the dataset and the metric."""
+"""The task and model of a run, built from their configs: the task checked against the dataset and the metric
+and bound to the dataset's fields, the model checked against the inputs the task gives it."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from src.common.errors import UsageError
+from src.data.splits import DataSplits
 from src.loop.task import Task
 
 
-def build_task(task_cfg: DictConfig, info: Mapping[str, Any], choices: Mapping[str, str], monitor: str,
+def build_task(task_cfg: DictConfig, splits: DataSplits, choices: Mapping[str, str], monitor: str,
                extra_splits: Sequence[str] = (), hints: Mapping[str, str] | None = None) -> Task:
     """The task `task_cfg` names, refusing a dataset it does not fit and a metric it does not compute, with one
-    line naming both sides and what to choose instead. `extra_splits`: the metric prefixes the run's callbacks
-    add (val_ema); `hints`: what turns on a callback that would add another (its split -> the hint)."""
+    line naming both sides and what to choose instead; its inputs and target bound to the dataset's fields.
+    `extra_splits`: the metric prefixes the run's callbacks add (val_ema); `hints`: what turns on a callback
+    that would add another (its split -> the hint)."""
     task = instantiate(task_cfg)
     task_name = choices.get("task") or type(task).__name__
-    check_fit(task, info, task_name, choices.get("dataset") or "this dataset")
-    splits = ("val", *extra_splits, "train")
-    metrics = [f"{split}/{name}" for split in splits for name in task.metric_names]
+    dataset_name = f"dataset={choices['dataset']}" if choices.get("dataset") else "the dataset"
+    check_fit(task, splits.info, task_name, choices.get("dataset") or "this dataset")
+    bind_to_dataset(task, splits, dataset_name)
+    metric_splits = ("val", *extra_splits, "train")
+    metrics = [f"{split}/{name}" for split in metric_splits for name in task.metric_names]
     split, _, name = monitor.partition("/")
     if split in (hints or {}) and f"val/{name}" in metrics:
         raise UsageError(f"trainer.monitor={monitor} needs {hints[split]}, or monitor val/{name}")
@@ -45,11 +52,62 @@ def check_fit(task: Task, info: Mapping[str, Any], task_name: str, dataset_name:
         )
 
 
+def bind_to_dataset(task: Task, splits: DataSplits, dataset_name: str) -> None:
+    """Bind the task's inputs and target to the dataset's named fields (a dataset that names none: to one
+    of its samples' structure) and tell it the output width to expect (for its first-batch output check)."""
+    sample = None if splits.fields is not None else _first_sample(splits.train)
+    task.bind(splits.fields, splits.target, sample, dataset_name)
+    task.output_width = task.num_outputs(splits.info) if task.check(splits.info) is None else None
+
+
+def _first_sample(dataset: Any) -> Any:
+    """Sample 0 of a dataset that names no fields, to see its structure; drawn with the random state put
+    back afterwards, so that a random transform it applies leaves the run's seeded weights as they were."""
+    with torch.random.fork_rng(devices=[]):
+        return dataset[0]
+
+
 def model_fields(task: Task, info: Mapping[str, Any]) -> dict[str, Any]:
     """What `${data:FIELD}` gives a model YAML: the dataset's info, and the output width the task needs."""
     return {**info, "num_outputs": task.num_outputs(info)}
 
 
-def build_model(model_cfg: Any) -> nn.Module:
-    """The model `model_cfg` names (`_target_` and options; `${data:...}` fields resolved from the dataset)."""
-    return instantiate(model_cfg)
+def build_model(model_cfg: Any, task: Task | None = None) -> nn.Module:
+    """The model `model_cfg` names (`_target_` and options; `${data:...}` fields filled in from the dataset).
+    With the run's `task`: refused in one line if its `forward` cannot take the inputs the task binds."""
+    model = instantiate(model_cfg)
+    if task is not None and task.binding is not None:
+        check_inputs(model, task)
+    return model
+
+
+def check_inputs(model: nn.Module, task: Task) -> None:
+    """Refuse a model whose `forward` cannot be called with the inputs the task binds, before any training."""
+    binding = task.binding
+    assert binding is not None
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward implemented in C: nothing to check
+        return
+    try:
+        signature.bind(*binding.args, **binding.kwargs)
+    except TypeError as error:
+        raise UsageError(
+            f"{type(model).__name__}.forward{_parameters(signature)} cannot take the task's inputs {binding.inputs()} "
+            f"({error}) from {binding.fields()} (target: {binding.target}): set task.inputs=[FIELD,...] to the "
+            "fields it takes, in order, or choose a model that takes these inputs"
+        ) from None
+
+
+def _parameters(signature: inspect.Signature) -> str:
+    return f"({', '.join(str(p).split(':')[0].split('=')[0].strip() for p in signature.parameters.values())})"
+
+
+def output_setting(model_cfg: Any) -> str:
+    """`model.<key>`: the key of the model config that takes `${data:num_outputs}` (model.num_outputs if none);
+    read before the fields are filled in."""
+    if isinstance(model_cfg, DictConfig):
+        for key, value in OmegaConf.to_container(model_cfg, resolve=False).items():
+            if value == "${data:num_outputs}":
+                return f"model.{key}"
+    return "model.num_outputs"

@@ -1,60 +1,120 @@
 """The task contract: what the loop asks of a task. Concrete tasks live in src/components/tasks.py.
 
-The loop asks a task four things:
+The loop asks a task five things:
 - `split(batch)`: the model's inputs (positional and keyword) and the target, picked out of a
-  batch of any structure (tuple, list or dict of tensors) by the `inputs` and `target` keys;
-- `loss(outputs, target)`: the loss as a SUM over the batch's samples, and their count, so the
-  loop can average over the global batch exactly, whatever the world size;
+  batch of any structure (tuple, list or dict of tensors) by the binding `bind()` made of the task's
+  `inputs` and `target` and the dataset's named fields;
+- `count(target)`: how many units (`unit`: samples, tokens, pixels) the batch holds, computable before
+  the forward; a host int when it is the batch size, a device tensor when it depends on the data;
+- `loss(outputs, target)`: the loss SUMMED over those units, so the loop can divide by the global
+  count (every rank's and micro-step's units) and the gradient is exact whatever the world size;
 - `sums(...)`: the batch's metric sums by name (device tensors, no host sync), which the loop
   accumulates and all-reduces in one collective and saves by name for a mid-epoch resume;
 - `compute(sums)`: the metrics, from the sums over all ranks: exact on any world size.
 
-It also says what it needs of a dataset (`check`), how wide the model's output must be
-(`num_outputs`, what `${data:num_outputs}` gives a model YAML), and which metric decides
-`best.pt` by default (`monitor`, `mode`, declared in its YAML).
+It also checks the model's output against the target once, on the first batch (`check_output`), says
+what it needs of a dataset (`check`), how wide the model's output must be (`num_outputs`, what
+`${data:num_outputs}` gives a model YAML), and which metric decides `best.pt` by default (`monitor`,
+`mode`, declared in its YAML).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
 
-Key = Union[int, str]  # an index into a tuple/list batch, or a key of a dict batch
+from src.common.errors import UsageError
+
+Key = Union[int, str]  # a position in a tuple sample, or a field name (a key of a dict sample)
 Shapes = dict[str, tuple[int, ...]]
 
 
-class Task:
-    """The base: batch structure and monitored metric; subclasses add the loss and metrics.
+@dataclass(frozen=True)
+class Binding:
+    """Where a batch holds the model's inputs and the target: `args` and `kwargs` (argument name -> key)
+    and `target`, each a position or a field name. A name picks a dict batch's key, or a tuple batch's
+    part at its place among the fields (`positions`: name -> position), and a position a named field."""
 
-    `inputs`: the batch parts passed to the model, a list (positional: `model(b[0], b[1])`) or a
-    mapping of argument name to part (keywords: `model(rgb=b["rgb"])`). `target`: the part the
-    loss compares the model's output with. `monitor`/`mode`: the metric (`val/<name>` or
-    `train/<name>`, a name in `metric_names`) that decides best.pt and what sweeps optimise.
+    args: tuple[Key, ...]
+    kwargs: dict[str, Key]
+    target: Key
+    positions: dict[str, int] = field(default_factory=dict)
+    dataset: str = "the dataset"  # where the fields come from, for messages: `dataset=two_input_synthetic`
+
+    def split(self, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        if self.positions and not isinstance(batch, Mapping) and len(batch) != len(self.positions):
+            raise UsageError(f"{self.dataset} names {len(self.positions)} fields ({', '.join(self.positions)}) but "
+                             f"its samples have {len(batch)} parts: name one field per part in DataSplits(fields=...)")
+        return (tuple(self._pick(batch, key) for key in self.args),
+                {name: self._pick(batch, key) for name, key in self.kwargs.items()}, self._pick(batch, self.target))
+
+    def _pick(self, batch: Any, key: Key) -> Any:
+        if isinstance(key, str) and not isinstance(batch, Mapping):
+            key = self.positions[key]
+        elif isinstance(key, int) and isinstance(batch, Mapping) and self.positions:
+            key = list(self.positions)[key]  # a position of a named field, in a dict batch
+        return batch[key]
+
+    def inputs(self) -> str:
+        """The call the binding makes, for messages: `model(rgb, mask)`, `model(x=image)`."""
+        parts = [str(key) for key in self.args] + [f"{name}={key}" for name, key in self.kwargs.items()]
+        return f"model({', '.join(parts)})"
+
+    def fields(self) -> str:
+        """What the dataset's samples hold, for messages: `dataset=two_input_synthetic's fields rgb, mask, target`."""
+        return f"{self.dataset}'s fields {', '.join(self.positions)}" if self.positions else f"{self.dataset}'s parts"
+
+
+class Task:
+    """The base: batch structure, units and monitored metric; subclasses add the loss and metrics.
+
+    `inputs`: the sample parts passed to the model: None (the default: every field but the target, in
+    order, positionally), a list (positional: `model(b[0], b[1])`, or by field name: `[rgb, mask]`), or a
+    mapping of argument name to part (keywords: `{rgb: rgb}` gives `model(rgb=b["rgb"])`). `target`: the
+    part the loss compares the model's output with (None: the dataset's target field; for a dataset that
+    names none, the last part). `monitor`/`mode`: the metric (`val/<name>` or `train/<name>`, a name in
+    `metric_names`) that decides best.pt and what sweeps optimise.
     """
 
     metric_names: tuple[str, ...] = ("loss",)  # what compute() returns (besides "count")
     monitor = "val/loss"  # the default monitored metric and mode, unless the YAML names others
     mode = "min"
+    unit = "samples"  # what count() counts: samples | tokens | pixels (log lines, metrics.json, throughput)
+    # What check_output compares with and names: the output width num_outputs() gave for the run's dataset
+    # and the model setting that sets it (src/loop/setup.py sets both: the key of the run's model config
+    # that takes ${data:num_outputs}).
+    output_width: int | None = None
+    output_setting = "model.num_outputs"
 
     def __init__(
-        self, inputs: Sequence[Key] | Mapping[str, Key] = (0,), target: Key = 1, monitor: str | None = None,
-        mode: str | None = None,
+        self, inputs: Sequence[Key] | Mapping[str, Key] | None = None, target: Key | None = None,
+        monitor: str | None = None, mode: str | None = None,
     ) -> None:
         self.inputs = inputs
         self.target = target
         self.monitor = monitor or type(self).monitor
         self.mode = mode or type(self).mode
+        self.binding: Binding | None = None
 
     # -- batches --------------------------------------------------------------------------------
 
+    def bind(self, fields: Sequence[str] | None, target: str | None, sample: Any = None,
+             dataset: str = "the dataset") -> Binding:
+        """Bind `inputs` and `target` to a dataset that names `fields` and its `target` (src/data/splits.py).
+        A dataset that names nothing is bound by the structure of one of its samples, `sample`: positions
+        of a tuple (the last is the target), keys of a dict. Refuses a name the dataset does not have."""
+        self.binding = bind(self.inputs, self.target, fields, target, sample, dataset)
+        return self.binding
+
     def split(self, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
-        """(positional inputs, keyword inputs, target) of `batch`."""
-        if isinstance(self.inputs, Mapping):
-            return (), {name: batch[key] for name, key in self.inputs.items()}, batch[self.target]
-        return tuple(batch[key] for key in self.inputs), {}, batch[self.target]
+        """(positional inputs, keyword inputs, target) of `batch`. A task no dataset was bound to binds
+        to the structure of the first batch it splits."""
+        binding = self.binding if self.binding is not None else self.bind(None, None, batch)
+        return binding.split(batch)
 
     # -- what the task needs of the dataset --------------------------------------------------------
 
@@ -73,11 +133,21 @@ class Task:
             raise NotImplementedError(f"{type(self).__name__} names no `needs` field: define num_outputs()")
         return int(info[self.needs[0]])
 
-    # -- loss and metrics ------------------------------------------------------------------------
+    # -- units, loss and metrics --------------------------------------------------------------------
 
-    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(loss summed over the batch's samples, in float32; the number of samples)."""
+    def count(self, target: Any) -> int | torch.Tensor:
+        """This micro-batch's units, from the target alone (before the forward): the samples, as a host
+        int; a task whose count depends on the data (tokens that are not padding, labelled pixels) returns
+        it as a device tensor, never with .item(): the loop sums it over ranks without a host sync."""
+        return target.shape[0]
+
+    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss summed over the units `count` counts, in float32. The loop divides by the global count."""
         raise NotImplementedError
+
+    def check_output(self, outputs: torch.Tensor, target: torch.Tensor) -> None:
+        """Raise a UsageError (one line: both shapes, the model setting to change) if `outputs` cannot be
+        what this task expects for `target`. Called once, on the first batch; shapes only, no host sync."""
 
     def sum_shapes(self, info: Mapping[str, Any]) -> Shapes:
         """Name and shape of every metric sum (besides `loss` and `count`, which every task has)."""
@@ -87,8 +157,8 @@ class Task:
         """This batch's metric sums, named as in `sum_shapes` (detached device tensors, no host sync)."""
         return {}
 
-    def batch_sums(self, outputs: torch.Tensor, target: torch.Tensor, loss_sum: torch.Tensor, count: int,
-                   val: bool = False) -> dict[str, torch.Tensor | int]:
+    def batch_sums(self, outputs: torch.Tensor, target: torch.Tensor, loss_sum: torch.Tensor,
+                   count: int | torch.Tensor, val: bool = False) -> dict[str, torch.Tensor | int]:
         """Everything a batch adds to the running sums: `loss` (the `loss()` sum), `count`, the task's sums,
         and with `val` its val-only sums. What the loop and evaluation accumulate, one call each."""
         with torch.no_grad():
@@ -103,7 +173,7 @@ class Task:
         return {}
 
     def compute(self, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Metrics from the sums over all ranks (float64 CPU tensors): `loss` and `metric_names`,
+        """Metrics from the sums over all ranks (float64 CPU tensors): `loss` (per unit) and `metric_names`,
         plus tables (tensors, e.g. `confusion`) the reporter shows as they are."""
         return {"loss": ratio(sums["loss"], sums["count"])}
 
@@ -111,3 +181,69 @@ class Task:
 def ratio(total: torch.Tensor, count: torch.Tensor) -> float:
     """total / count as a float (NaN when nothing was counted)."""
     return float(total) / float(count) if float(count) > 0 else math.nan
+
+
+def shape(tensor: torch.Tensor) -> str:
+    """`(8, 10)`: a shape as people write it, for messages."""
+    return f"({', '.join(map(str, tensor.shape))}{',' if tensor.dim() == 1 else ''})"
+
+
+# -- binding a task's inputs and target to a dataset's fields ------------------------------------------
+
+
+def bind(inputs: Sequence[Key] | Mapping[str, Key] | None, target: Key | None, fields: Sequence[str] | None,
+         dataset_target: str | None, sample: Any, dataset: str) -> Binding:
+    """The binding of a task's `inputs` and `target` settings (None: from the dataset) to a dataset's named
+    `fields` and `dataset_target`, or, for a dataset that names nothing, to the structure of its `sample`."""
+    names, parts = _names_and_parts(fields, sample)
+    if target is None:
+        target = dataset_target if dataset_target is not None else _default_target(fields, sample, parts, dataset)
+    if inputs is None:
+        inputs = [key for key in (names if names is not None else range(parts)) if key != target]
+    positions = {} if names is None else {name: index for index, name in enumerate(names)}
+    if isinstance(inputs, Mapping):
+        binding = Binding((), dict(inputs), target, positions, dataset)
+    else:
+        binding = Binding(tuple(inputs), {}, target, positions, dataset)
+    for key in (*binding.args, *binding.kwargs.values()):
+        _check_key("task.inputs", key, names, parts, dataset)
+    _check_key("task.target", binding.target, names, parts, dataset)
+    return binding
+
+
+def _names_and_parts(fields: Sequence[str] | None, sample: Any) -> tuple[tuple[str, ...] | None, int]:
+    """(the names of a sample's parts: the dataset's fields, or a dict sample's keys; how many parts it has)."""
+    if fields is not None:
+        return tuple(fields), len(fields)
+    if isinstance(sample, Mapping):
+        return tuple(sample), len(sample)
+    return None, len(sample) if isinstance(sample, Sequence) else 0
+
+
+def _default_target(fields: Sequence[str] | None, sample: Any, parts: int, dataset: str) -> Key:
+    """The target of a dataset that names none: its last field, or its tuple samples' last part."""
+    if fields is not None:
+        return fields[-1]
+    if isinstance(sample, Mapping):
+        raise UsageError(f"{dataset} gives dict samples ({', '.join(map(str, sample))}) and names no target: set "
+                         "task.target=KEY (one of those keys), or name it in the builder's "
+                         "DataSplits(fields=..., target=...)")
+    if parts < 2:
+        raise UsageError(f"{dataset}'s samples have {parts} part(s): none is left for the model once the target is "
+                         "taken; give samples of (inputs..., target), or set task.inputs and task.target")
+    return parts - 1
+
+
+def _check_key(setting: str, key: Key, names: tuple[str, ...] | None, parts: int, dataset: str) -> None:
+    """Refuse a field name the dataset does not have, or a position past its samples' parts."""
+    if isinstance(key, str):
+        if names is None:
+            raise UsageError(f"{setting} names the field {key!r}, but {dataset} names no fields (its samples are "
+                             f"tuples of {parts} parts): use positions, e.g. {setting}=0")
+        if key not in names:
+            raise UsageError(f"{setting} names the field {key!r}, which {dataset} does not have: its fields are "
+                             f"{', '.join(names)}; set {setting} to one of them")
+    elif not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < parts:
+        what = f"fields {', '.join(names)}" if names is not None else f"{parts} parts"
+        raise UsageError(f"{setting}={key} is not a position of {dataset}'s samples, which have {what}; "
+                         f"set {setting} to a position from 0 to {parts - 1} or a field name")

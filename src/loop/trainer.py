@@ -28,6 +28,7 @@ from src.config.schema import TrainerConfig
 from src.data.loaders import Data, train_batch_to_device
 from src.loop import records
 from src.loop.callback import Callbacks, Run, Step
+from src.loop.counting import StepDivisor
 from src.loop.evaluation import evaluate, metrics_of
 from src.loop.metrics import MetricSums
 from src.loop.precision import autocast, autocast_dtype
@@ -56,7 +57,7 @@ class TrainState:
     epoch: int = 0  # epochs completed
     step: int = 0  # optimizer steps taken
     best: float | None = None  # best value of the monitored metric
-    train_samples: int = 0  # training samples seen, all ranks
+    train_samples: int = 0  # training units seen, all ranks (the task's count: samples, tokens, ...)
     train_seconds: float = 0.0  # wall time spent in training epochs
     history: list[dict[str, float]] = field(default_factory=list)
     step_in_epoch: int = 0  # optimizer steps already taken in the unfinished epoch `epoch`
@@ -94,10 +95,11 @@ class TrainParts:
 
 
 class LogWindow:
-    """The optimizer steps since the last train/* scalars: the epoch's sums and the clock when it began."""
+    """The optimizer steps since the last train/* scalars: the epoch's sums, the step and the clock when it began."""
 
-    def __init__(self, totals: torch.Tensor) -> None:
+    def __init__(self, totals: torch.Tensor, step: int) -> None:
         self.totals = totals
+        self.step = step
         self.started = time.perf_counter()
 
 
@@ -115,6 +117,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
         self.stopping = StopRule(config.max_steps, device, config.log_every_steps)  # armed while fit() runs
         self.epoch_metrics = MetricSums(parts.task.sum_shapes(parts.data.splits.info), device)
+        self.output_checked = False  # the task checks the model's output once, on the first batch
 
     def stateful(self, state: TrainState) -> dict[str, Any]:
         """The parts a checkpoint saves and a resume restores, by name (src/checkpoint/store.py)."""
@@ -161,7 +164,7 @@ class Trainer:
         before the epoch's end (after a step checkpoint)."""
         state = run.state
         restored = self._start_epoch(epoch, state)
-        window = LogWindow(self.epoch_metrics.totals())
+        window = LogWindow(self.epoch_metrics.totals(), state.step)
         steps_per_epoch = self.parts.data.train_sampler.steps_per_epoch
         progress = self.parts.reporter.progress(f"epoch {epoch + 1}/{self.config.epochs}", steps_per_epoch,
                                                 done=state.step_in_epoch)
@@ -190,7 +193,7 @@ class Trainer:
         parameter elements trainer.freeze froze, and whether (and after which epoch) a callback ended it."""
         summary = records.run_summary(state.history, num_val_samples, self.parts.runtime.world_size,
                                       self.parts.data.train_sampler.global_batch_size,
-                                      state.train_samples / state.train_seconds)
+                                      state.train_samples / state.train_seconds, self.parts.task.unit)
         summary["frozen_parameters"] = sum(p.numel() for p in self.parts.module.parameters() if not p.requires_grad)
         if state.stopped is not None:
             summary.update(stop_reason=state.stopped.reason, stopped_at_epoch=state.stopped.epoch)
@@ -246,15 +249,15 @@ class Trainer:
         state.train_samples += train["timed_count"]
         state.train_seconds += train_seconds
         record = records.epoch_record(state.epoch, state.step, train, val, self._lr(),
-                                      time.perf_counter() - started, train_seconds, extra)
+                                      time.perf_counter() - started, train_seconds, extra, parts.task.unit)
         state.history.append(record)
         is_best = self._improves(state, record[self.config.monitor])
         stop = parts.callbacks.epoch_end(run, record)  # the same on every rank
         if stop is not None:
             state.stopped = Stopped(stop.reason, state.epoch, stop.ended_by)
             log.info("%s", stop.message)
-        parts.reporter.scalars(records.epoch_scalars(record), record["step"])
-        log.info("%s", records.epoch_line(record, self.config.epochs, val["count"]))
+        parts.reporter.scalars(records.epoch_scalars(record, parts.task.unit), record["step"])
+        log.info("%s", records.epoch_line(record, self.config.epochs, val["count"], parts.task.unit))
         self._checkpoint(run, is_best)
         # After the checkpoint: metrics.json never reports an epoch a restart would lose.
         parts.reporter.write_metrics(self.summary(state, val["count"]))
@@ -264,27 +267,31 @@ class Trainer:
 
     def _train_step(self, micro_batches: list[Any], state: TrainState) -> None:
         """One optimizer step: forward and backward each of its `grad_accum` micro-batches (taken from the
-        loader first), then the optimizer step; the callbacks see the step's summed loss."""
+        loader first), each micro-step's summed loss divided by the step's global count of the task's units
+        (src/loop/counting.py), then the optimizer step; the callbacks see the step's summed loss."""
         parts, device = self.parts, self.parts.runtime.device
-        # Seeded per optimizer step (differently per rank): dropout and augmentation
-        # draw the same after a resume at any step, and independently across ranks.
+        # Seeded per optimizer step (differently per rank): dropout draws the same after a resume at
+        # any step, and independently across ranks.
         seed_generators(step_seed(parts.seed, parts.runtime.env.rank, state.step), device)
+        batches = [parts.task.split(train_batch_to_device(parts.data.train_loader, batch, device))
+                   for batch in micro_batches]
+        # Counted from the targets before the first forward: the counts' all-reduce overlaps it.
+        divisor = StepDivisor([parts.task.count(target) for _, _, target in batches], parts.runtime.world_size)
         step_loss: torch.Tensor | None = None
-        for index, batch in enumerate(micro_batches):
-            args, kwargs, target = parts.task.split(train_batch_to_device(parts.data.train_loader, batch, device))
-            if index == 0:
-                inputs = (args, kwargs)
-            loss_sum = self._forward_backward(args, kwargs, target, sync=index == len(micro_batches) - 1)
+        for index, (args, kwargs, target) in enumerate(batches):
+            loss_sum = self._forward_backward(args, kwargs, target, divisor, index, sync=index == len(batches) - 1)
             step_loss = loss_sum if step_loss is None else step_loss + loss_sum
+        inputs = batches[0][:2]
         self._optimizer_step()
         state.step += 1
         state.step_in_epoch += 1
         parts.callbacks.step_end(Step(state.step, step_loss, inputs))  # type: ignore[arg-type]
 
-    def _forward_backward(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
-                          sync: bool) -> torch.Tensor:
-        """One micro-batch's forward and backward; returns its summed loss (detached)."""
-        task, accum = self.parts.task, self.config.grad_accum
+    def _forward_backward(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, divisor: StepDivisor,
+                          index: int, sync: bool) -> torch.Tensor:
+        """Micro-step `index` of the step: its forward, its loss divided by `divisor`, its backward; returns its
+        summed loss (detached)."""
+        task = self.parts.task
         # On micro-steps before the last one, DDP must not all-reduce gradients yet, nor FSDP reduce-scatter them.
         sync_context: ContextManager[Any] = contextlib.nullcontext()
         if self.ddp is not None and not sync:
@@ -294,11 +301,14 @@ class Trainer:
         with sync_context:
             with autocast(self.parts.runtime.device, self.amp_dtype):
                 outputs = self.parts.train_model(*args, **kwargs)
-            loss_sum, count = task.loss(outputs, target)
-            # Each micro-batch holds 1/accum of the rank's samples; DDP averages over ranks,
-            # so the gradient is the mean over the global batch.
-            self.scaler.scale(loss_sum / (count * accum)).backward()
-        self.epoch_metrics.add(task.batch_sums(outputs, target, loss_sum, count))
+            if not self.output_checked:  # a wrong output shape is one line, before any update
+                task.check_output(outputs, target)
+                self.output_checked = True
+            loss_sum = task.loss(outputs, target)
+            # The sum over the global batch divided by its global count: DDP averages over ranks,
+            # so the gradient is the mean over every unit of the step.
+            self.scaler.scale(divisor(loss_sum)).backward()
+        self.epoch_metrics.add(task.batch_sums(outputs, target, loss_sum, divisor.counts[index]))
         return loss_sum.detach()
 
     def _optimizer_step(self) -> None:
@@ -345,10 +355,12 @@ class Trainer:
         seconds = time.perf_counter() - window.started
         metrics = metrics_of(self.parts.task, self.epoch_metrics.reduce(baseline=window.totals))
         window.totals = self.epoch_metrics.totals()
-        scalars = records.window_scalars(metrics, self._lr(), metrics["count"] / seconds)
+        samples = (step - window.step) * self.parts.data.train_sampler.global_batch_size
+        scalars = records.window_scalars(metrics, self._lr(), metrics["count"] / seconds, self.parts.task.unit,
+                                         samples / seconds)
         scalars.update(self.parts.callbacks.log(step, scalars))  # the NaN watch looks at train/loss here
         self.parts.reporter.scalars(scalars, step)
-        window.started = time.perf_counter()
+        window.started, window.step = time.perf_counter(), step
 
 
 def _in_steps(loader: Iterable[Any], accum: int) -> Iterator[list[Any]]:

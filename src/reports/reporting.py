@@ -58,11 +58,11 @@ class _ConsoleHandler(logging.StreamHandler):
 
 def log_run_start(
     run_dir: Path, runtime: Any, module: nn.Module, data: Any, grad_accum: int, config: Mapping[str, Any],
-    overrides: Sequence[str] = (), print_config: bool = False,
+    overrides: Sequence[str] = (), print_config: bool = False, unit: str = "samples",
 ) -> None:
     """What is about to run: the command line's overrides, the resolved config as YAML (in every rank's log
     file; on the console too with `print_config`), then a one-line summary (logged by every rank, printed once:
-    by rank 0)."""
+    by rank 0); `unit`: what the task's loss and metrics are averaged over."""
     log = logging.getLogger("train")
     log.info("overrides: %s", " ".join(overrides) or "none (the defaults of conf/config.yaml)")
     log.info("config:\n%s", OmegaConf.to_yaml(config).rstrip(), extra={"console": print_config})
@@ -70,11 +70,12 @@ def log_run_start(
     total, trainable = parameter_counts(module)
     frozen = f", {total - trainable:,} frozen" if total > trainable else ""  # trainer.freeze
     log.info(
-        "run dir %s | world size %d | device %s | backend %s | task %s (best.pt by %s, %s) | "
+        "run dir %s | world size %d | device %s | backend %s | task %s (best.pt by %s, %s), metrics per %s | "
         "model %s (%s parameters, %s trainable%s) | "
         "%d train / %d val samples | global batch %d = %d ranks x %d per rank x %d accum | %d steps/epoch",
         run_dir, runtime.world_size, runtime.device, runtime.backend or "none (single process)",
         config["task"]["_target_"].rsplit(".", 1)[-1], config["trainer"]["monitor"], config["trainer"]["monitor_mode"],
+        unit.removesuffix("s"),
         type(module).__name__, f"{total:,}", f"{trainable:,}", frozen,
         len(data.splits.train), len(data.splits.val), sampler.global_batch_size, runtime.world_size,
         sampler.micro_batch_size, grad_accum, sampler.steps_per_epoch,

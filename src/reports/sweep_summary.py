@@ -48,7 +48,9 @@ def job_row(job_dir: Path) -> dict[str, Any]:
 
 
 def _is_column(name: str) -> bool:
-    return name in RUN_COLUMNS or (name.startswith(("val/", "val_ema/", "train/")) and name != "val/num_samples")
+    # A task that counts tokens (or pixels) names its throughput tokens_per_s and its val count val/num_tokens.
+    return name in RUN_COLUMNS or name.endswith("_per_s") or (
+        name.startswith(("val/", "val_ema/", "train/")) and not name.startswith("val/num_"))
 
 
 def metric_columns(rows: list[dict[str, Any]], metric: str) -> list[str]:
@@ -57,7 +59,9 @@ def metric_columns(rows: list[dict[str, Any]], metric: str) -> list[str]:
     seen = [name for row in rows for name in row if _is_column(name) and name not in RUN_COLUMNS]
     ordered = [metric, *(n for split in ("val/", "val_ema/", "train/") for n in seen if n.startswith(split))]
     pruned = [PRUNED_COLUMN] if any(PRUNED_COLUMN in row for row in rows) else []
-    return [*dict.fromkeys(ordered), RUN_COLUMNS[0], *pruned, *RUN_COLUMNS[1:]]
+    # The throughput in the jobs' unit: samples_per_s, or tokens_per_s (...) for a task that counts those.
+    rates = [name for name in dict.fromkeys(name for row in rows for name in row) if name.endswith("_per_s")]
+    return [*dict.fromkeys(ordered), RUN_COLUMNS[0], *pruned, *(rates or RUN_COLUMNS[1:])]
 
 
 def collect(sweep_dir: Path, metric: str, mode: str) -> list[dict[str, Any]]:

@@ -31,7 +31,7 @@ def row(script: str, args: list[str], message: str, id: str, marks=()):  # noqa:
 ROWS = [
     # Hydra's composition: the command line against conf/ and the schema's types.
     row(TRAIN, ["model=cnnn"], "model=cnnn is not an option of model (did you mean model=cnn?); "
-        "choose one of cnn, linear, mlp, resnet18, two_input_cnn", "unknown-option"),
+        "choose one of cnn, lenet, linear, mlp, resnet18, tiny_gpt, two_input_cnn", "unknown-option"),
     row(TRAIN, ["modell=mlp"], "modell is not a config key (did you mean model?)", "typo-in-group"),
     row(TRAIN, ["trainer.epoch=3"], "trainer.epoch is not a config key (did you mean trainer.epochs?); "
         "to add a new key, use +trainer.epoch=3", "typo-in-key"),
@@ -145,6 +145,13 @@ ROWS = [
         "model-field-the-dataset-lacks"),
     row(TRAIN, ["task=regression", "task.loss=huber", "dataset=diabetes", "model=mlp"],
         "task.loss=huber is not one of l1, mse", "unknown-regression-loss"),
+    # The task's inputs and target against the dataset's fields and the model's forward (src/loop/setup.py).
+    row(TRAIN, ["task.target=labl"], "task.target names the field 'labl', which dataset=digits does not have: its "
+        "fields are image, label; set task.target to one of them", "field-the-dataset-lacks"),
+    row(TRAIN, ["task=regression", "dataset=two_input_synthetic"], "SimpleCNN.forward(x) cannot take the task's "
+        "inputs model(rgb, mask) (too many positional arguments) from dataset=two_input_synthetic's fields rgb, "
+        "mask, target (target: target): set task.inputs=[FIELD,...] to the fields it takes",
+        "input-the-model-does-not-take"),
 ]
 
 

@@ -7,11 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, check, metrics, train
 from dataset_files import write_cifar10, write_mnist
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 from src.config import schema  # noqa: F401 - registers the schema
+from src.data.loaders import build_splits
 from src.parallel import launch
 
 launch.register_resolvers()  # ${run_timestamp:}, ${data:} ... as train.py registers them
@@ -71,6 +74,7 @@ PRESET_TARGETS = {
     "cifar10_resnet18": ("Classification", "cifar10", "src.components.models.resnet18"),
     "seed_tabular_binary": ("Binary", "breast_cancer", "torch.nn.Linear"),
     "seed_two_input_l1": ("Regression", "two_input_synthetic", "src.components.models.TwoInputCNN"),
+    "seed_cifar10_lenet": ("Classification", "cifar10", "src.components.models.LeNet5"),
 }
 
 
@@ -90,7 +94,13 @@ def test_every_experiment_composes_with_its_groups(name: str):
 
 def test_seed_presets_carry_the_seed_hyperparameters():
     two_input = composed(["experiment=seed_two_input_l1"])
-    assert (two_input.task.loss, list(two_input.task.inputs), two_input.task.target) == ("l1", [0, 1], 2)
+    # No layout restated: the task takes model(rgb, mask) and the target from the dataset's named fields.
+    assert (two_input.task.loss, two_input.task.inputs, two_input.task.target) == ("l1", None, None)
+    task, splits = instantiate(two_input.task), build_splits(two_input.dataset)
+    task.bind(splits.fields, splits.target)
+    assert (task.binding.args, task.binding.target) == (("rgb", "mask"), "target")
+    (rgb, mask), _, target = task.split(splits.train[:2])  # parts 0 and 1 in, part 2 the target
+    assert all(torch.equal(a, b) for a, b in zip((rgb, mask, target), splits.train[:2]))
     assert two_input.optimizer._target_ == "torch.optim.Adam" and two_input.optimizer.lr == 1e-4
     assert list(two_input.optimizer.betas) == [0.9, 0.95]
     assert two_input.scheduler.min_lr_ratio * two_input.optimizer.lr == pytest.approx(1e-6)  # eta_min
@@ -99,6 +109,10 @@ def test_seed_presets_carry_the_seed_hyperparameters():
     tabular = composed(["experiment=seed_tabular_binary"])
     assert tabular.optimizer._target_ == "torch.optim.SGD" and tabular.optimizer.lr == 0.01
     assert tabular.optimizer.momentum == 0.0 and tabular.dataset.batch_size == 10
+    lenet = composed(["experiment=seed_cifar10_lenet"])
+    assert lenet.optimizer._target_ == "torch.optim.Adam" and lenet.optimizer.lr == 1e-3
+    assert lenet.scheduler._target_ == "src.loop.optim.constant" and lenet.optimizer.weight_decay == 0.0
+    assert (lenet.dataset.batch_size, lenet.trainer.epochs, lenet.dataset.augment) == (64, 10, False)
 
 
 def test_digits_experiment_is_the_default_run():
@@ -111,6 +125,7 @@ def test_digits_experiment_is_the_default_run():
         ("mnist_cnn", lambda root: write_mnist(root, "MNIST", num_train=40, num_test=12), []),
         ("fashion_mnist_cnn", lambda root: write_mnist(root, "FashionMNIST", num_train=40, num_test=12), []),
         ("cifar10_resnet18", lambda root: write_cifar10(root, per_batch=8), ["dataset.verify_checksums=false"]),
+        ("seed_cifar10_lenet", lambda root: write_cifar10(root, per_batch=8), ["dataset.verify_checksums=false"]),
     ],
 )
 def test_file_dataset_experiments_run_end_to_end(workdir: Path, name, write_files, extra):
@@ -121,7 +136,7 @@ def test_file_dataset_experiments_run_end_to_end(workdir: Path, name, write_file
     check(train(args, workdir))
     result = metrics(only_run_dir(workdir, "outputs/debug"))
     assert (result["step"], result["global_batch_size"]) == (2, 8)
-    assert result["val/num_samples"] == 12 if name != "cifar10_resnet18" else 8
+    assert result["val/num_samples"] == 12 if not name.startswith(("cifar10", "seed_cifar10")) else 8
     assert 0.0 <= result["val/acc"] <= 1.0
 
 

@@ -66,6 +66,11 @@ EXERCISED_BY = {
     "python train.py experiment=seed_two_input_l1":
         "test_tasks_cli.py::test_seed_two_input_beats_the_mean_predictor_four_times",
     "python train.py experiment=mnist_cnn": "test_presets.py::test_file_dataset_experiments_run_end_to_end",
+    "python train.py experiment=seed_cifar10_lenet": "test_presets.py::test_file_dataset_experiments_run_end_to_end",
+    "python train.py task=regression dataset=two_input_synthetic model=two_input_cnn":
+        "test_task_equivalence.py::test_sync_bn_two_ranks_train_the_one_process_model",
+    "python train.py task=causal_lm model=tiny_gpt dataset=python_docs trainer.epochs=5":
+        "test_token_counts.py::test_unequal_token_counts_train_the_one_process_model",
     "python train.py experiment=fashion_mnist_cnn": "test_presets.py::test_file_dataset_experiments_run_end_to_end",
     "torchrun --nproc_per_node=8 train.py experiment=cifar10_resnet18":
         "test_presets.py::test_file_dataset_experiments_run_end_to_end",

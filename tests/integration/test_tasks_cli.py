@@ -103,3 +103,14 @@ def test_a_regression_sweep_sorts_by_the_tasks_metric(tmp_path: Path):
     assert list(rows[0])[3:6] == ["val/mae", "val/loss", "val/rmse"]
     for row in rows:
         assert float(row["val/mae"]) == json.loads((Path(row["job_dir"]) / "metrics.json").read_text())["val/mae"]
+
+
+def test_a_model_output_the_task_cannot_use_is_one_error_line_before_any_update(tmp_path: Path):
+    result = train(["model.num_outputs=5", "trainer.epochs=1", "hydra.run.dir=run"], tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: task=classification takes logits of shape (N, num_classes) = (64, 10) for targets of "
+                      "shape (64,), but the model returns (64, 5): build it with model.num_outputs=10 (its YAML's "
+                      "${data:num_outputs})"], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.json").exists()

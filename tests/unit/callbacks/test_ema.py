@@ -22,6 +22,7 @@ from src.components.tasks import Classification
 from src.config import building, schema
 from src.config.schema import TrainerConfig
 from src.data.loaders import Data, TensorBatchLoader
+from src.data.splits import DataSplits
 from src.loop import records
 from src.loop.callback import Callbacks
 from src.loop.setup import build_task
@@ -261,15 +262,16 @@ def test_eval_weights_is_model_or_ema():
 
 
 INFO = {"num_classes": 10, "num_features": 64}
+SPLITS = DataSplits(train=[], val=[], info=INFO, fields=("image", "label"), target="label")
 TASK = OmegaConf.create({"_target_": "src.components.tasks.Classification"})
 
 
 def test_val_ema_may_be_monitored_only_with_ema_weights():
     on, off = Callbacks({"ema": EMA(0.9, 0)}), Callbacks({"ema": EMA(None, 0)})
-    build_task(TASK, INFO, {"task": "classification"}, "val_ema/acc", on.metric_splits, on.enable_hints())
+    build_task(TASK, SPLITS, {"task": "classification"}, "val_ema/acc", on.metric_splits, on.enable_hints())
     with pytest.raises(UsageError) as error:
-        build_task(TASK, INFO, {"task": "classification"}, "val_ema/acc", off.metric_splits, off.enable_hints())
+        build_task(TASK, SPLITS, {"task": "classification"}, "val_ema/acc", off.metric_splits, off.enable_hints())
     assert str(error.value) == ("trainer.monitor=val_ema/acc needs EMA weights: set callbacks.ema.decay (e.g. 0.999), "
                                 "or monitor val/acc")
     with pytest.raises(UsageError, match="choose one of val/loss, val/acc, val_ema/loss, val_ema/acc, train/loss"):
-        build_task(TASK, INFO, {"task": "classification"}, "val_ema/f1", on.metric_splits, on.enable_hints())
+        build_task(TASK, SPLITS, {"task": "classification"}, "val_ema/f1", on.metric_splits, on.enable_hints())

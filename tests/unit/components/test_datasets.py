@@ -87,6 +87,7 @@ def test_cifar10_format_round_trip(tmp_path):
     splits = datasets.cifar10(str(tmp_path), download=False, augment=False, verify_checksums=False)
     assert (len(splits.train), len(splits.val)) == (10, 2)
     assert splits.info == image_info(10, 3, 32, 32)
+    assert (splits.fields, splits.target) == (("image", "label"), "label")
     image, label = splits.train[3]  # second sample of data_batch_2
     data, labels = batches["data_batch_2"]
     assert image.shape == (3, 32, 32) and image.dtype == torch.float32
@@ -235,6 +236,7 @@ def test_image_folder_rgb(tmp_path):
     splits = datasets.image_folder(str(tmp_path), image_size=OmegaConf.create([16, 20]), channels=3)
     assert (len(splits.train), len(splits.val)) == (4, 4)
     assert splits.info == image_info(2, 3, 16, 20)
+    assert (splits.fields, splits.target) == (("image", "label"), "label")
     image, label = splits.val[2]  # classes are sorted: blue 0, red 1
     assert image.shape == (3, 16, 20) and label == 1
     torch.testing.assert_close(image[:, 0, 0], torch.tensor([1.0, -1.0, -1.0]))
@@ -348,3 +350,31 @@ def test_digits_are_exactly_scikit_learns_load_digits():
     bunch = load_digits()
     table = datasets._bundled_digits_table()
     assert (table[:, :-1] == bunch.data).all() and (table[:, -1] == bunch.target).all()
+
+
+@pytest.mark.parametrize("builder,fields,target", [
+    (lambda: datasets.digits(), ("image", "label"), "label"),
+    (lambda: datasets.synthetic(num_train=8, num_val=4), ("image", "label"), "label"),
+    (lambda: datasets.breast_cancer(), ("features", "label"), "label"),
+    (lambda: datasets.diabetes(), ("features", "target"), "target"),
+    (lambda: datasets.two_input_synthetic(num_train=8, num_val=4), ("rgb", "mask", "target"), "target"),
+    (lambda: datasets.python_docs(), ("tokens", "next_tokens"), "next_tokens"),
+])
+def test_every_in_memory_builder_names_its_fields_and_target(builder, fields, target):
+    splits = builder()
+    assert (splits.fields, splits.target) == (fields, target)
+    assert len(splits.train[0]) == len(fields)  # one field per part of a sample
+
+
+def test_python_docs_are_padded_byte_sequences_of_different_token_counts():
+    splits = datasets.python_docs(max_length=32, val_size=61)
+    tokens, next_tokens = splits.train.tensors
+    assert len(splits.val) == 61 and len(splits.train) > 2000 and splits.info == {"vocab_size": 256, "max_length": 32}
+    assert tokens.shape == next_tokens.shape == (len(splits.train), 32) and tokens.dtype == torch.int64
+    real = next_tokens != datasets.PAD_TARGET
+    lengths = real.sum(dim=1)
+    assert lengths.min() >= 1 and lengths.max() == 32 and len(lengths.unique()) > 20  # documents differ in length
+    assert torch.equal(tokens[:, 1:][real[:, 1:]], next_tokens[:, :-1][real[:, 1:]])  # next_tokens: shifted by one
+    assert (tokens[~real] == 0).all() and tokens[real].min() > 0 and tokens.max() < 256
+    again = datasets.python_docs(max_length=32, val_size=61)
+    assert torch.equal(again.val.tensors[1], splits.val.tensors[1])  # deterministic

@@ -88,3 +88,37 @@ def test_two_input_cnn_averages_image_features_over_the_mask():
     changed[..., 6:] += 5  # far from the left half (two 3x3 convs see 2 pixels across)
     assert torch.allclose(model(rgb, left), model(changed, left), atol=1e-6)  # only masked pixels count
     assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) == 2
+
+
+def test_lenet5_is_the_classic_layout_for_32x32_rgb():
+    model = from_yaml("lenet", image_fields(3, (32, 32), outputs=10))
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert [(c.in_channels, c.out_channels, c.kernel_size) for c in convs] == [(3, 6, (5, 5)), (6, 16, (5, 5))]
+    assert [(f.in_features, f.out_features) for f in linears] == [(16 * 5 * 5, 120), (120, 84), (84, 10)]
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def tiny_gpt() -> torch.nn.Module:
+    return from_yaml("tiny_gpt", {"vocab_size": 256, "num_outputs": 256, "max_length": 16}).eval()
+
+
+def test_tiny_gpt_is_causal_so_padding_never_changes_the_tokens_before_it():
+    model = tiny_gpt()
+    tokens = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    padded = tokens.clone()
+    padded[:, 9:] = 0  # a shorter document, padded at the end
+    with torch.no_grad():
+        logits, logits_padded = model(tokens), model(padded)
+    assert logits.shape == (2, 16, 256)
+    assert torch.allclose(logits[:, :9], logits_padded[:, :9], atol=1e-6)  # position t sees positions <= t
+    assert not torch.allclose(logits[:, 9:], logits_padded[:, 9:], atol=1e-3)
+
+
+def test_tiny_gpt_attends_through_scaled_dot_product_attention(monkeypatch):
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: calls.append(kwargs["is_causal"]) or original(*args, **kwargs))
+    tiny_gpt()(torch.zeros(1, 4, dtype=torch.int64))
+    assert calls == [True, True]  # one causal attention per block (depth 2)

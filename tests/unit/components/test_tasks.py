@@ -3,13 +3,15 @@ textbook (scikit-learn) values however the samples are split into batches or ran
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from sklearn import metrics as skm
 
 from src.common.errors import UsageError
-from src.components.tasks import Binary, Classification, Regression
+from src.components.tasks import Binary, CausalLM, Classification, Regression
 from src.loop.evaluation import metrics_of
 from src.loop.metrics import MetricSums
 
@@ -19,7 +21,7 @@ def summed(task, info, outputs, targets, chunks=(0, 5, 6, 17, None)):
     sums = MetricSums(task.sum_shapes(info), torch.device("cpu"))
     bounds = list(chunks[:-1]) + [len(targets)]
     for start, stop in zip(bounds, bounds[1:]):
-        loss, count = task.loss(outputs[start:stop], targets[start:stop])
+        loss, count = task.loss(outputs[start:stop], targets[start:stop]), task.count(targets[start:stop])
         sums.add(task.batch_sums(outputs[start:stop], targets[start:stop], loss, count))
     return metrics_of(task, sums.reduce())
 
@@ -40,7 +42,7 @@ def test_binary_metrics_equal_scikit_learns():
 def test_binary_pos_weight_is_torchs_for_0_1_labels():
     torch.manual_seed(3)
     logits, labels = torch.randn(17), torch.randint(0, 2, (17,))
-    loss, count = Binary(pos_weight=3.0).loss(logits, labels)
+    loss, count = Binary(pos_weight=3.0).loss(logits, labels), Binary().count(labels)
     expected = F.binary_cross_entropy_with_logits(logits, labels.float(), reduction="sum",
                                                   pos_weight=torch.tensor(3.0))
     assert count == 17 and loss.item() == pytest.approx(expected.item(), rel=1e-6)
@@ -68,6 +70,8 @@ def test_regression_metrics_equal_scikit_learns_for_several_outputs(loss: str):
 def test_regression_refuses_an_output_width_that_would_broadcast():
     with pytest.raises(UsageError, match="the model gives 1 outputs per sample but the target has 3 values"):
         Regression().loss(torch.zeros(4, 1), torch.zeros(4, 3))
+    with pytest.raises(UsageError, match="the model gives 1 outputs per sample but the target has 3 values"):
+        Regression().check_output(torch.zeros(4, 1), torch.zeros(4, 3))
     with pytest.raises(UsageError, match="task.loss=huber is not one of l1, mse"):
         Regression(loss="huber")
 
@@ -96,3 +100,77 @@ def test_tasks_say_what_they_need_of_a_dataset():
     assert "real-valued targets" in Regression().check(digits)
     assert Regression().num_outputs({"num_targets": 3}) == 3 and "class labels" in Classification().check(
         {"num_targets": 1})
+
+
+def test_causal_lm_averages_over_tokens_that_are_not_padding():
+    torch.manual_seed(4)
+    logits, targets = torch.randn(9, 6, 11), torch.randint(0, 11, (9, 6))
+    targets[torch.rand(9, 6) < 0.4] = -100  # padding: every sequence holds another number of tokens
+    task = CausalLM()
+    result = summed(task, {"vocab_size": 11}, logits, targets, chunks=(0, 2, 3, 7, None))
+    tokens = int((targets != -100).sum())
+    assert task.unit == "tokens" and result["count"] == tokens and int(task.count(targets)) == tokens
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    assert result["loss"] == pytest.approx(expected.item(), abs=1e-6)
+    assert result["perplexity"] == pytest.approx(math.exp(expected.item()), rel=1e-6)
+    real = targets != -100
+    assert result["acc"] == (logits.argmax(-1) == targets)[real].sum().item() / tokens
+    assert isinstance(task.count(targets), torch.Tensor)  # on the device: summed over ranks with no host sync
+
+
+def test_samples_are_counted_as_a_host_int():
+    for task in (Classification(), Binary(), Regression()):
+        assert task.unit == "samples" and task.count(torch.zeros(7, 3)) == 7 and isinstance(task.count(
+            torch.zeros(7)), int)
+
+
+def check(task, outputs_shape, target, width=None):
+    task.output_width = width
+    with pytest.raises(UsageError) as error:
+        task.check_output(torch.zeros(outputs_shape), target)
+    assert "\n" not in str(error.value)
+    return str(error.value)
+
+
+def test_classification_refuses_per_position_logits_in_either_order_naming_both_shapes():
+    tokens = torch.zeros(8, 16, dtype=torch.int64)
+    for logits in ((8, 96, 16), (8, 16, 96)):  # (N, V, T) would train with a loss 16x too large; (N, T, V) crash
+        message = check(Classification(), logits, tokens, width=96)
+        assert f"shape (8, 16) (the model returns ({', '.join(map(str, logits))}))" in message
+        assert "task=causal_lm" in message
+    message = check(Classification(), (8, 5), torch.zeros(8, dtype=torch.int64), width=10)
+    assert message == ("task=classification takes logits of shape (N, num_classes) = (8, 10) for targets of shape "
+                       "(8,), but the model returns (8, 5): build it with model.num_outputs=10 (its YAML's "
+                       "${data:num_outputs})")
+    assert "int64 targets" in check(Classification(), (8, 10), torch.zeros(8), width=10)  # float targets
+    Classification().check_output(torch.zeros(8, 10), torch.zeros(8, dtype=torch.int64))  # fits: no error
+
+
+def test_binary_refuses_more_than_one_logit_per_sample():
+    task = Binary()
+    task.output_setting = "model.out_features"
+    message = check(task, (6, 2), torch.zeros(6, dtype=torch.int64))
+    assert message == ("task=binary takes one logit per sample, (N,) or (N, 1) = (6, 1) for targets of shape (6,), "
+                       "but the model returns (6, 2): build it with model.out_features=1 (its YAML's "
+                       "${data:num_outputs} gives 1)")
+    assert "one 0/1 label per sample" in check(Binary(), (6, 1), torch.zeros(6, 3))
+    Binary().check_output(torch.zeros(6, 1), torch.zeros(6, dtype=torch.int64))
+    Binary().check_output(torch.zeros(6), torch.zeros(6, 1))
+
+
+def test_regression_refuses_outputs_that_do_not_fit_its_targets():
+    assert "(4, 1) for targets of shape (4, 1), but the model returns (3, 1)" in check(Regression(), (3, 1),
+                                                                                       torch.zeros(4, 1))
+    assert "holds int64 (class labels?)" in check(Regression(), (4, 1), torch.zeros(4, dtype=torch.int64))
+    assert "build the model with model.num_outputs=2" in check(Regression(), (4, 3), torch.zeros(4, 2))
+    Regression().check_output(torch.zeros(4), torch.zeros(4, 1))
+
+
+def test_causal_lm_takes_logits_in_batch_position_vocabulary_order():
+    tokens = torch.zeros(2, 5, dtype=torch.int64)
+    message = check(CausalLM(), (2, 7, 5), tokens, width=7)
+    assert message.startswith("task=causal_lm takes logits of shape (N, T, vocab_size) = (2, 5, 7) for targets of "
+                              "shape (2, 5), but the model returns (2, 7, 5)")
+    assert "model.num_outputs=7" in check(CausalLM(), (2, 5, 9), tokens, width=7)
+    assert "token ids" in check(CausalLM(), (2, 5, 7), torch.zeros(2, 5), width=7)
+    CausalLM().check_output(torch.zeros(2, 5, 7), tokens)

@@ -48,7 +48,7 @@ def described(overrides: list[str], config_name: str = "config", script: str = "
 
 @pytest.mark.parametrize("overrides,message", [
     (["model=cnnn"], "model=cnnn is not an option of model (did you mean model=cnn?); "
-                     "choose one of cnn, linear, mlp, resnet18, two_input_cnn"),
+                     "choose one of cnn, lenet, linear, mlp, resnet18, tiny_gpt, two_input_cnn"),
     (["model=cnn", "optimizer=adamm"], "optimizer=adamm is not an option of optimizer (did you mean optimizer=adam?); "
                                        "choose one of adam, adamw, sgd"),
     (["modell=mlp"], "modell is not a config key (did you mean model?); to add a new key, use +modell=mlp"),
@@ -87,7 +87,8 @@ def test_train_command_line(overrides, message):
 
 @pytest.mark.parametrize("overrides,message", [
     (["checkpoint=x.pt", "dataset=nope"], "dataset=nope is not an option of dataset; choose one of breast_cancer, "
-     "checkpoint, cifar10, diabetes, digits, fashion_mnist, image_folder, mnist, synthetic, two_input_synthetic"),
+     "checkpoint, cifar10, diabetes, digits, fashion_mnist, image_folder, mnist, python_docs, synthetic, "
+     "two_input_synthetic"),
     (["checkpoint=x.pt", "trainer.devic=cpu"], "trainer.devic is not a config key (did you mean trainer.device?); "
                                                "to add a new key, use +trainer.devic=cpu"),
     (["checkpoint=x.pt", "model=mlp"], "eval.py has no model option to choose "
@@ -125,7 +126,7 @@ def conf_with_bad_files(tmp_path_factory) -> Path:
                  "e.g. trainer.epochs=20"),
     ("bad_key", "trainer.epoch (in experiment/bad_key.yaml) is not a config key (did you mean trainer.epochs?)"),
     ("bad_option", "model=cnnn is not an option of model (did you mean model=cnn?); "
-                   "choose one of cnn, linear, mlp, resnet18, two_input_cnn"),
+                   "choose one of cnn, lenet, linear, mlp, resnet18, tiny_gpt, two_input_cnn"),
 ])
 def test_errors_in_config_files(conf_with_bad_files, experiment, message):
     assert described([f"experiment={experiment}", "trainer.epochs=3"], conf=conf_with_bad_files) == message

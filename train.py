@@ -107,7 +107,7 @@ def run(cfg: DictConfig, context: RunContext, runtime: Any) -> float:
     with building.errors_named("task", cfg.task):
         task = setup.build_task(cfg.task, data.splits, context.choices, trainer_cfg.monitor,
                                 callbacks.metric_splits, callbacks.enable_hints())
-    task.output_setting = setup.output_setting(cfg.model)  # what its output check names: read before filling
+    task.output_setting = setup.output_setting(cfg.model, context.overrides)  # what its output check names: read before filling
     saved_config = fill_model_config(cfg, setup.model_fields(task, data.splits.info), context.choices["dataset"])
     parts = build_parts(cfg, trainer_cfg, context, runtime, data, task, callbacks, store, saved_config, resumed)
     return train_and_report(trainer_cfg, parts, resumed, context, cfg.print_config)

@@ -103,11 +103,17 @@ def _parameters(signature: inspect.Signature) -> str:
     return f"({', '.join(str(p).split(':')[0].split('=')[0].strip() for p in signature.parameters.values())})"
 
 
-def output_setting(model_cfg: Any) -> str:
-    """`model.<key>`: the key of the model config that takes `${data:num_outputs}` (model.num_outputs if none);
-    read before the fields are filled in."""
+def output_setting(model_cfg: Any, overrides: Sequence[str] = ()) -> str:
+    """`model.<key>`: the key of the model config that takes `${data:num_outputs}`; read before the fields are
+    filled in. If the command line replaced that value (`model.out_features=3` among `overrides`), the key it
+    set; else model.num_outputs."""
     if isinstance(model_cfg, DictConfig):
-        for key, value in OmegaConf.to_container(model_cfg, resolve=False).items():
+        config = OmegaConf.to_container(model_cfg, resolve=False)
+        for key, value in config.items():
             if value == "${data:num_outputs}":
+                return f"model.{key}"
+        for override in overrides:
+            key = override.split("=", 1)[0].lstrip("+~").removeprefix("model.")
+            if override.lstrip("+").startswith("model.") and isinstance(config.get(key), int):
                 return f"model.{key}"
     return "model.num_outputs"

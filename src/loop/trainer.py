@@ -18,9 +18,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.common.seeding import epoch_seed, seed_generators, step_seed
+from src.common.seeding import seed_generators, step_seed
 from src.config.schema import TrainerConfig
-from src.data.loaders import Data, train_batch_to_device
+from src.data.batches import to_device
+from src.data.loaders import Data
 from src.loop import records
 from src.loop.checkpoint import Checkpointer
 from src.loop.divergence import NonFiniteLossWatch, TrainingDiverged, diverged_message
@@ -223,13 +224,10 @@ class Trainer:
     # -- an epoch ----------------------------------------------------------------------
 
     def _start_epoch(self, epoch: int, state: TrainState) -> dict[str, list[float]] | None:
-        """Point the sampler at the epoch (and the resumed step), reseed the loader's workers, and start
-        the epoch's sums: from zero, or those a step checkpoint saved. Returns those restored sums."""
-        data, rank = self.parts.data, self.parts.runtime.env.rank
-        data.train_sampler.set_epoch(epoch, start_step=state.step_in_epoch)
-        generator = getattr(data.train_loader, "generator", None)  # a DataLoader's: seeds its workers
-        if generator is not None:
-            generator.manual_seed(epoch_seed(self.parts.seed, rank, epoch))
+        """Point the sampler at the epoch (and the resumed step; its samples' augmentation follows from
+        them), and start the epoch's sums: from zero, or those a step checkpoint saved. Returns those
+        restored sums."""
+        self.parts.data.train_sampler.set_epoch(epoch, start_step=state.step_in_epoch)
         self.parts.train_model.train()
         self.epoch_metrics.reset()
         restored = _named_totals(state.epoch_totals)  # the sums of a resumed epoch's first steps
@@ -243,10 +241,10 @@ class Trainer:
         Returns whether an optimizer step was taken."""
         accum, device = self.config.grad_accum, self.parts.runtime.device
         if micro_step % accum == 0:
-            # Seeded per optimizer step (differently per rank): dropout and augmentation
-            # draw the same after a resume at any step, and independently across ranks.
+            # Seeded per optimizer step (differently per rank): dropout draws the same after a resume
+            # at any step, and independently across ranks. (Augmentation draws per sample, in the loader.)
             seed_generators(step_seed(self.parts.seed, self.parts.runtime.env.rank, state.step), device)
-        batch = train_batch_to_device(self.parts.data.train_loader, batch, device)
+        batch = to_device(batch, device)
         is_step_end = (micro_step + 1) % accum == 0
         self._forward_backward(batch, sync=is_step_end, step=state.step + 1)
         if is_step_end:

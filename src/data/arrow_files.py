@@ -127,13 +127,16 @@ def _is_image(feature: dict[str, Any] | None, field: Any) -> bool:
 
 
 def _value(column: Any, row: int, is_image: bool) -> Any:
-    """One cell: an image's encoded bytes, else the Python value."""
+    """One cell: an image's encoded bytes, else the Python value. An image stored as a path alone (as
+    `datasets` exports local files to Parquet) is read from that file, as `datasets` reads it."""
     if not is_image:
         return column[row].as_py()
     encoded = column.field("bytes")[row].as_py()
     if encoded is None:
         path = column.field("path")[row].as_py()
-        raise ValueError(f"the image holds no bytes, only a path ({path}); convert the dataset with its images")
+        if path is None:
+            raise ValueError("the image holds neither bytes nor a path")
+        return Path(path).read_bytes()
     return encoded
 
 

@@ -36,7 +36,10 @@ class CorruptRecordError(UsageError):
 
     Raised in a DataLoader worker, it reaches the main process rebuilt from the worker's whole traceback
     (torch's ExceptionWrapper passes one string); the message keeps that traceback's last line, ours.
+    Only the rank whose sampler holds the record finds it, so that rank prints it (`local`).
     """
+
+    local = True
 
     def __init__(self, message: str) -> None:
         if "Original Traceback" in message:

@@ -35,7 +35,8 @@ from src.common.files import fsync_directory
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SPLITS = {"train": "train", "val": "validation"}  # image folder's split folder -> the split's name
 SHARD_BYTES = 500 * 2**20  # datasets' save_to_disk default (max_shard_size="500MB")
-BATCH_ROWS = 100  # rows per Arrow record batch: what a read maps in to find one row
+BATCH_ROWS = 100  # rows per Arrow record batch at most (a read maps in one batch's offsets to find a row)
+BATCH_BYTES = 32 * 2**20  # and at most about this many bytes: the converter holds one batch in memory
 
 
 def image_files(folder: Path, classes: list[str]) -> Iterator[tuple[Path, int]]:
@@ -95,15 +96,16 @@ def _features_metadata(features: dict[str, Any] | None) -> dict[bytes, bytes]:
 
 
 def batches_of(rows: Iterable[dict[str, Any]], schema: Any) -> Iterator[Any]:
-    """Record batches of BATCH_ROWS rows."""
+    """Record batches of image rows: BATCH_ROWS rows, or fewer that hold BATCH_BYTES of images."""
     import pyarrow as pa
 
-    chunk = []
+    chunk, size = [], 0
     for row in rows:
         chunk.append(row)
-        if len(chunk) == BATCH_ROWS:
+        size += len(row["image"]["bytes"])
+        if len(chunk) == BATCH_ROWS or size >= BATCH_BYTES:
             yield pa.RecordBatch.from_pylist(chunk, schema=schema)
-            chunk = []
+            chunk, size = [], 0
     if chunk:
         yield pa.RecordBatch.from_pylist(chunk, schema=schema)
 

@@ -204,3 +204,17 @@ def test_a_killed_conversion_leaves_no_dataset_that_looks_whole(tmp_path):
     (tmp_path / "images" / "val" / "green" / "1a.png").unlink()
     assert run_convert("image-folder", str(tmp_path / "images"), str(out)).returncode == 0
     assert not partial.exists() and len(datasets.arrow(str(out)).val) == 6
+
+
+def test_a_corrupt_record_is_reported_by_the_rank_that_reads_it(capsys, monkeypatch):
+    """Only the rank whose samples hold it finds it; other usage errors are printed by rank 0 alone."""
+    from src.common import errors
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(errors, "NON_MAIN_RANK_GRACE_S", 0.0)
+    for error, printed in ((CorruptRecordError("corrupt record 4 of /d/train (x.arrow row 4): bad"), True),
+                           (UsageError("dataset.root is required"), False)):
+        with pytest.raises(SystemExit) as exit_code, errors.exit_on_usage_error(is_main_process=False):
+            raise error
+        assert exit_code.value.code == 2
+        assert capsys.readouterr().err == (f"error: {error}\n" if printed else "")

@@ -40,7 +40,7 @@ FIXTURES = str(REPO / "tests" / "fixtures")
 AUGMENTED = ["model=cnn", "optimizer=sgd", "optimizer.lr=0.05", "scheduler=constant", "trainer.epochs=2",
              "dataset.batch_size=8", "dataset.image_size=[12,12]", "dataset.crop_scale=[0.35,1.0]",
              "dataset.color_jitter=0.4", "trainer.log_every_steps=2", "trainer.progress=false"]
-PER_PROCESS = "dataset._target_=per_process_augmentation.image_folder_per_process"
+PER_PROCESS = "per_process_augmentation.image_folder_per_process"  # the control's builder
 BIG = [*AUGMENTED, "trainer.limit_train_batches=3", "trainer.limit_val_batches=1", "dataset.num_workers=2"]
 BIG_FILES, BIG_SIDE = (50, 8), 1824  # per class: train, val; a square RGB BMP of 1824 pixels: 10.0 MB
 
@@ -80,11 +80,12 @@ def _bmp_header(side: int) -> bytes:
 
 
 def write_variants(conf: Path, small: Path, big: Path) -> None:
-    """Options of a `variant` group: the runs one torchrun -m launch trains, one job each."""
+    """Options of a `variant` group: the runs one -m launch trains, one job each."""
     variants = {
         "small": {"dataset": {"root": str(small), "num_workers": 2}},
+        "small_nw0": {"dataset": {"root": str(small), "num_workers": 0}},
         "small_per_process": {"dataset": {"root": str(small), "num_workers": 2,
-                                          "_target_": PER_PROCESS.split("=")[1]}},
+                                          "_target_": PER_PROCESS}},
         "big": {"dataset": {"root": str(big / "images")}, "trainer": {"limit_train_batches": 3,
                                                                       "limit_val_batches": 1}},
     }
@@ -113,12 +114,12 @@ class Runs:
             self._done.add(name)
 
     def one_process(self) -> Path:
-        """num_workers 2 and 0, each with per-sample and with per-process augmentation: 4 jobs, one process."""
+        """The small data with num_workers 2 and 0, and with per-process augmentation: 3 jobs, one process."""
         sweep = self.root / "one_process"
         self.once("one_process", lambda: check(train(
-            ["-m", "dataset=image_folder", f"dataset.root={self.small}", *AUGMENTED, "dataset.num_workers=2,0",
-             f"dataset._target_=src.components.datasets.image_folder,{PER_PROCESS.split('=')[1]}",
-             f"hydra.sweep.dir={sweep}"], self.root, env={"PYTHONPATH": FIXTURES})))
+            ["-m", "dataset=image_folder", *AUGMENTED, "+variant=small,small_nw0,small_per_process",
+             f"hydra.searchpath=[file://{self.root / 'conf'}]", f"hydra.sweep.dir={sweep}"], self.root,
+            env={"PYTHONPATH": FIXTURES})))
         return sweep
 
     def two_ranks(self) -> Path:
@@ -186,22 +187,16 @@ def assert_bitwise(a: Path, b: Path) -> None:
     assert all(torch.equal(first[name], second[name]) for name in first), max_abs_diff(first, second)
 
 
-OURS = "dataset._target_=src.components.datasets.image_folder"
-
-
 def test_num_workers_0_and_2_train_bitwise_the_same_run(runs: Runs):
     sweep = runs.one_process()
-    assert_bitwise(job(sweep, OURS, "dataset.num_workers=2"), job(sweep, OURS, "dataset.num_workers=0"))
-    assert metrics(job(sweep, OURS, "dataset.num_workers=0"))["step"] == 2 * 24 // 8
-    # The control: augmentation drawn per process (and worker) differs with the workers.
-    control = [weights(job(sweep, PER_PROCESS, f"dataset.num_workers={n}")) for n in (2, 0)]
-    assert max_abs_diff(*control) > 1e-3
+    assert_bitwise(job(sweep, "+variant=small"), job(sweep, "+variant=small_nw0"))
+    assert metrics(job(sweep, "+variant=small_nw0"))["step"] == 2 * 24 // 8
 
 
 def test_two_ranks_train_the_one_process_weights_and_the_bound_catches_per_process_augmentation(runs: Runs):
     one, two = runs.one_process(), runs.two_ranks()
-    ours = max_abs_diff(weights(job(one, OURS, "dataset.num_workers=2")), weights(job(two, "+variant=small")))
-    control = max_abs_diff(weights(job(one, PER_PROCESS, "dataset.num_workers=2")),
+    ours = max_abs_diff(weights(job(one, "+variant=small")), weights(job(two, "+variant=small")))
+    control = max_abs_diff(weights(job(one, "+variant=small_per_process")),
                            weights(job(two, "+variant=small_per_process")))
     assert ours < 1e-5 < control, (ours, control)
 

@@ -2,6 +2,7 @@
 
     python benchmarks/data_pipeline.py                  # 3 repeats, writes benchmarks/DATA_PIPELINE.md
     python benchmarks/data_pipeline.py --repeats 5 --images 4096
+    python benchmarks/data_pipeline.py --cases image_folder:2 arrow:2   # some of the cases (DATA:WORKERS)
 
 Writes an image folder of 64x64 PNGs (4 classes) and its `python -m src.data.convert` copy, then trains the same
 CNN (model=cnn, 16x16 inputs, RandomResizedCrop + flip, SGD, global batch 64) from each format with num_workers 0
@@ -95,6 +96,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--images", type=int, default=2048, help="training images (val: a tenth)")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--cases", nargs="+", default=["image_folder:0", "image_folder:2", "arrow:0", "arrow:2"],
+                        metavar="DATA:WORKERS", help="which data (image_folder, arrow) with how many workers")
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "DATA_PIPELINE.md")
     args = parser.parse_args()
     load_at_start = os.getloadavg()[0]
@@ -105,13 +108,13 @@ def main() -> None:
         run_checked([sys.executable, "-m", "src.data.convert", "image-folder", str(workdir / "images"),
                      str(workdir / "arrow")])
         roots = {"image_folder": workdir / "images", "arrow": workdir / "arrow"}
-        for dataset in ("image_folder", "arrow"):
-            for workers in (0, 2):
-                ours, theirs = [], []
-                for _ in range(args.repeats):  # interleaved: a busy moment slows both alike
-                    ours.append(template(dataset, roots[dataset], workers, args.epochs, workdir))
-                    theirs.append(bare(dataset, roots[dataset], workers, args.epochs))
-                rows.append((dataset, workers, statistics.median(ours), statistics.median(theirs)))
+        for dataset, workers in (case.split(":") for case in args.cases):
+            ours, theirs = [], []
+            for _ in range(args.repeats):  # interleaved: a busy moment slows both alike
+                ours.append(template(dataset, roots[dataset], int(workers), args.epochs, workdir))
+                theirs.append(bare(dataset, roots[dataset], int(workers), args.epochs))
+            print(dataset, workers, ours, theirs, flush=True)
+            rows.append((dataset, int(workers), statistics.median(ours), statistics.median(theirs)))
         raw, transformed = decode_rates(workdir / "images" / "train")
     write_table(args, rows, raw, transformed, load_at_start)
 

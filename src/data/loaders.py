@@ -40,7 +40,8 @@ class GlobalBatchSampler:
     rank r's micro-batch m of that step is the slice of b = G/(W*k) samples starting at
     s*G + (m*W + r)*b. The ragged tail of fewer than G samples is dropped (a new
     permutation each epoch drops different ones), so every step has the same size on
-    every rank and no rank waits on a collective another rank never reaches.
+    every rank and no rank waits on a collective another rank never reaches. Its `epoch` also keys each
+    sample's augmentation (src/data/sample_randomness.py).
     `max_steps_per_epoch` cuts every epoch short after that many steps (a debugging limit).
     """
 

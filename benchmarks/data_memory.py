@@ -110,6 +110,9 @@ def write_table(args, count, data_bytes, convert_s, peaks, files, summary, load_
         "|---|---|---|",
         *(f"| {pid} | {peaks[pid] / 1024:,.0f} | {files.get(pid, 0) / 1024:,.0f} |" for pid in sorted(peaks)),
         "",
+        "Processes in the order they started: torchrun's agent, the 2 ranks, their training workers, then their",
+        "validation workers.",
+        "",
         f"The data is {data_bytes / largest:.1f}x the largest anonymous memory of any process of the run "
         f"({largest / mib:,.0f} MiB); the shards' pages are mapped files (RssFile), which the kernel drops under "
         "memory pressure and reads again.",

@@ -152,7 +152,7 @@ def main() -> None:
         "The choice, `dataset=arrow`: the save_to_disk layout read with pyarrow alone. A read is a bisect and a",
         "slice of a memory-mapped file, so it costs microseconds next to an image decode (a 64x64 PNG: ~100 us),",
         "and pages are file-backed: a process's anonymous memory does not grow with the data. pyarrow is one",
-        "dependency (`datasets` adds pandas, fsspec, huggingface-hub, ... and ~1 s of import to every process),",
+        "dependency (`datasets` adds pandas, fsspec, huggingface-hub, ... and 1-2 s of import to every process),",
         "and the files stay `datasets`' own: `load_from_disk` reads ours, a user's `save_to_disk` output is",
         "valid input. wids reads tar shards about as fast as `datasets` reads Arrow, imports torch itself",
         "(its import time above is mostly torch's, which a run pays anyway), and by default copies even local",

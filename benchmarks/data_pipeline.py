@@ -91,6 +91,42 @@ print(rate(decode), rate(lambda file: transform(decode(file))))
     return raw, transformed
 
 
+LOADERS = """
+import statistics, sys, time
+import torch
+from torch.utils.data import DataLoader
+sys.path.insert(0, {repo!r})
+from src.components import datasets
+from src.data.loaders import GlobalBatchSampler, make_loader
+build = getattr(datasets, {dataset!r})
+train = build({root!r}, image_size=({size}, {size}), crop_scale=({crop0}, {crop1})).train
+sampler = GlobalBatchSampler(len(train), 64, 0, 1, seed=0)
+ours = make_loader(train, sampler, torch.device("cpu"), {workers}, seed=0, augment=True)
+bare = DataLoader(train, batch_size=64, shuffle=True, drop_last=True, num_workers={workers},
+                  persistent_workers={workers} > 0)
+def epoch(loader):
+    started, samples = time.perf_counter(), 0
+    for images, labels in loader:
+        samples += len(labels)
+    return samples / (time.perf_counter() - started)
+rates = {{"ours": [], "bare": []}}
+for round in range({rounds}):  # interleaved epochs; the first of each warms up (workers start)
+    sampler.set_epoch(round)
+    rates["ours"].append(epoch(ours))
+    rates["bare"].append(epoch(bare))
+print(statistics.median(rates["ours"][1:]), statistics.median(rates["bare"][1:]))
+"""
+
+
+def loader_rates(dataset: str, root: Path, workers: int, rounds: int) -> tuple[float, float]:
+    """Samples/s of the template's loader and of a plain DataLoader over the same data, fetching only (no
+    training), epochs interleaved in one process: what the per-sample seeding and keys cost."""
+    code = LOADERS.format(repo=str(REPO), dataset=dataset, root=str(root), size=IMAGE_SIZE, crop0=CROP[0],
+                          crop1=CROP[1], workers=workers, rounds=rounds)
+    ours, bare_rate = (float(x) for x in run_checked([sys.executable, "-c", code]).split())
+    return ours, bare_rate
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -114,7 +150,8 @@ def main() -> None:
                 ours.append(template(dataset, roots[dataset], int(workers), args.epochs, workdir))
                 theirs.append(bare(dataset, roots[dataset], int(workers), args.epochs))
             print(dataset, workers, ours, theirs, flush=True)
-            rows.append((dataset, int(workers), statistics.median(ours), statistics.median(theirs)))
+            fetch = loader_rates(dataset, roots[dataset], int(workers), rounds=1 + 2 * args.repeats)
+            rows.append((dataset, int(workers), statistics.median(ours), statistics.median(theirs), *fetch))
         raw, transformed = decode_rates(workdir / "images" / "train")
     write_table(args, rows, raw, transformed, load_at_start)
 
@@ -130,13 +167,17 @@ def write_table(args: argparse.Namespace, rows: list, raw: float, transformed: f
         f"CPU load (1-minute average) at start and end: {load_at_start:.1f} and {os.getloadavg()[0]:.1f} on "
         f"{os.cpu_count()} cores; above about 1, other work shared the CPU and the numbers are noisier.",
         "",
-        "| data | num_workers | template samples/s | bare loop samples/s | template / bare | samples/s per worker "
-        "/ PIL decode + transforms |",
-        "|---|---|---|---|---|---|",
+        "Fetch only: the template's loader (per-sample seeding, (epoch, index) keys) and a plain DataLoader over the",
+        "same dataset, iterated without training, epochs interleaved in one process (median after a warm-up epoch).",
+        "",
+        "| data | num_workers | template samples/s | bare loop samples/s | template / bare | fetch only: template "
+        "/ plain DataLoader | samples/s per worker / PIL decode + transforms |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for dataset, workers, ours, theirs in rows:
+    for dataset, workers, ours, theirs, fetch_ours, fetch_bare in rows:
         per_worker = f"{ours / workers / transformed:.3f}" if workers else "(main process)"
-        lines.append(f"| {dataset} | {workers} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.3f} | {per_worker} |")
+        lines.append(f"| {dataset} | {workers} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.3f} | "
+                     f"{fetch_ours / fetch_bare:.3f} ({fetch_ours:.0f} / {fetch_bare:.0f}) | {per_worker} |")
     lines += [
         "",
         f"The limit, measured in one process on the same files: PIL decodes {raw:.0f} images/s (`Image.open(...)."

@@ -76,7 +76,7 @@ class TrainParts:
     data: Data
     checkpointer: Checkpointer
     reporter: Reporter
-    seed: int = 0  # the run's `seed`: the loop derives per-rank epoch and step seeds from it
+    seed: int = 0  # the run's `seed`: the loop derives per-rank step seeds (dropout) from it
     saved_config: dict[str, Any] = field(default_factory=dict)  # the resolved run config, saved in checkpoints
     profiler: torch.profiler.profile | None = None  # stepped after every optimizer step while fit() runs
     # Asked after every epoch but the last, with the history: stop the run now? (an Optuna trial's pruner,

@@ -65,7 +65,12 @@ def _epoch_state(seed: int, epoch: int) -> int:
 def sample_key(seed: int, epoch: int, index: Word) -> Word:
     """A 32-bit key determined by (seed, epoch, sample index) alone. `index` may be an int64 tensor
     of indices, on any device: the keys are then computed there, elementwise."""
-    state = mix32(_epoch_state(seed, epoch) ^ (index & MASK32))
+    return _index_key(_epoch_state(seed, epoch), index)
+
+
+def _index_key(state: Word, index: Word) -> Word:
+    """The key after absorbing the sample index (two words) into an epoch's hash state."""
+    state = mix32(state ^ (index & MASK32))
     return mix32(state ^ ((index >> 32) & MASK32))
 
 
@@ -78,6 +83,14 @@ def host_seed(seed: int, epoch: int, index: int) -> int:
     """A 64-bit seed for the host generators while sample `index` of `epoch` is fetched."""
     key = sample_key(seed, epoch, index)
     return (draw(key, 0) << 32) | draw(key, 1)
+
+
+def host_seeds(seed: int, keys: Sequence[tuple[int, int]]) -> list[int]:
+    """`host_seed` of each (epoch, index) key, hashed for the whole batch at once with NumPy (int64 arrays:
+    the arithmetic never overflows): 0.3 us a key instead of 5."""
+    states = np.fromiter((_epoch_state(seed, epoch) for epoch, _ in keys), dtype=np.int64, count=len(keys))
+    key = _index_key(states, np.fromiter((index for _, index in keys), dtype=np.int64, count=len(keys)))
+    return ((draw(key, 0).astype(np.uint64) << np.uint64(32)) | draw(key, 1).astype(np.uint64)).tolist()
 
 
 def seed_host_generators(seed: int) -> None:
@@ -113,16 +126,17 @@ class SeededSamples(Dataset):
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         epoch, index = key
-        seed_host_generators(host_seed(self.seed, epoch, index))
-        return self.dataset[index]
+        return self._fetch(host_seed(self.seed, epoch, index), index)
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
         """A batch's samples (what a DataLoader asks for); in the main process, the host generators
-        are as they were afterwards (saving them costs about as much as one seeding: once a batch)."""
-        if get_worker_info() is not None:
-            return [self[key] for key in keys]
-        with preserved_host_generators():
-            return [self[key] for key in keys]
+        are as they were afterwards (saved and restored once a batch: about 0.13 ms)."""
+        with contextlib.nullcontext() if get_worker_info() is not None else preserved_host_generators():
+            return [self._fetch(seed, index) for seed, (_, index) in zip(host_seeds(self.seed, keys), keys)]
+
+    def _fetch(self, seed: int, index: int) -> Any:
+        seed_host_generators(seed)
+        return self.dataset[index]
 
 
 class EpochKeys:

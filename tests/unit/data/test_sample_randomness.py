@@ -152,3 +152,11 @@ def test_device_crops_and_flips_follow_the_sample_not_its_batch_rank_or_step(tmp
     assert all(torch.equal(again[i], reference[i]) for i in reference)
     next_epoch = cifar10_crops_by_sample(tmp_path, world_size=1, batch=40, epoch=1)
     assert sum(not torch.equal(next_epoch[i], reference[i]) for i in reference) > 30
+
+
+def test_a_batchs_seeds_hashed_at_once_are_each_samples_own():
+    from src.data.sample_randomness import host_seeds
+
+    keys = [(epoch, index) for epoch in (VAL_EPOCH, 0, 3) for index in (0, 1, 63, 2**31 + 5, 2**40 + 7)]
+    for seed in (0, 7, -3, 2**62):
+        assert host_seeds(seed, keys) == [host_seed(seed, epoch, index) for epoch, index in keys]

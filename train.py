@@ -107,7 +107,8 @@ def run(cfg: DictConfig, context: RunContext, runtime: Any) -> float:
     with building.errors_named("task", cfg.task):
         task = setup.build_task(cfg.task, data.splits, context.choices, trainer_cfg.monitor,
                                 callbacks.metric_splits, callbacks.enable_hints())
-    task.output_setting = setup.output_setting(cfg.model, context.overrides)  # what its output check names: read before filling
+    # What the task's output check names, read before the model config's fields are filled in.
+    task.output_setting = setup.output_setting(cfg.model, context.overrides)
     saved_config = fill_model_config(cfg, setup.model_fields(task, data.splits.info), context.choices["dataset"])
     parts = build_parts(cfg, trainer_cfg, context, runtime, data, task, callbacks, store, saved_config, resumed)
     return train_and_report(trainer_cfg, parts, resumed, context, cfg.print_config)

@@ -22,6 +22,7 @@ class UsageError(Exception):
     """
 
     reported = False  # True when worker processes have already printed the message
+    local = False  # True when one rank alone may find it (a record only that rank reads): that rank prints it
 
 
 class WorkersReportedUsageError(UsageError):
@@ -54,7 +55,7 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
         usage_error = find_usage_error(error)
         if usage_error is None or in_sweep:
             raise
-        if is_main_process and not usage_error.reported:
+        if (is_main_process or usage_error.local) and not usage_error.reported:
             print(f"error: {usage_error}", file=sys.stderr)
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Rank 0 reports the mistake every rank hit. Exiting at once would let torchrun's agent

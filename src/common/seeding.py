@@ -1,4 +1,4 @@
-"""Seeding: one seed for the run, derived per rank, epoch and step where randomness must differ."""
+"""Seeding: one seed for the run, derived per rank and step where randomness must differ (dropout)."""
 
 from __future__ import annotations
 
@@ -28,19 +28,10 @@ def seed_generators(seed: int, device: torch.device) -> None:
         torch.cuda.default_generators[device.index or 0].manual_seed(seed)
 
 
-def epoch_seed(seed: int, rank: int, epoch: int) -> int:
-    """A distinct, reproducible seed for each (run seed, rank, epoch): a DataLoader's generator, which
-    seeds its workers (augmentation drawn there); epoch -1 seeds it before the first epoch."""
-    return _derived_seed(seed, rank, epoch)
-
-
 def step_seed(seed: int, rank: int, step: int) -> int:
-    """A distinct, reproducible seed for each (run seed, rank, optimizer step): dropout and on-device
-    augmentation of that step, so a run resumed at any step draws the same."""
-    return _derived_seed(seed, rank, step)
-
-
-def _derived_seed(seed: int, rank: int, index: int) -> int:
-    # One formula for epochs and steps, unchanged since checkpoints began to depend on it: a resumed
-    # run must draw exactly what the interrupted one would have.
-    return (seed * 1_000_003 + rank * 10_007 + index) % 2**63
+    """A distinct, reproducible seed for each (run seed, rank, optimizer step): dropout of that step
+    (per rank on purpose), so a run resumed at any step draws the same. Augmentation draws per sample
+    instead (src/data/sample_randomness.py)."""
+    # Unchanged since checkpoints began to depend on it: a resumed run must draw exactly what the
+    # interrupted one would have.
+    return (seed * 1_000_003 + rank * 10_007 + step) % 2**63

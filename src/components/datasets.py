@@ -360,34 +360,96 @@ def _verify_cifar10_checksums(folder: Path) -> None:
 
 
 def image_folder(
-    root: str, image_size: Sequence[int] = (64, 64), channels: int = 3, augment: bool = True
+    root: str,
+    image_size: Sequence[int] = (64, 64),
+    channels: int = 3,
+    augment: bool = True,
+    crop_scale: Sequence[float] | None = None,
+    color_jitter: float = 0.0,
 ) -> DataSplits:
     """Images in class folders: `<root>/train/<class>/*.png` and `<root>/val/<class>/*.png`.
 
     Any format PIL reads (png, jpg, ...) works. Images are resized to `image_size` (H, W) and
-    converted to `channels` (1: grayscale, 3: RGB); train images are flipped at random if `augment`.
-    Both splits must have the same class folders; labels follow their sorted names.
+    converted to `channels` (1: grayscale, 3: RGB); training images are augmented as `image_transforms`
+    says. Both splits must have the same class folders; labels follow their sorted names.
     """
-    from torchvision import transforms
-
-    if channels not in (1, 3):
-        raise ValueError(f"image_folder: channels must be 1 (grayscale) or 3 (RGB), got {channels}")
-    height, width = (int(x) for x in image_size)
-    common = [transforms.Resize((height, width))]
-    if channels == 1:  # ImageFolder's loader gives RGB, so only grayscale needs a conversion.
-        common.append(transforms.Grayscale(num_output_channels=1))
-    to_tensor = [transforms.ToTensor(), transforms.Normalize([0.5] * channels, [0.5] * channels)]
-    augmentation = [transforms.RandomHorizontalFlip()] if augment else []
-    train = _class_folders(Path(root) / "train", transforms.Compose(common + augmentation + to_tensor))
-    val = _class_folders(Path(root) / "val", transforms.Compose(common + to_tensor))
+    train_transform, val_transform = image_transforms(image_size, channels, augment, crop_scale, color_jitter)
+    train = _class_folders(Path(root) / "train", train_transform)
+    val = _class_folders(Path(root) / "val", val_transform)
     if train.classes != val.classes:
         raise ValueError(
             f"image_folder: class folders differ between {root}/train and {root}/val: "
             f"only in train {sorted(set(train.classes) - set(val.classes))}, "
             f"only in val {sorted(set(val.classes) - set(train.classes))}"
         )
+    height, width = (int(x) for x in image_size)
     return DataSplits(train=train, val=val, info=image_info(len(train.classes), channels, height, width),
                       **IMAGE_FIELDS)
+
+
+def image_transforms(
+    image_size: Sequence[int], channels: int, augment: bool, crop_scale: Sequence[float] | None, color_jitter: float
+) -> tuple[Callable, Callable]:
+    """(training, val) transforms from a decoded RGB PIL image to a normalised C x H x W tensor.
+
+    Val: resize to `image_size`. Training, with `augment`: a random crop of `crop_scale` of the image's
+    area (torchvision's RandomResizedCrop; None: the whole image, resized), a random horizontal flip,
+    and colour jitter of brightness, contrast and saturation by up to `color_jitter` (0: none). Their
+    draws come from the global generators, which the loader seeds per sample (src/data/sample_randomness.py).
+    """
+    from torchvision import transforms
+
+    if channels not in (1, 3):
+        raise ValueError(f"image folder: channels must be 1 (grayscale) or 3 (RGB), got {channels}")
+    height, width = (int(x) for x in image_size)
+    resize = transforms.Resize((height, width))
+    augmentation = []
+    if augment:
+        crop_scale = None if crop_scale is None else tuple(float(x) for x in crop_scale)
+        crop = resize if crop_scale is None else transforms.RandomResizedCrop((height, width), scale=crop_scale)
+        jitter = [transforms.ColorJitter(color_jitter, color_jitter, color_jitter)] if color_jitter > 0 else []
+        augmentation = [crop, transforms.RandomHorizontalFlip(), *jitter]
+    # The decoded image is RGB (as ImageFolder's loader gives it), so only grayscale needs a conversion.
+    to_tensor = [transforms.Grayscale(num_output_channels=1)] if channels == 1 else []
+    to_tensor += [transforms.ToTensor(), transforms.Normalize([0.5] * channels, [0.5] * channels)]
+    train = transforms.Compose((augmentation or [resize]) + to_tensor)
+    return train, transforms.Compose([resize, *to_tensor])
+
+
+def arrow(
+    root: str,
+    train_split: str = "train",
+    val_split: str = "validation",
+    columns: Sequence[str] | None = None,
+    target: str = "label",
+    image_size: Sequence[int] = (64, 64),
+    channels: int = 3,
+    augment: bool = True,
+    crop_scale: Sequence[float] | None = None,
+    color_jitter: float = 0.0,
+) -> DataSplits:
+    """Data larger than RAM: a dataset in the Arrow layout of Hugging Face `datasets`' save_to_disk (what
+    `python -m src.data.convert` writes), memory-mapped and read by index (src/data/arrow_files.py).
+
+    A sample is the tuple of `columns` (None: all, in order); image columns are decoded and transformed
+    as `image_folder` does (`image_transforms`), so a converted image folder trains the same model.
+    `target` is the column the task predicts: a ClassLabel gives `num_classes` (its names), other
+    integers max + 1, floats `num_targets` (1).
+    """
+    from src.data.arrow_files import ArrowSamples, check_columns, open_splits, target_info
+
+    train, val = open_splits(Path(root), [train_split, val_split])
+    names = list(train.columns if columns is None else columns)
+    for split in (train, val):
+        check_columns(split, names, "dataset.columns")
+        check_columns(split, [target], "dataset.target")
+    train_transform, val_transform = image_transforms(image_size, channels, augment, crop_scale, color_jitter)
+    info = target_info((train, val), target)
+    if train.image_columns & set(names):
+        height, width = (int(x) for x in image_size)
+        info.update(in_channels=channels, image_size=[height, width], num_features=channels * height * width)
+    return DataSplits(train=ArrowSamples(train, names, train_transform), val=ArrowSamples(val, names, val_transform),
+                      info=info, fields=tuple(names), target=target)
 
 
 def _class_folders(folder: Path, transform: Callable) -> ImageFolder:

@@ -339,7 +339,7 @@ def check_eval_config(cfg: DictConfig) -> None:
 
 def rules_of(prefix: str, settings: type) -> dict[str, Rule]:
     """`prefix.KEY` -> the rule of each field of `settings` that has one, and of the fields of nested
-    settings (`trainer.ema.decay`); with an empty prefix, `KEY`."""
+    settings (`trainer.fsdp.min_unit_params`); with an empty prefix, `KEY`."""
     rules: dict[str, Rule] = {}
     for f in fields(settings):
         key = f"{prefix}.{f.name}" if prefix else f.name

@@ -3,9 +3,10 @@
 MNIST and Fashion-MNIST take 55 MB as uint8, CIFAR-10 184 MB: far less than a GPU holds. Kept there,
 a batch is one index_select, converted and normalised on the device, with no per-sample fetch,
 collate, worker process or host-to-device copy. Training augmentation (random crop of the
-zero-padded image, horizontal flip) is drawn for the whole batch at once from the device's default
-generator, which the trainer reseeds every optimizer step, so a resumed run draws the same.
-`src.data.loaders.TensorBatchLoader` does the batching; the trainer calls `augment` after seeding the step.
+zero-padded image, horizontal flip) is drawn for the whole batch at once on the device, each sample's
+from a hash of (seed, epoch, its index) (src/data/sample_randomness.py): the same crops and flips on
+any world size, in any batch, after a resume at any step. `src.data.loaders.TensorBatchLoader` does
+the batching and calls `augment` on training batches.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 from torch.utils.data import TensorDataset
+
+from src.data.sample_randomness import draw
 
 
 class ImageTensorDataset(TensorDataset):
@@ -60,10 +63,11 @@ class ImageTensorDataset(TensorDataset):
         and Normalize, in the same order of operations (so the same floats)."""
         return images.float().div_(255).sub_(self.mean).div_(self.std)
 
-    def augment(self, images: torch.Tensor) -> torch.Tensor:
+    def augment(self, images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """A random crop of each normalised image zero-padded by `crop_padding` pixels on every side,
         flipped left-right with probability 1/2 if `flip`: torchvision's RandomCrop(size, padding)
-        and RandomHorizontalFlip, drawn independently per sample from the device's default generator.
+        and RandomHorizontalFlip. Image j's draws come from `keys[j]` alone (its `sample_key`: an int64
+        tensor on the images' device), not from any generator.
 
         Zero padding means black pixels: -mean/std once normalised.
         """
@@ -74,11 +78,13 @@ class ImageTensorDataset(TensorDataset):
         black = -self.mean / self.std
         padded = black.expand(n, c, h + 2 * pad, w + 2 * pad).clone(memory_format=torch.contiguous_format)
         padded[:, :, pad : pad + h, pad : pad + w] = images
-        top, left = torch.randint(0, 2 * pad + 1, (2, n, 1), device=images.device)
+        keys = keys.view(n, 1)
+        # 2^32 mod (2p + 1) / 2^32: a bias below 1e-9 towards the first offsets, for any padding used.
+        top, left = draw(keys, 0) % (2 * pad + 1), draw(keys, 1) % (2 * pad + 1)
         rows = top + torch.arange(h, device=images.device)  # (n, h): the padded rows each crop keeps
         cols = torch.arange(w, device=images.device).expand(n, w)
         if self.flip:
-            flipped = torch.randint(0, 2, (n, 1), device=images.device, dtype=torch.bool)
+            flipped = (draw(keys, 2) & 1).bool()
             cols = torch.where(flipped, cols.flip(1), cols)
         cols = left + cols
         # One gather does crop and flip: each output pixel names its padded source pixel.

@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import random
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
-import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from src.common.errors import UsageError
-from src.common.seeding import epoch_seed
 from src.config.schema import TrainerConfig
-from src.data.batches import to_device
 from src.data.image_tensors import ImageTensorDataset
+from src.data.sample_randomness import VAL_EPOCH, EpochKeys, SeededSamples, sample_key
 from src.data.splits import DataSplits
 from src.parallel.distributed import main_process_first
 
@@ -43,7 +40,8 @@ class GlobalBatchSampler:
     rank r's micro-batch m of that step is the slice of b = G/(W*k) samples starting at
     s*G + (m*W + r)*b. The ragged tail of fewer than G samples is dropped (a new
     permutation each epoch drops different ones), so every step has the same size on
-    every rank and no rank waits on a collective another rank never reaches.
+    every rank and no rank waits on a collective another rank never reaches. Its `epoch` also keys each
+    sample's augmentation (src/data/sample_randomness.py).
     `max_steps_per_epoch` cuts every epoch short after that many steps (a debugging limit).
     """
 
@@ -153,50 +151,34 @@ class TensorBatchLoader:
     Same sampler semantics as a DataLoader, without its per-sample fetch and collate:
     the whole dataset is copied to the device once, and a batch is one tuple of tensors (the
     dataset's tensors, in order, e.g. `(inputs, targets)` or `(rgb, mask, targets)`). uint8 image
-    datasets become normalised float batches there; their training augmentation is left to
-    `augment`, which `train_batch_to_device` applies after the trainer has seeded the step.
+    datasets become normalised float batches there, and with `augment` (training) augmented there:
+    each sample's crop and flip drawn from (seed, the sampler's epoch, its index) alone.
     """
 
-    def __init__(self, dataset: TensorDataset, batch_sampler: Iterable[list[int]], device: torch.device) -> None:
+    def __init__(self, dataset: TensorDataset, batch_sampler: Iterable[list[int]], device: torch.device,
+                 seed: int = 0, augment: bool = False) -> None:
         if isinstance(dataset, ImageTensorDataset):
             dataset = dataset.to(device)  # with its normalisation constants
         self.images = dataset if isinstance(dataset, ImageTensorDataset) else None
         self.tensors = [t.to(device) for t in dataset.tensors]  # a no-op for tensors already there
         self.batch_sampler = batch_sampler
         self.device = device
+        self.seed = seed
+        self.augments = augment and self.images is not None and self.images.augments
 
     def __len__(self) -> int:
         return len(self.batch_sampler)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        epoch = getattr(self.batch_sampler, "epoch", VAL_EPOCH)
         for indices in self.batch_sampler:
             index = torch.tensor(indices, device=self.device)
             first, *rest = (t.index_select(0, index) for t in self.tensors)
-            yield (first if self.images is None else self.images.normalize(first), *rest)
-
-    def augment(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """A training batch's on-device augmentation (none for datasets that have none)."""
-        if self.images is None:
-            return batch
-        images, *rest = batch
-        return (self.images.augment(images), *rest)
-
-
-def train_batch_to_device(loader: Iterable[Any], batch: Any, device: torch.device) -> Any:
-    """A training batch from `loader`, on `device` and augmented if its loader augments there.
-
-    Call it after seeding the step: on-device augmentation draws from the device's default
-    generator, so a run resumed at any step draws the same crops and flips.
-    """
-    batch = to_device(batch, device)
-    return loader.augment(batch) if isinstance(loader, TensorBatchLoader) else batch
-
-
-def _seed_worker(worker_id: int) -> None:
-    # DataLoader seeds torch per worker from its generator; numpy and random follow it.
-    seed = torch.initial_seed() % 2**32
-    np.random.seed(seed)
-    random.seed(seed)
+            if self.images is not None:
+                first = self.images.normalize(first)
+            if self.augments:
+                first = self.images.augment(first, sample_key(self.seed, epoch, index))
+            yield (first, *rest)
 
 
 def make_loader(
@@ -205,18 +187,21 @@ def make_loader(
     device: torch.device,
     num_workers: int,
     seed: int,
+    augment: bool = False,
 ) -> Iterable[Any]:
-    """A loader over `batch_sampler`: TensorDatasets stay on the device, others use workers."""
+    """A loader over `batch_sampler`: TensorDatasets stay on the device (augmented there if
+    `augment`), others use workers. Every sample's random draws come from (seed, epoch, index)
+    (src/data/sample_randomness.py), whatever the rank, worker or batch."""
     if isinstance(dataset, TensorDataset):
-        return TensorBatchLoader(dataset, batch_sampler, device)
+        return TensorBatchLoader(dataset, batch_sampler, device, seed, augment)
     return DataLoader(
-        dataset,
-        batch_sampler=batch_sampler,
+        SeededSamples(dataset, seed),
+        batch_sampler=EpochKeys(batch_sampler),
         num_workers=num_workers,
         pin_memory=device.type == "cuda",
         persistent_workers=num_workers > 0,
-        worker_init_fn=_seed_worker,
-        # `seed` differs per rank, so augmentation differs per rank and worker.
+        # Its own generator for the workers' base seed, which would otherwise be drawn from torch's global
+        # one in this process (no draw of a sample depends on it: they are all seeded per sample).
         generator=torch.Generator().manual_seed(seed),
     )
 
@@ -258,13 +243,12 @@ def build_data(
     )
     num_workers = int(dataset_cfg.num_workers)
     global_val_batch = int(dataset_cfg.get("val_batch_size") or global_batch_size)
-    worker_seed = epoch_seed(seed, rank, epoch=-1)  # per rank; the trainer reseeds it every epoch
     return Data(
         splits=splits,
         train_sampler=train_sampler,
-        train_loader=make_loader(splits.train, train_sampler, device, num_workers, worker_seed),
+        train_loader=make_loader(splits.train, train_sampler, device, num_workers, seed, augment=True),
         val_loader=make_val_loader(
-            splits, global_val_batch, rank, world_size, device, num_workers, worker_seed, trainer.limit_val_batches
+            splits, global_val_batch, rank, world_size, device, num_workers, seed, trainer.limit_val_batches
         ),
         num_val_samples=num_val_samples(len(splits.val), global_val_batch, world_size, trainer.limit_val_batches),
     )

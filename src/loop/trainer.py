@@ -23,9 +23,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from src.checkpoint.store import Store
-from src.common.seeding import epoch_seed, seed_generators, step_seed
+from src.common.seeding import seed_generators, step_seed
 from src.config.schema import TrainerConfig
-from src.data.loaders import Data, train_batch_to_device
+from src.data.batches import to_device
+from src.data.loaders import Data
 from src.loop import records
 from src.loop.callback import Callbacks, Run, Step
 from src.loop.counting import StepDivisor
@@ -90,7 +91,7 @@ class TrainParts:
     store: Store  # where checkpoints go, in the run's format (src/checkpoint/)
     reporter: Reporter
     callbacks: Callbacks = field(default_factory=Callbacks)  # the run's add-ons, in config order
-    seed: int = 0  # the run's `seed`: the loop derives per-rank epoch and step seeds from it
+    seed: int = 0  # the run's `seed`: the loop derives per-rank step seeds (dropout) from it
     saved_config: dict[str, Any] = field(default_factory=dict)  # the resolved run config, saved in checkpoints
 
 
@@ -202,13 +203,10 @@ class Trainer:
     # -- an epoch ----------------------------------------------------------------------
 
     def _start_epoch(self, epoch: int, state: TrainState) -> dict[str, list[float]] | None:
-        """Point the sampler at the epoch (and the resumed step), reseed the loader's workers, and start
-        the epoch's sums: from zero, or those a step checkpoint saved. Returns those restored sums."""
-        data, rank = self.parts.data, self.parts.runtime.env.rank
-        data.train_sampler.set_epoch(epoch, start_step=state.step_in_epoch)
-        generator = getattr(data.train_loader, "generator", None)  # a DataLoader's: seeds its workers
-        if generator is not None:
-            generator.manual_seed(epoch_seed(self.parts.seed, rank, epoch))
+        """Point the sampler at the epoch (and the resumed step; its samples' augmentation follows from
+        them), and start the epoch's sums: from zero, or those a step checkpoint saved. Returns those
+        restored sums."""
+        self.parts.data.train_sampler.set_epoch(epoch, start_step=state.step_in_epoch)
         self.parts.train_model.train()
         self.epoch_metrics.reset()
         restored = state.epoch_totals  # the sums of a resumed epoch's first steps
@@ -270,11 +268,10 @@ class Trainer:
         loader first), each micro-step's summed loss divided by the step's global count of the task's units
         (src/loop/counting.py), then the optimizer step; the callbacks see the step's summed loss."""
         parts, device = self.parts, self.parts.runtime.device
-        # Seeded per optimizer step (differently per rank): dropout draws the same after a resume at
-        # any step, and independently across ranks.
+        # Seeded per optimizer step (differently per rank): dropout draws the same after a resume at any step,
+        # and independently across ranks. (Augmentation draws per sample, in the loader: src/data/.)
         seed_generators(step_seed(parts.seed, parts.runtime.env.rank, state.step), device)
-        batches = [parts.task.split(train_batch_to_device(parts.data.train_loader, batch, device))
-                   for batch in micro_batches]
+        batches = [parts.task.split(to_device(batch, device)) for batch in micro_batches]
         # Counted from the targets before the first forward: the counts' all-reduce overlaps it.
         divisor = StepDivisor([parts.task.count(target) for _, _, target in batches], parts.runtime.world_size)
         step_loss: torch.Tensor | None = None

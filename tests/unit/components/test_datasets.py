@@ -169,12 +169,13 @@ def test_in_memory_batches_equal_torchvisions_to_tensor_and_normalize(tmp_path, 
         torch.testing.assert_close(tensors[len(tensors) - 1][0], expected[-1], rtol=0, atol=1e-6)
 
 
-def cifar10_augmented(root: Path) -> tuple[TensorBatchLoader, np.ndarray]:
-    """A loader over CIFAR-10's 40 augmented training images in one batch, and their uint8 pixels."""
+def cifar10_augmented(root: Path, seed: int = 0) -> tuple[TensorBatchLoader, np.ndarray]:
+    """A training loader over CIFAR-10's 40 augmented training images in one batch, and their uint8 pixels."""
     batches = write_cifar10(root, per_batch=8)
     splits = datasets.cifar10(str(root), download=False, verify_checksums=False)
     pixels = np.concatenate([batches[f"data_batch_{i}"][0] for i in range(1, 6)]).reshape(-1, 3, 32, 32)
-    return TensorBatchLoader(splits.train, EvalShardSampler(40, 40, 0, 1), torch.device("cpu")), pixels
+    loader = TensorBatchLoader(splits.train, EvalShardSampler(40, 40, 0, 1), torch.device("cpu"), seed, augment=True)
+    return loader, pixels
 
 
 def crop_and_flip(image: np.ndarray, padded_pixels: np.ndarray) -> tuple[int, int, bool] | None:
@@ -190,10 +191,8 @@ def crop_and_flip(image: np.ndarray, padded_pixels: np.ndarray) -> tuple[int, in
 
 def test_cifar10_device_augmentation_is_a_crop_of_the_zero_padded_image_and_a_flip(tmp_path):
     loader, pixels = cifar10_augmented(tmp_path)
-    ((images, labels),) = list(loader)
-    torch.manual_seed(0)
-    augmented, same_labels = loader.augment((images, labels))  # the batch's first part: its images
-    assert same_labels is labels
+    ((augmented, labels),) = list(loader)  # the batch's first part: its images
+    assert torch.equal(labels, loader.tensors[1])  # labels as they are, in order
     mean, std = (torch.tensor(values).view(1, 3, 1, 1) for values in datasets.CIFAR10_MEAN_STD)
     recovered = ((augmented * std + mean) * 255).round().clamp(0, 255).to(torch.uint8).numpy()
     padded = np.pad(pixels, ((0, 0), (0, 0), (4, 4), (4, 4)))  # zeros: black borders
@@ -205,12 +204,10 @@ def test_cifar10_device_augmentation_is_a_crop_of_the_zero_padded_image_and_a_fl
 
 
 def test_cifar10_device_augmentation_is_reproducible_under_the_same_seed(tmp_path):
-    loader, _ = cifar10_augmented(tmp_path)
-    ((images, _),) = list(loader)
     draws = []
-    for seed in (1, 1, 2):
-        torch.manual_seed(seed)
-        draws.append(loader.augment((images,))[0])
+    for folder, seed in (("a", 1), ("b", 1), ("c", 2)):
+        loader, _ = cifar10_augmented(tmp_path / folder, seed)
+        draws.append(next(iter(loader))[0])
     assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
 
 
@@ -218,12 +215,13 @@ def test_cifar10_val_split_and_its_loader_are_never_augmented(tmp_path):
     batches = write_cifar10(tmp_path, per_batch=4)
     splits = datasets.cifar10(str(tmp_path), download=False, verify_checksums=False)
     assert splits.train.augments and not splits.val.augments
-    loader = TensorBatchLoader(splits.val, EvalShardSampler(4, 4, 0, 1), torch.device("cpu"))
-    ((images, labels),) = list(loader)
     data, expected_labels = batches["test_batch"]
     expected = torch.stack([cifar10_normalised(row) for row in data])
-    torch.testing.assert_close(images, expected, rtol=0, atol=1e-6)
-    assert torch.equal(loader.augment((images, labels))[0], images) and labels.tolist() == expected_labels
+    for augment in (False, True):  # a loader asked to augment the val split has nothing to draw
+        loader = TensorBatchLoader(splits.val, EvalShardSampler(4, 4, 0, 1), torch.device("cpu"), augment=augment)
+        ((images, labels),) = list(loader)
+        torch.testing.assert_close(images, expected, rtol=0, atol=1e-6)
+        assert labels.tolist() == expected_labels
 
 
 # ---- image folders ---------------------------------------------------------------------------

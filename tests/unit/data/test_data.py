@@ -103,36 +103,6 @@ def test_tensor_loader_gathers_the_sampled_rows():
     assert batches[1][1].tolist() == [7]
 
 
-class RandomAugmentation(torch.utils.data.Dataset):
-    """Each item is a fresh random draw, like a random crop: what differs must be the seeds."""
-
-    def __len__(self) -> int:
-        return 8
-
-    def __getitem__(self, index: int):
-        import numpy as np
-
-        return torch.tensor([torch.rand(()).item(), float(np.random.rand())]), index
-
-
-def draws(seed: int, num_workers: int) -> torch.Tensor:
-    from src.data.loaders import make_loader
-
-    loader = make_loader(RandomAugmentation(), [[0, 1], [2, 3], [4, 5], [6, 7]], torch.device("cpu"), num_workers, seed)
-    return torch.cat([batch[0] for batch in loader])
-
-
-def test_augmentation_is_seeded_per_rank_and_per_worker():
-    from src.common.seeding import epoch_seed
-
-    rank0, rank1 = (epoch_seed(0, rank, epoch=-1) for rank in (0, 1))
-    first = draws(rank0, num_workers=2)
-    assert torch.equal(first, draws(rank0, num_workers=2))  # reproducible
-    assert not torch.equal(first, draws(rank1, num_workers=2))  # ranks augment differently
-    # batches alternate between the two workers: their torch and numpy streams differ too
-    assert len(set(first[:, 0].tolist())) == 8 and len(set(first[:, 1].tolist())) == 8
-
-
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (2, 4)])
 def test_a_resumed_epoch_sees_the_rest_exactly_once_on_a_new_world_size(before, after):
     """Stopped after 7 steps on `before` ranks, resumed on `after`: every sample of the epoch

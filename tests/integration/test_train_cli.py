@@ -134,8 +134,8 @@ def test_multirun_writes_one_dir_per_job(workdir: Path):
 def test_help_lists_groups_and_cfg_job_skips_torch(workdir: Path):
     help_text = check(train(["--help"], workdir)).stdout
     assert "model: cnn, lenet, linear, mlp, resnet18, tiny_gpt, two_input_cnn" in help_text
-    assert ("dataset: breast_cancer, cifar10, diabetes, digits, fashion_mnist, image_folder, mnist, python_docs, "
-            "synthetic, two_input_synthetic") in help_text
+    assert ("dataset: arrow, breast_cancer, cifar10, diabetes, digits, fashion_mnist, image_folder, mnist, "
+            "python_docs, synthetic, two_input_synthetic") in help_text
     assert "task: binary, causal_lm, classification, regression" in help_text
     assert "optimizer: adam, adamw, sgd" in help_text and "scheduler: constant, cosine, step" in help_text
     result = check(run([sys.executable, "-X", "importtime", str(REPO / "train.py"), "--cfg", "job"], workdir))

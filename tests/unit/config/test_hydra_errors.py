@@ -86,9 +86,9 @@ def test_train_command_line(overrides, message):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["checkpoint=x.pt", "dataset=nope"], "dataset=nope is not an option of dataset; choose one of breast_cancer, "
-     "checkpoint, cifar10, diabetes, digits, fashion_mnist, image_folder, mnist, python_docs, synthetic, "
-     "two_input_synthetic"),
+    (["checkpoint=x.pt", "dataset=nope"], "dataset=nope is not an option of dataset; choose one of arrow, "
+     "breast_cancer, checkpoint, cifar10, diabetes, digits, fashion_mnist, image_folder, mnist, python_docs, "
+     "synthetic, two_input_synthetic"),
     (["checkpoint=x.pt", "trainer.devic=cpu"], "trainer.devic is not a config key (did you mean trainer.device?); "
                                                "to add a new key, use +trainer.devic=cpu"),
     (["checkpoint=x.pt", "model=mlp"], "eval.py has no model option to choose "

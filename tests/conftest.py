@@ -53,6 +53,18 @@ def weights(run_dir: Path, name: str = "last.pt") -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture
+def restore_backend_flags():
+    """TF32 and cuDNN flags as they were before the test (they are process-wide)."""
+    flags = [(torch.backends.cuda.matmul, "allow_tf32")] + [
+        (torch.backends.cudnn, name) for name in ("allow_tf32", "deterministic", "benchmark")
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in flags]
+    yield
+    for owner, name, value in saved:
+        setattr(owner, name, value)
+
+
+@pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     """An empty directory to launch from: its outputs/ is where default run dirs land."""
     return tmp_path

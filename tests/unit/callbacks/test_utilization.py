@@ -15,17 +15,6 @@ from src.loop import performance
 from src.loop.callback import Callbacks
 
 
-@pytest.fixture
-def restore_backend_flags():
-    flags = [(torch.backends.cuda.matmul, "allow_tf32")] + [
-        (torch.backends.cudnn, name) for name in ("allow_tf32", "deterministic", "benchmark")
-    ]
-    saved = [(owner, name, getattr(owner, name)) for owner, name in flags]
-    yield
-    for owner, name, value in saved:
-        setattr(owner, name, value)
-
-
 def cnn(seed: int = 0) -> SimpleCNN:
     torch.manual_seed(seed)
     return SimpleCNN(in_channels=3, image_size=(8, 8), num_outputs=10)

@@ -10,18 +10,6 @@ from torch import nn
 from src.components.models import SimpleCNN
 from src.loop import performance
 
-
-@pytest.fixture
-def restore_backend_flags():
-    flags = [(torch.backends.cuda.matmul, "allow_tf32")] + [
-        (torch.backends.cudnn, name) for name in ("allow_tf32", "deterministic", "benchmark")
-    ]
-    saved = [(owner, name, getattr(owner, name)) for owner, name in flags]
-    yield
-    for owner, name, value in saved:
-        setattr(owner, name, value)
-
-
 # ---- backend flags ---------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 uninterrupted one.
 
     python benchmarks/chaos.py                          # 10 trials, 3 kills each, seed 0
-    python benchmarks/chaos.py --trials 50 --seed 7 --kills 3 --max-restarts 5
+    python benchmarks/chaos.py --trials 50 --seed 7 --kills 3 --max-restarts 5 --epochs 8
 
 Each trial runs `torchrun --standalone --nproc_per_node=2 --max-restarts=R train.py` on digits with
 step checkpoints, and SIGKILLs a random worker `--kills` times, each at a random moment of the running
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "train.py")
 # A train scalar every step: each attempt logs every step it completes, so the steps logged more than once
 # across a run's TensorBoard files are the steps a kill made it train again.
-ARGS = ["trainer.epochs=8", "optimizer=sgd", "scheduler=constant", "trainer.checkpoint_every_steps=7",
+ARGS = ["optimizer=sgd", "scheduler=constant", "trainer.checkpoint_every_steps=7",
         "trainer.progress=false", "trainer.log_every_steps=1"]
 TIMING_KEYS = {"epoch_time_s", "samples_per_s"}
 START_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[INFO\] run dir .* \| world size", re.M)
@@ -49,9 +49,9 @@ class Trial:
     equal: bool
 
 
-def torchrun(max_restarts: int, run_dir: Path) -> list[str]:
+def torchrun(max_restarts: int, run_dir: Path, epochs: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            f"--max-restarts={max_restarts}", TRAIN, *ARGS, f"hydra.run.dir={run_dir}"]
+            f"--max-restarts={max_restarts}", TRAIN, *ARGS, f"trainer.epochs={epochs}", f"hydra.run.dir={run_dir}"]
 
 
 def worker_pids(agent: int) -> dict[int, int]:
@@ -89,13 +89,13 @@ class Phases:
 
 
 def run_trial(seed: int, workdir: Path, kills: int, max_restarts: int, phases: Phases,
-              reference: Path) -> Trial:
+              reference: Path, epochs: int) -> Trial:
     """One run with `kills` random workers SIGKILLed, each at a moment `phases` draws."""
     rng = random.Random(seed)
     run_dir = workdir / f"trial_{seed}"
     log = open(workdir / f"trial_{seed}.log", "w")
     started = time.monotonic()
-    agent = subprocess.Popen(torchrun(max_restarts, run_dir), cwd=workdir, stdout=log, stderr=log,
+    agent = subprocess.Popen(torchrun(max_restarts, run_dir, epochs), cwd=workdir, stdout=log, stderr=log,
                              start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     done = 0
     try:
@@ -187,11 +187,11 @@ def same_run(run_dir: Path, reference: Path) -> bool:
         torch.equal(weights[name], expected_weights[name]) for name in weights)
 
 
-def measure_phases(reference: Path, workdir: Path) -> Phases:
+def measure_phases(reference: Path, workdir: Path, epochs: int) -> Phases:
     """Run the uninterrupted run, timing its start-up (to the log line written right before the first step)
     and its training."""
     started = time.time()
-    subprocess.run(torchrun(0, reference), cwd=workdir, check=True, capture_output=True)
+    subprocess.run(torchrun(0, reference, epochs), cwd=workdir, check=True, capture_output=True)
     log = (reference / "train.log").read_text()
     first_step = _stamp(START_LINE.search(log).group(1))
     last_line = _stamp(re.findall(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]", log, re.M)[-1])
@@ -213,13 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="trial i uses seed SEED+i")
     parser.add_argument("--kills", type=int, default=3, help="workers killed per trial")
     parser.add_argument("--max-restarts", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=8, help="of digits, each run (22 steps an epoch)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     reference = workdir / "uninterrupted"
-    phases = measure_phases(reference, workdir)
-    trials = [run_trial(args.seed + i, workdir, args.kills, args.max_restarts, phases, reference)
+    phases = measure_phases(reference, workdir, args.epochs)
+    trials = [run_trial(args.seed + i, workdir, args.kills, args.max_restarts, phases, reference, args.epochs)
               for i in range(args.trials)]
     print("| seed | kills | resumes | steps redone | seconds | exit | bitwise equal |\n|---|---|---|---|---|---|---|")
     for t in trials:

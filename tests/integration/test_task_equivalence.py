@@ -116,7 +116,7 @@ def test_a_run_stopped_mid_epoch_and_resumed_ends_bitwise_equal(runs: Runs, task
     first = check(train([*args, f"trainer.max_steps={stop_at}"], runs.root))
     assert f"stopped at step {stop_at} with a checkpoint" in first.stdout
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    assert set(saved["epoch_totals"]) >= {"loss", "count"}  # the unfinished epoch's metric sums, by name
+    assert set(saved["loop"]["epoch_totals"]) >= {"loss", "count"}  # the unfinished epoch's metric sums, by name
     check(train([*args, "resume=auto"], runs.root))
     assert without_timings(metrics(run_dir)) == without_timings(metrics(straight))
     for name, tensor in weights(straight).items():

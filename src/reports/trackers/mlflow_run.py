@@ -11,6 +11,7 @@ steps it already holds are read back from the server, so a restart's redone step
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import urllib.error
@@ -21,6 +22,7 @@ from typing import Any
 from src.common.errors import UsageError
 from src.reports.trackers import RunIdentity, Tracker, import_package
 
+log = logging.getLogger(__name__)
 INSTALL = "mlflow-skinny==3.17.2 (a client of an `mlflow server`; the full mlflow==3.17.2 for a local store)"
 
 
@@ -38,8 +40,7 @@ class MLflowTracker(Tracker):
         self.run_id: str | None = None
 
     def open(self, run_id: str | None, identity: RunIdentity, params: Mapping[str, Any]) -> str:
-        if run_id is not None:
-            self.client.update_run(run_id, status="RUNNING")  # continued: a restart, resume=auto, a resumed sweep
+        if run_id is not None and self._continues(run_id):  # a restart, resume=auto, a resumed sweep job
             self.run_id = run_id
             return run_id
         tags = {"run_dir": str(identity.run_dir)}
@@ -50,6 +51,17 @@ class MLflowTracker(Tracker):
         param = self.mlflow.entities.Param
         self.client.log_batch(self.run_id, params=[param(key, str(value)) for key, value in params.items()])
         return self.run_id
+
+    def _continues(self, run_id: str) -> bool:
+        """Set the run `run_id` RUNNING again; False (with a warning) if this tracking server has no such run."""
+        try:
+            self.client.get_run(run_id)
+        except self.mlflow.exceptions.MlflowException as error:
+            log.warning("MLflow run %s is not on %s (%s): this run starts a new one", run_id,
+                        self.client.tracking_uri, error.error_code)
+            return False
+        self.client.update_run(run_id, status="RUNNING")
+        return True
 
     def _experiment_id(self) -> str:
         experiment = self.client.get_experiment_by_name(self.experiment_name)

@@ -18,6 +18,7 @@ a device. Other ranks build no tracker and do nothing.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from src.loop.stopping import StopReason
 from src.reports.hparams import run_hparams
 from src.reports.trackers import RunIdentity, Tracker
 
+log = logging.getLogger(__name__)
 IDS_FILE = "trackers.json"  # in the run dir: {"ids": {logger: run id}, "sent": {logger: {key: last step}}}
 
 
@@ -105,9 +107,12 @@ class Trackers(Callback):
         if not self._open:
             return
         status, stop_reason = self._status or ("FAILED", None)
-        for tracker in self.trackers.values():
-            tracker.close(status, stop_reason)
         self._open = False
+        for name, tracker in self.trackers.items():
+            try:
+                tracker.close(status, stop_reason)
+            except Exception as error:  # a server gone: the run's own error (if any) is the one to see
+                log.warning("logger %s: could not end its run as %s: %s", name, status, error)
 
     def _write_ids_file(self) -> None:
         ledger = {name: self.sent[name] for name in sorted(self._ledger)}

@@ -175,3 +175,13 @@ def test_csv_holds_each_step_once_after_a_restart_and_drops_a_row_cut_short(tmp_
     again.close("FINISHED", None)
     assert csv_rows(tmp_path / "scalars.csv") == ["step,name,value", ",param/seed,0", "5,train/loss,1.5", "5,lr,0.1",
                                                   "10,train/loss,1.25", "15,train/loss,1.0", "15,lr,0.05"]
+
+
+def test_a_tracker_that_cannot_end_its_run_leaves_the_runs_own_error_to_be_seen(tmp_path, caplog):
+    class Gone(Recording):
+        def close(self, status, stop_reason):
+            raise ConnectionError("server gone")
+
+    trackers = opened(tmp_path, Gone())
+    trackers.on_exception(fake_run(), RuntimeError("the run's own error"))  # does not raise in its place
+    assert "could not end its run as FAILED: server gone" in caplog.text

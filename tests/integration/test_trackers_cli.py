@@ -48,8 +48,10 @@ def server(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen]]:
     command = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri",
                f"sqlite:///{store}/mlflow.db", "--artifacts-destination", str(store / "artifacts"),
                "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    process = subprocess.Popen(command, cwd=store, stdout=open(store / "server.out", "w"), stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    # Without MLflow's job runner (GenAI scorers: a dozen huey processes): /health answers ~40% sooner here.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    process = subprocess.Popen(command, cwd=store, env=env, stdout=open(store / "server.out", "w"),
+                               stderr=subprocess.STDOUT, start_new_session=True)
     yield f"http://127.0.0.1:{port}", process
     os.killpg(process.pid, signal.SIGKILL)  # a test's store: nothing to shut down cleanly (SIGTERM takes ~15 s)
     process.wait(timeout=30)

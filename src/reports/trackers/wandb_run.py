@@ -9,6 +9,7 @@ A sweep's jobs share its sweep dir as their `group`.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ class WandbTracker(Tracker):
 
     def open(self, run_id: str | None, identity: RunIdentity, params: Mapping[str, Any]) -> str:
         wandb_dir = identity.run_dir / "wandb"
+        made = not wandb_dir.exists()
         wandb_dir.mkdir(exist_ok=True)
         settings = self.wandb.Settings(console="off", silent=True, init_timeout=self.timeout_s,
                                        x_disable_stats=True, x_disable_machine_info=True)
@@ -38,9 +40,11 @@ class WandbTracker(Tracker):
                                        resume="allow", group=identity.group, name=identity.name,
                                        dir=str(identity.run_dir), config=dict(params) if run_id is None else None,
                                        settings=settings, reinit="create_new")
-        except self.wandb.errors.CommError as error:
-            raise UsageError(f"logger.wandb: W&B does not answer ({error}); logger.wandb.mode=offline logs "
-                             f"to the run dir, to sync later") from None
+        except self.wandb.errors.Error as error:  # not logged in, no answer within timeout_s, ...
+            if made:  # a refused run leaves no W&B files (and so, as any usage error, no run dir)
+                shutil.rmtree(wandb_dir, ignore_errors=True)
+            raise UsageError(f"logger.wandb: W&B could not start the run ({error}); logger.wandb.mode=offline "
+                             f"logs to the run dir, to sync later") from None
         return self.run.id
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from src.common.errors import UsageError
 from src.loop.stopping import StopReason
 from src.reports.reporting import Reporter
 from src.reports.trackers import RunIdentity, Tracker
@@ -185,3 +186,19 @@ def test_a_tracker_that_cannot_end_its_run_leaves_the_runs_own_error_to_be_seen(
     trackers = opened(tmp_path, Gone())
     trackers.on_exception(fake_run(), RuntimeError("the run's own error"))  # does not raise in its place
     assert "could not end its run as FAILED: server gone" in caplog.text
+
+
+def test_wandb_that_cannot_start_its_run_is_one_line_and_leaves_no_files(tmp_path, monkeypatch):
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(key, str(tmp_path / key))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from src.reports.trackers.wandb_run import WandbTracker
+
+    (tmp_path / "run").mkdir()
+    with pytest.raises(UsageError, match=r"^logger.wandb: W&B could not start the run \(No API key configured"):
+        WandbTracker(mode="online", timeout_s=5).open(None, RunIdentity("run", tmp_path / "run"), {})
+    assert not (tmp_path / "run" / "wandb").exists()
+    with pytest.raises(UsageError, match=r"^logger.wandb.mode=offlin is not one of online \| offline \| disabled$"):
+        WandbTracker(mode="offlin")

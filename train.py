@@ -51,6 +51,7 @@ precision = lazy.module("src.loop.precision")
 setup = lazy.module("src.loop.setup")
 trainer = lazy.module("src.loop.trainer")
 reporting = lazy.module("src.reports.reporting")
+tracking = lazy.module("src.reports.tracking")
 
 log = logging.getLogger("train")
 
@@ -89,6 +90,7 @@ def train(cfg: DictConfig, context: RunContext) -> float:
 
 def run(cfg: DictConfig, context: RunContext, runtime: Any) -> float:
     reporting.setup_logging(context.run_dir, runtime.env.rank)
+    trackers = build_trackers(cfg.logger, context, runtime.is_main_process)  # a missing package: one line, here
     trainer_cfg: schema.TrainerConfig = OmegaConf.to_object(cfg.trainer)  # the `trainer` settings, typed
     store = checkpoint.open_store(cfg.dist.strategy, context.run_dir / "checkpoints", runtime.is_main_process,
                                   trainer_cfg.keep_last)
@@ -101,7 +103,7 @@ def run(cfg: DictConfig, context: RunContext, runtime: Any) -> float:
     with building.errors_named("dataset", cfg.dataset, passed_elsewhere=loaders.LOADER_KEYS):
         data = loaders.build_data(cfg.dataset, runtime.env.rank, runtime.world_size, runtime.device, cfg.seed,
                                   trainer_cfg)
-    callbacks = build_callbacks(cfg.callbacks)
+    callbacks = build_callbacks(cfg.callbacks, trackers)
     # The task must fit the dataset, produce the monitored metric (the callbacks add metrics, e.g. val_ema/*) and
     # find its inputs and target among the dataset's fields.
     with building.errors_named("task", cfg.task):
@@ -114,9 +116,22 @@ def run(cfg: DictConfig, context: RunContext, runtime: Any) -> float:
     return train_and_report(trainer_cfg, parts, resumed, context, cfg.print_config)
 
 
-def build_callbacks(callbacks_cfg: DictConfig) -> Any:
-    """The run's callbacks (conf/callbacks/), built in config order; a setting one refuses is one line."""
+def build_trackers(logger_cfg: DictConfig, context: RunContext, is_main_process: bool) -> Any:
+    """The experiment trackers `logger` names besides TensorBoard (conf/logger/), built by rank 0 alone: a
+    package that is missing or a server that does not answer is one line here, before any work."""
     built = {}
+    for name, node in logger_cfg.items():
+        if is_main_process and name != "tensorboard":  # TensorBoard is the Reporter's own
+            with building.errors_named(f"logger.{name}", node):
+                built[str(name)] = instantiate(node)
+    return tracking.Trackers(built, tracking.identity_of(context.run_dir, context.in_sweep), context.overrides,
+                             context.choices)
+
+
+def build_callbacks(callbacks_cfg: DictConfig, trackers: Any) -> Any:
+    """The run's callbacks (conf/callbacks/), built in config order, after the trackers (told first of a
+    failure, before a callback may raise a clearer error); a setting one refuses is one line."""
+    built = {"trackers": trackers}
     for name, node in callbacks_cfg.items():
         with building.errors_named(f"callbacks.{name}", node):
             built[str(name)] = instantiate(node)
@@ -149,7 +164,8 @@ def build_parts(cfg, trainer_cfg, context, runtime, data, task, callbacks, store
     steps_per_epoch = data.train_sampler.steps_per_epoch
     scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=steps_per_epoch * trainer_cfg.epochs,
                                            steps_per_epoch=steps_per_epoch)
-    reporter = reporting.Reporter(context.run_dir, runtime.is_main_process, progress=trainer_cfg.progress)
+    reporter = reporting.Reporter(context.run_dir, runtime.is_main_process, "tensorboard" in cfg.logger,
+                                  trainer_cfg.progress, callbacks.all["trackers"])
     return trainer.TrainParts(runtime, task, module, performance.compiled(train_model, trainer_cfg.compile),
                               optimizer, scheduler, data, store, reporter, callbacks, seed=cfg.seed,
                               saved_config=saved_config)
@@ -185,6 +201,7 @@ def train_and_report(trainer_cfg, parts, resumed, context: RunContext, print_con
     if not loop.fit(state, resumed=resumed is not None).is_final:  # max_steps or preemption, with a checkpoint
         log.info("stopped at step %d with a checkpoint; continue with: resume=auto hydra.run.dir=%s",
                  state.step, context.run_dir)
+        parts.reporter.close()  # the trackers' runs KILLED until the run continues
         return state.history[-1][trainer_cfg.monitor] if state.history else float("nan")
     return report_final(loop, state, context)
 

@@ -243,6 +243,8 @@ class TrainSchema:
     print_config: bool = False  # also print the composed config to the console at the start (it is always in
     # .hydra/config.yaml and in each rank's log file, resolved as the rank trains with it)
     callbacks: Any = field(default_factory=dict)  # the add-ons around the loop, by name (conf/callbacks/)
+    logger: Any = field(default_factory=dict)  # where the run's scalars go, by name (conf/logger/): tensorboard,
+    # mlflow, wandb, csv; several at once with logger=[tensorboard,mlflow]
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 

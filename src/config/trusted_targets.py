@@ -6,7 +6,7 @@ line is the user's own choice; a target read from a checkpoint's saved config is
 would run that pickle (hydra-core's blocklist of os.system & co. is no boundary). So every
 `_target_` a saved config names must already be trusted by the user, by being
 
-- the target of an option of a config group the run can choose from (`model/`, `dataset/`, `callbacks/`,
+- the target of an option of a config group the run can choose from (`model/`, `dataset/`, `callbacks/`, `logger/`,
   `task/`, `optimizer/`, `scheduler/`, `experiment/`) in its config folders: conf/ and each
   `file://` folder of `hydra.searchpath`;
 - listed in `trusted_targets` (conf/config.yaml, conf/eval.yaml, or the command line:
@@ -33,7 +33,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from src.common.errors import UsageError
 
 # The config groups whose options name callables (task/ may not exist yet: a missing folder is skipped).
-GROUPS = ("model", "dataset", "task", "optimizer", "scheduler", "callbacks", "experiment")
+GROUPS = ("model", "dataset", "task", "optimizer", "scheduler", "callbacks", "logger", "experiment")
 DEFAULT_CONF = Path(__file__).resolve().parents[2] / "conf"
 
 

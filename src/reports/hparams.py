@@ -10,6 +10,8 @@ flattened config it shows some 40 keys that never change (`dataset._target_`, `n
 - a few settings that tell runs apart even when nobody overrode them: the task, model, dataset,
   optimizer and scheduler chosen, the learning rate, epochs, seed and the global batch size.
 
+Where the run reports (`logger=...`, conf/logger/) is no hyperparameter: it is never recorded.
+
 Importing this module does not import torch.
 """
 
@@ -22,6 +24,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 CHOSEN_GROUPS = ("task", "model", "dataset", "optimizer", "scheduler")  # recorded by option name
 CHOSEN_KEYS = ("optimizer.lr", "trainer.epochs", "seed")  # recorded whether overridden or not
+NOT_RECORDED = ("logger",)  # groups whose settings say where the run reports, not what it trains
 
 
 def run_hparams(config: Mapping[str, Any], overrides: Sequence[str], choices: Mapping[str, str | None],
@@ -35,6 +38,8 @@ def run_hparams(config: Mapping[str, Any], overrides: Sequence[str], choices: Ma
         if override.is_delete():
             continue
         key = override.key_or_group
+        if key.split(".")[0] in NOT_RECORDED:
+            continue
         if key in choices:  # a group override: the option's name
             recorded[key] = str(choices[key])
         else:  # a key, or a block whose every setting is recorded

@@ -1,6 +1,6 @@
 """What a run leaves behind for people: log files, progress bars, TensorBoard events (scalars, images, text,
-hparams), metrics.json and other files of the run dir. Everything a run or its callbacks show goes
-through the `Reporter`'s methods.
+hparams), metrics.json and other files of the run dir, and the experiment trackers the `logger` group adds
+(src/reports/tracking.py). Everything a run or its callbacks show goes through the `Reporter`'s methods.
 
 Rank 0 prints INFO to the console and writes `train.log` (`eval.log` for eval.py),
 TensorBoard events (`tb/`) and the run dir's files, and draws the progress bars; every other rank
@@ -15,7 +15,7 @@ import logging
 import math
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 from omegaconf import OmegaConf
@@ -24,6 +24,9 @@ from tqdm import tqdm
 
 from src.common.files import write_text_atomically
 from src.reports.progress import progress_bar, shows_progress, track
+
+if TYPE_CHECKING:  # annotations only: tracking imports the loop's callback surface
+    from src.reports.tracking import Trackers
 
 _FORMAT = "[%(asctime)s][%(levelname)s] %(message)s"
 T = TypeVar("T")
@@ -108,12 +111,15 @@ class Reporter:
     ~0.5 s, imported in `_events`, the deferred imports of this module, only by runs that write events).
     The event file and its `tb/` dir are created by the first event, so a run refused before any leaves none.
     With `progress=True` it draws progress bars when stdout is a terminal (`trainer.progress`).
+    `trackers` (logger=mlflow, wandb, csv) get the scalars and final metrics too.
     """
 
-    def __init__(self, run_dir: Path, is_main_process: bool, tensorboard: bool = True, progress: bool = False) -> None:
+    def __init__(self, run_dir: Path, is_main_process: bool, tensorboard: bool = True, progress: bool = False,
+                 trackers: Trackers | None = None) -> None:
         self.run_dir = run_dir
         self.is_main_process = is_main_process
         self._tensorboard = is_main_process and tensorboard
+        self._trackers = trackers if is_main_process else None
         self._writer: Any = None
         self._console = sys.stdout if shows_progress(progress, is_main_process, sys.stdout) else None
         self._bar = tqdm(disable=True)  # no bar before progress() makes one
@@ -135,6 +141,8 @@ class Reporter:
         if self._tensorboard:
             for tag, value in values.items():
                 self._events().add_scalar(tag, value, global_step=step)
+        if self._trackers is not None:
+            self._trackers.log(values, step)
 
     def _events(self) -> Any:
         """The run's TensorBoard writer, made (with `tb/`) on first use; only where `_tensorboard` is set."""
@@ -167,8 +175,11 @@ class Reporter:
     def hparams(self, hparams: Mapping[str, Any], final_metrics: Mapping[str, float]) -> None:
         """Record the run's hyperparameters with its final metrics (TensorBoard's HParams tab).
 
-        Written into the run's own event file, so multirun jobs line up side by side.
+        Written into the run's own event file, so multirun jobs line up side by side. The trackers got the
+        hyperparameters when their run opened; they get the final metrics here.
         """
+        if self._trackers is not None:
+            self._trackers.log_final(final_metrics)
         if not self._tensorboard:
             return
         from torch.utils.tensorboard.summary import hparams as hparams_summary
@@ -187,5 +198,8 @@ class Reporter:
             write_text_atomically(self.run_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
 
     def close(self) -> None:
+        """Flush the events and end the trackers' runs, as the loop ended."""
         if self._writer is not None:
             self._writer.close()
+        if self._trackers is not None:
+            self._trackers.close()

@@ -99,6 +99,12 @@ EXERCISED_BY = {
         "test_data_cli.py::test_arrow_on_two_ranks_stopped_and_resumed_trains_bitwise_the_image_folder_run",
     "python benchmarks/fsdp_memory.py": "test_readme.py::test_the_fsdp_benchmarks_write_their_tables",
     "python benchmarks/fsdp_speed.py": "test_readme.py::test_the_fsdp_benchmarks_write_their_tables",
+    "python train.py logger=mlflow logger.mlflow.tracking_uri=http://127.0.0.1:5000":
+        "test_trackers_cli.py::test_a_killed_rank_restarted_by_torchrun_is_one_run_with_each_step_once",
+    "python train.py logger=wandb logger.wandb.mode=offline":
+        "test_trackers_cli.py::test_a_sigterm_stop_then_resume_auto_continue_the_checkpoints_runs",
+    "python train.py logger=csv":
+        "test_trackers_cli.py::test_a_killed_rank_restarted_by_torchrun_is_one_run_with_each_step_once",
 }
 
 

@@ -138,6 +138,7 @@ def test_help_lists_groups_and_cfg_job_skips_torch(workdir: Path):
             "python_docs, synthetic, two_input_synthetic") in help_text
     assert "task: binary, causal_lm, classification, regression" in help_text
     assert "optimizer: adam, adamw, sgd" in help_text and "scheduler: constant, cosine, step" in help_text
+    assert "logger: csv, mlflow, tensorboard, wandb" in help_text
     result = check(run([sys.executable, "-X", "importtime", str(REPO / "train.py"), "--cfg", "job"], workdir))
     assert "batch_size: 64" in result.stdout and "sync_bn: true" in result.stdout
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if "|" in line}

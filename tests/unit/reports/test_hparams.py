@@ -41,3 +41,11 @@ def test_a_group_override_outside_the_chosen_ones_is_recorded_by_option_name():
 def test_flatten_turns_nested_config_into_dotted_scalars():
     flat = flatten({"optimizer": {"lr": 0.1, "betas": [0.9, 0.99]}, "seed": 0, "resume": None})
     assert flat == {"optimizer.lr": 0.1, "optimizer.betas": "[0.9, 0.99]", "seed": 0, "resume": "None"}
+
+
+def test_where_the_run_reports_is_no_hyperparameter():
+    config = {**CONFIG, "logger": {"csv": {"_target_": "src.reports.trackers.csv_file.CSVTracker",
+                                           "filename": "scalars.csv"}}}
+    overrides = ["logger=[tensorboard,csv]", "logger.csv.filename=scalars.csv", "model.dropout=0.1"]
+    assert run_hparams(config, overrides, {**CHOICES, "logger": "[tensorboard,csv]"}, 128) == {
+        **ALWAYS, "model.dropout": 0.1}

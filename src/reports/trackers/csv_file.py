@@ -1,0 +1,74 @@
+"""logger=csv: every scalar the run reports, one row each, in one CSV file of the run dir (no package needed).
+
+Rows are `step,name,value`: the train window's scalars at log steps, the epoch's at epoch ends, the final metrics
+(`final/<metric>`) at the last step, and the hyperparameters once, first, with an empty step and names
+`param/<key>`. A restarted or resumed run appends to the same file and skips what it already holds: each
+(name, step) is in it once. A row cut short by a kill is dropped when the run continues.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from src.reports.trackers import RunIdentity, Tracker
+
+HEADER = "step,name,value\n"
+
+
+class CSVTracker(Tracker):
+    def __init__(self, filename: str = "scalars.csv") -> None:
+        self.filename = filename
+        self._file: TextIO | None = None
+        self._sent: dict[str, int] = {}
+
+    def open(self, run_id: str | None, identity: RunIdentity, params: Mapping[str, Any]) -> str | None:
+        path = identity.run_dir / self.filename
+        held = whole_rows(path)
+        self._sent = last_steps(held)
+        if held:  # what a kill cut short goes; the rest stays
+            os.truncate(path, len(held.encode("utf-8")))
+        self._file = path.open("a" if held else "w", encoding="utf-8", newline="")
+        if not held:
+            self._file.write(HEADER)
+            self._write([("", f"param/{key}", value) for key, value in params.items()])
+        return None
+
+    def sent_steps(self) -> dict[str, int]:
+        return dict(self._sent)
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        self._write([(step, name, value) for name, value in scalars.items()])
+
+    def _write(self, rows: list[tuple[Any, str, Any]]) -> None:
+        assert self._file is not None, "log() before open()"
+        buffer = io.StringIO()
+        csv.writer(buffer, lineterminator="\n").writerows(rows)
+        self._file.write(buffer.getvalue())
+        self._file.flush()  # a row a kill would lose is redone by the restart; one it keeps is not written again
+
+    def close(self, status: str, stop_reason: str | None) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def whole_rows(path: Path) -> str:
+    """The file's text up to its last complete row (the header included); '' if there is none."""
+    if not path.exists():
+        return ""
+    text = path.read_text(encoding="utf-8")
+    return text[: text.rfind("\n") + 1] if text.startswith(HEADER) else ""
+
+
+def last_steps(text: str) -> dict[str, int]:
+    """The last step of each name in `text` (rows without a step, the hyperparameters, count as step -1)."""
+    last: dict[str, int] = {}
+    for row in csv.DictReader(io.StringIO(text)):
+        step = int(row["step"]) if row["step"] else -1
+        last[row["name"]] = max(step, last.get(row["name"], -1))
+    return last

@@ -1,0 +1,105 @@
+"""logger=mlflow: the run as one MLflow run (needs `pip install mlflow-skinny==3.17.2` for a server, or the full
+`mlflow==3.17.2` for a local sqlite store).
+
+Built on rank 0 before the run does any work: a missing package, or a server that does not answer its
+`/health` within `timeout_s`, is one error line there. The client is MLflow's `MlflowClient`, not its
+process-global active run (`mlflow.start_run`): a multirun's jobs run one after another in one process, each its
+own run, and nothing of one job's is left to an exit handler. A run continued by id is set RUNNING again; the
+steps it already holds are read back from the server, so a restart's redone steps are not stored twice
+(MLflow would keep both).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from typing import Any
+
+from src.common.errors import UsageError
+from src.reports.trackers import RunIdentity, Tracker, import_package
+
+log = logging.getLogger(__name__)
+INSTALL = "mlflow-skinny==3.17.2 (a client of an `mlflow server`; the full mlflow==3.17.2 for a local store)"
+
+
+class MLflowTracker(Tracker):
+    def __init__(self, tracking_uri: str | None = None, experiment_name: str = "ddp-hydra-template",
+                 timeout_s: float = 10.0) -> None:
+        # The client's own retries would outlast a short timeout many times over.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(timeout_s, 1))))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        self.mlflow = import_package("mlflow", "mlflow", INSTALL)  # with its client and entities
+        if tracking_uri and tracking_uri.startswith(("http://", "https://")):
+            check_server(tracking_uri, timeout_s)
+        self.client = self.mlflow.tracking.MlflowClient(tracking_uri=tracking_uri or None)
+        self.experiment_name = experiment_name
+        self.run_id: str | None = None
+
+    def open(self, run_id: str | None, identity: RunIdentity, params: Mapping[str, Any]) -> str:
+        if run_id is not None and self._continues(run_id):  # a restart, resume=auto, a resumed sweep job
+            self.run_id = run_id
+            return run_id
+        tags = {"run_dir": str(identity.run_dir)}
+        if identity.group is not None:
+            tags.update(sweep=identity.group, sweep_job=str(identity.job))
+        run = self.client.create_run(self._experiment_id(), run_name=identity.name, tags=tags)
+        self.run_id = run.info.run_id
+        param = self.mlflow.entities.Param
+        self.client.log_batch(self.run_id, params=[param(key, str(value)) for key, value in params.items()])
+        return self.run_id
+
+    def _continues(self, run_id: str) -> bool:
+        """Set the run `run_id` RUNNING again; False (with a warning) if this tracking server has no such run."""
+        try:
+            self.client.get_run(run_id)
+        except self.mlflow.exceptions.MlflowException as error:
+            log.warning("MLflow run %s is not on %s (%s): this run starts a new one", run_id,
+                        self.client.tracking_uri, error.error_code)
+            return False
+        self.client.update_run(run_id, status="RUNNING")
+        return True
+
+    def _experiment_id(self) -> str:
+        experiment = self.client.get_experiment_by_name(self.experiment_name)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return self.client.create_experiment(self.experiment_name)
+        except Exception:  # another job created it meanwhile
+            experiment = self.client.get_experiment_by_name(self.experiment_name)
+            if experiment is None:
+                raise
+            return experiment.experiment_id
+
+    def sent_steps(self) -> dict[str, int]:
+        assert self.run_id is not None
+        keys = self.client.get_run(self.run_id).data.metrics
+        return {key: max(m.step for m in self.client.get_metric_history(self.run_id, key)) for key in keys}
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        metric = self.mlflow.entities.Metric
+        self.client.log_batch(self.run_id, metrics=[metric(key, float(value), now, step)
+                                                    for key, value in scalars.items()])
+
+    def close(self, status: str, stop_reason: str | None) -> None:
+        if self.run_id is None:
+            return
+        if stop_reason is not None:
+            self.client.set_tag(self.run_id, "stop_reason", stop_reason)
+        self.client.set_terminated(self.run_id, status)
+        self.run_id = None
+
+
+def check_server(uri: str, timeout_s: float) -> None:
+    """One line, before any work, if the tracking server does not answer within `timeout_s`."""
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as response:
+            response.read()
+    except (urllib.error.URLError, OSError) as error:
+        raise UsageError(f"logger.mlflow.tracking_uri={uri} does not answer ({error}): start the server, or "
+                         f"choose another tracking_uri") from None

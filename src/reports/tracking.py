@@ -1,0 +1,132 @@
+"""One tracker run per training run, whatever happens to it: the `logger`s' runs (src/reports/trackers/), opened
+by rank 0 when the loop starts, fed by the Reporter, and kept across restarts, resumes and sweeps.
+
+- Their ids are kept in the run dir (`trackers.json`) and in every checkpoint (this callback's state), so a
+  torchrun restart, `resume=auto` or a resumed sweep job continues the same tracker runs (the checkpoint's ids
+  first: `resume=PATH` may start in another run dir).
+- A step redone after a restart is not sent twice: each tracker says the last step it holds of each key
+  (MLflow from its server, the CSV from its file), or the ledger in `trackers.json` does (W&B offline), and
+  `log` skips every (key, step) up to it.
+- A sweep's jobs are runs of their own, grouped by the sweep dir.
+- A run ends FINISHED (its epochs done or a callback's stop, e.g. `pruned`, named as `stop_reason`), KILLED
+  (max_steps or preemption: a checkpoint to resume from) or FAILED (the loop raised).
+
+Scalars arrive already on the host, at log steps and epoch ends (the Reporter's `scalars`): nothing here syncs
+a device. Other ranks build no tracker and do nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from src.common.files import write_text_atomically
+from src.loop.callback import Callback, Run
+from src.loop.stopping import StopReason
+from src.reports.hparams import run_hparams
+from src.reports.trackers import RunIdentity, Tracker
+
+log = logging.getLogger(__name__)
+IDS_FILE = "trackers.json"  # in the run dir: {"ids": {logger: run id}, "sent": {logger: {key: last step}}}
+
+
+class Trackers(Callback):
+    """The run's trackers by logger name (none on ranks other than 0), as one callback named `trackers`."""
+
+    def __init__(self, trackers: Mapping[str, Tracker], identity: RunIdentity, overrides: Sequence[str] = (),
+                 choices: Mapping[str, Any] | None = None) -> None:
+        self.trackers = dict(trackers)
+        self.identity = identity
+        self.overrides, self.choices = tuple(overrides), dict(choices or {})
+        self.ids: dict[str, str] = {}  # each tracker's run id, from the checkpoint and then from `open`
+        self.sent: dict[str, dict[str, int]] = {}  # the last step each tracker holds of each key
+        self._ledger: set[str] = set()  # the trackers whose `sent` only trackers.json knows
+        self._status: tuple[str, str | None] | None = None  # how the run ended, when `close` comes
+        self._last_step = 0
+        self._open = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ids": dict(self.ids)} if self.ids else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.ids = dict(state.get("ids", {}))
+
+    def on_run_start(self, run: Run) -> None:
+        """Open each tracker's run: the one the checkpoint or the run dir names, else a new one with the run's
+        hyperparameters (the keys TensorBoard's HParams shows)."""
+        if not self.trackers:
+            self.enabled = False  # not rank 0, or no tracker but TensorBoard
+            return
+        saved = read_ids_file(self.identity.run_dir)
+        known = {**saved.get("ids", {}), **self.ids}
+        params = run_hparams(run.parts.saved_config, self.overrides, self.choices,
+                             run.parts.data.train_sampler.global_batch_size)
+        for name, tracker in self.trackers.items():
+            run_id = tracker.open(known.get(name), self.identity, params)
+            if run_id is not None:
+                self.ids[name] = run_id
+            held = tracker.sent_steps()
+            if held is None:
+                self._ledger.add(name)
+                held = saved.get("sent", {}).get(name, {}) if known.get(name) == run_id else {}
+            self.sent[name] = dict(held)
+        self._open = True
+        self._write_ids_file()
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        """Send each scalar to each tracker that does not hold its key at `step` yet (the Reporter's)."""
+        if not self._open:
+            return
+        self._last_step = max(self._last_step, step)
+        for name, tracker in self.trackers.items():
+            sent = self.sent[name]
+            fresh = {key: value for key, value in scalars.items() if step > sent.get(key, -1)}
+            if fresh:
+                tracker.log(fresh, step)
+                sent.update(dict.fromkeys(fresh, step))
+        if self._ledger:
+            self._write_ids_file()
+
+    def log_final(self, final_metrics: Mapping[str, float]) -> None:
+        """The finished run's final metrics, as `final/<metric>` at its last step."""
+        self.log({f"final/{key}": value for key, value in final_metrics.items()}, self._last_step)
+
+    def on_run_end(self, run: Run, reason: StopReason) -> None:
+        stop_reason = run.state.stopped.reason if run.state.stopped is not None else reason.value
+        self._status = ("FINISHED" if reason.is_final else "KILLED", stop_reason)
+
+    def on_exception(self, run: Run, error: BaseException) -> None:
+        self._status = ("FAILED", type(error).__name__)
+        self.close()
+
+    def close(self) -> None:
+        """End every tracker's run as the loop ended (the Reporter's, after the final metrics)."""
+        if not self._open:
+            return
+        status, stop_reason = self._status or ("FAILED", None)
+        self._open = False
+        for name, tracker in self.trackers.items():
+            try:
+                tracker.close(status, stop_reason)
+            except Exception as error:  # a server gone: the run's own error (if any) is the one to see
+                log.warning("logger %s: could not end its run as %s: %s", name, status, error)
+
+    def _write_ids_file(self) -> None:
+        ledger = {name: self.sent[name] for name in sorted(self._ledger)}
+        write_text_atomically(self.identity.run_dir / IDS_FILE, json.dumps({"ids": self.ids, "sent": ledger}) + "\n")
+
+
+def read_ids_file(run_dir: Path) -> dict[str, Any]:
+    """trackers.json of `run_dir` ({} if the run has none yet)."""
+    path = run_dir / IDS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def identity_of(run_dir: Path, in_sweep: bool) -> RunIdentity:
+    """A run's name, and a sweep job's group: its sweep dir (the job dir's parent, hydra.sweep.dir)."""
+    if in_sweep:
+        return RunIdentity(str(run_dir), run_dir, group=str(run_dir.parent), job=run_dir.name)
+    return RunIdentity(str(run_dir), run_dir)

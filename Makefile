@@ -13,9 +13,8 @@ $(VENV)/.runtime: requirements.txt
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt benchmarks/requirements-lightning.txt requirements-mlflow-server.txt
+$(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt benchmarks/requirements-lightning.txt
 	$(PY) -m pip install --quiet -r requirements-dev.txt
-	$(PY) -m pip install --quiet --no-deps -r requirements-mlflow-server.txt
 	touch $@
 
 train: $(VENV)/.runtime

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,11 +24,72 @@ TINY = ["trainer.epochs=2", "trainer.log_every_steps=5"]
 
 
 def run(command: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `command`, returning its exit code and output; never hangs the suite."""
+    """Run `command`, returning its exit code and output; never hangs the suite. `python SCRIPT ...` and
+    `python -m MODULE ...` without environment overrides run in a child of the zygote (torch already imported)."""
+    full_env = launch_env(env)
+    if ZYGOTE_ENABLED and not env and command[0] == sys.executable and forkable(command[1], cwd):
+        return _zygote().run(command, cwd, full_env, timeout)
+    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def forkable(first: str, cwd: Path) -> bool:
+    """Whether `python FIRST ...` can run in the zygote: a module (-m) or a script file, no interpreter flags."""
+    return first == "-m" or (first.endswith(".py") and (Path(cwd) / first).is_file())
+
+
+def launch_env(env: dict | None = None) -> dict[str, str]:
+    """The environment of a launched command: this one, unbuffered, with no distributed variables."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(key, None)
-    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return full_env
+
+
+ZYGOTE_ENABLED = os.environ.get("TEST_ZYGOTE", "1") != "0"  # TEST_ZYGOTE=0: a fresh interpreter every time
+_zygotes: list[Zygote] = []
+
+
+def _zygote() -> Zygote:
+    """This test process's zygote, started on first use (tests/fixtures/zygote.py)."""
+    if not _zygotes or _zygotes[0].server.poll() is not None:
+        _zygotes[:] = [Zygote()]
+    return _zygotes[0]
+
+
+class Zygote:
+    """The client of tests/fixtures/zygote.py: runs a command in a forked child, as subprocess.run would."""
+
+    def __init__(self) -> None:
+        script = str(REPO / "tests" / "fixtures" / "zygote.py")
+        self.server = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       env=launch_env(), text=True, bufsize=1)
+
+    def run(self, command: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory(prefix="zygote-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            request = {"argv": command[1:], "cwd": str(Path(cwd).resolve()), "env": env, "stdout": str(out),
+                       "stderr": str(err)}
+            self.server.stdin.write(json.dumps(request) + "\n")
+            pid = json.loads(self.server.stdout.readline())["pid"]
+            timer = threading.Timer(timeout, _kill, (pid,))
+            timer.start()
+            try:
+                status = json.loads(self.server.stdout.readline())["status"]
+            finally:
+                timer.cancel()
+            stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+        if _killed.pop(pid, False):  # the timer killed it
+            raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(command, os.waitstatus_to_exitcode(status), stdout, stderr)
+
+
+_killed: dict[int, bool] = {}
+
+
+def _kill(pid: int) -> None:
+    _killed[pid] = True
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def train(args: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess:

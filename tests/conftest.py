@@ -75,6 +75,11 @@ class Zygote:
             timer.start()
             try:
                 status = json.loads(self.server.stdout.readline())["status"]
+            except BaseException:  # interrupted (pytest-timeout, ^C): its answer would reach the next request
+                _kill(pid)
+                self.server.kill()
+                self.server.wait()
+                raise
             finally:
                 timer.cancel()
             stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")

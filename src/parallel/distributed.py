@@ -152,12 +152,16 @@ def prepare_model(
     Returns `(module, train_model)`: the module that is evaluated and saved, and the one the loop
     trains: DDP's wrapper around the plain module, or, with `sharding` (the `dist.fsdp` settings of
     dist.strategy=fsdp), the FSDP2-sharded module both times (src/parallel/fsdp.py; `param_dtype`: its
-    compute dtype under mixed precision). A single process gets the plain module both times.
+    compute dtype under mixed precision). A single process gets the plain module both times. A module on the
+    meta device (src/loop/initial_weights.py) gets memory only for what this rank holds (its shards, after
+    sharding), left uninitialised.
     """
     if runtime.env.is_distributed and sync_bn:
         module = convert_sync_batchnorm(module, runtime.device)
-    module = module.to(runtime.device)
+    on_meta = any(parameter.is_meta for parameter in module.parameters())
+    module = module if on_meta else module.to(runtime.device)
     if not runtime.env.is_distributed:
+        module = module.to_empty(device=runtime.device) if on_meta else module
         return module, module
     if sharding is not None:
         if sharding.cpu_offload and runtime.device.type != "cuda":  # FSDP2 pins host memory for the copies
@@ -166,6 +170,8 @@ def prepare_model(
 
         module = fsdp.shard(module, sharding.wrap, sharding.reshard_after_forward, sharding.cpu_offload, param_dtype,
                             sharding.min_unit_params)
+        if on_meta:
+            module.to_empty(device=runtime.device)
         return module, module
     train_model = torch.nn.parallel.DistributedDataParallel(
         module,

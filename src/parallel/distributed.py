@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -211,7 +212,7 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     if not is_initialized():
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=src)
+    dist.broadcast_object_list(holder, src=src, group=collective_group())
     return holder[0]
 
 
@@ -220,8 +221,32 @@ def gather_objects(obj: object) -> list[object]:
     if not is_initialized():
         return [obj]
     gathered: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    dist.all_gather_object(gathered, obj, group=collective_group())
     return gathered
+
+
+_this_thread = threading.local()  # the group the collectives above use in this thread (None: the default)
+
+
+def new_group() -> Any:
+    """A second group over every rank (gloo), for a thread whose collectives run while the training thread's
+    run on the default group (a background checkpoint write): two threads' collectives on one group would
+    interleave differently on each rank. None in a single process. A collective: every rank calls it."""
+    return dist.new_group(backend="gloo") if is_initialized() else None
+
+
+def collective_group() -> Any:
+    return getattr(_this_thread, "group", None)
+
+
+@contextlib.contextmanager
+def collectives_on(group: Any) -> Iterator[None]:
+    """This thread's `broadcast_object` and `gather_objects` (and what asks `collective_group()`) use `group`."""
+    _this_thread.group = group
+    try:
+        yield
+    finally:
+        _this_thread.group = None
 
 
 @contextlib.contextmanager

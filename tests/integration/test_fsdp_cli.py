@@ -190,12 +190,15 @@ def test_stopped_on_1_process_resumes_on_2_ranks(runs: Runs):
     assert_close_to(resumed, runs("straight"), sharded_weights(resumed))
 
 
-def test_a_kill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(runs: Runs, launched, tmp_path: Path):
+@pytest.mark.parametrize("mode", [[], ["trainer.async_checkpoint=true"]], ids=["sync", "async_checkpoint"])
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(runs: Runs, launched, tmp_path: Path,
+                                                                            mode: list[str]):
     """Rank 0 stalls while writing the index of the second checkpoint (step 10), after every rank wrote its
-    shards; the whole group is SIGKILLed there."""
+    shards (with trainer.async_checkpoint: in the writer thread, while training goes on up to the next save,
+    which waits for it); the whole group is SIGKILLed there."""
     marker = tmp_path / "stalled"
     worker = str(REPO / "tests" / "fixtures" / "stalled_save_worker.py")
-    process = launched.start([*TORCHRUN, "--standalone", "--nproc_per_node=2", worker, *TWO_EPOCHS,
+    process = launched.start([*TORCHRUN, "--standalone", "--nproc_per_node=2", worker, *TWO_EPOCHS, *mode,
                               "hydra.run.dir=run"], tmp_path, env={"STALL_MARKER": str(marker)})
     wait_until(marker.exists, timeout=180, what="the stalled save")
     for pid in [process.pid, *descendants(process.pid)]:  # torchrun's workers run in sessions of their own

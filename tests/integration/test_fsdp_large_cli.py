@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAIN, weights
+from conftest import TRAIN, check, torchrun, weights
 from faults import TORCHRUN
 from lazy_runs import LazyRuns
 
@@ -55,6 +55,15 @@ def test_fsdp_builds_on_meta_and_starts_from_the_ddp_run_s_weights_on_any_world_
     assert "the model is built on the meta device; each rank allocates only its shards" in log
     assert "the model is built on the meta device" not in (runs("ddp on 2") / "train.log").read_text()
 
+
+
+def test_init_from_loads_a_ddp_checkpoint_into_the_shards_of_a_model_built_on_meta(runs: LazyRuns, tmp_path: Path):
+    """Seed 1 would draw other weights: every parameter is the file's (the ddp run's, seed 0)."""
+    source = runs("ddp on 2") / "checkpoints" / "last.pt"
+    check(torchrun(2, [*FIRST_STEP, *FSDP, "seed=1", f"init_from={source}", "hydra.run.dir=run"], tmp_path))
+    loaded, ddp = parameters(tmp_path / "run"), parameters(runs("ddp on 2"))
+    assert loaded.keys() == ddp.keys() and all(torch.equal(loaded[key], ddp[key]) for key in ddp)
+    assert "init_from: loaded 16 of the model's 16 tensors" in (tmp_path / "run" / "train.log").read_text()
 
 # -- a model over one process's memory limit ----------------------------------------------------------------------
 

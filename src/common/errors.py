@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import resource
 import sys
 import time
 from typing import Iterator
@@ -74,3 +76,37 @@ def exit_if_failed_for_good() -> None:
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {message} (not retried: every restart would stop on it)", file=sys.stderr)
     sys.exit(USAGE_ERROR_EXIT_CODE)
+
+
+# How an allocation that found no memory reads: Python's MemoryError, torch's CPU allocator ("can't allocate
+# memory"), CUDA's caching allocator ("CUDA out of memory").
+_NO_MEMORY = ("can't allocate memory", "out of memory")
+
+
+@contextlib.contextmanager
+def out_of_memory_is_one_line(strategy: str) -> Iterator[None]:
+    """An allocation the process has no memory for, anywhere in the block, becomes one line (a local UsageError:
+    each rank that runs out prints it) naming the process's memory limit and what shrinks a rank's share."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as error:
+        if isinstance(error, RuntimeError) and not any(words in str(error) for words in _NO_MEMORY):
+            raise
+        # torch's allocators say how much they were asked for
+        asked = re.search(r"tried to allocate [\d.,]+ ?\w+", str(error), re.IGNORECASE)
+        detail = asked.group(0) if asked else (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        instead = ("more ranks (torchrun --nproc_per_node=N)" if strategy == "fsdp" else
+                   "dist=fsdp, which keeps 1/W of the parameters, gradients and optimizer state on each of W ranks")
+        rank = os.environ.get("RANK", "0")
+        usage_error = UsageError(f"out of memory on rank {rank} ({detail}) under dist={strategy}, {memory_limit()}: "
+                                 f"the model's training state does not fit one process: use {instead}")
+        usage_error.local = True
+        raise usage_error from None
+
+
+def memory_limit() -> str:
+    """The per-process memory limits set (ulimit -v / -d), in words."""
+    limits = [f"{name} {value / 2**20:,.0f} MiB" for name, value in
+              (("address space (ulimit -v)", resource.getrlimit(resource.RLIMIT_AS)[0]),
+               ("data (ulimit -d)", resource.getrlimit(resource.RLIMIT_DATA)[0])) if value != resource.RLIM_INFINITY]
+    return f"limits: {', '.join(limits)}" if limits else "no per-process limit set (the machine's memory is full)"

@@ -149,6 +149,8 @@ class TrainerConfig:
     checkpoint_every_steps: int | None = setting(None, at_least(1, or_null=True))  # also checkpoint mid-epoch
     # every N optimizer steps (null: at epoch ends only); resume goes on from that very step with the same
     # remaining data
+    async_checkpoint: bool = False  # true: a save waits only for a copy of the state in host memory and is written
+    # in the background while training goes on (at most one in flight; the next save and the run's end wait)
     keep_last: int = setting(2, at_least(1))  # newest mid-epoch checkpoints kept as checkpoints/step_<N>.pt
     # (last.pt is always kept)
     max_steps: int | None = setting(None, at_least(1, or_null=True))  # stop after this many optimizer steps in

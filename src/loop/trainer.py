@@ -143,6 +143,7 @@ class Trainer:
             callbacks.run_start(run)
             with self.stopping:
                 reason = self._epochs(run)
+            self.parts.store.wait()  # the last checkpoint written (trainer.async_checkpoint), or its failure raised
         except Exception as error:
             callbacks.exception(run, error)  # a callback may raise a clearer error in its place
             raise

@@ -127,8 +127,10 @@ def test_a_run_resumes_on_another_world_size(workdir: Path, straight: Path):
     assert_same_run(workdir / "run", straight, atol=1e-5)
 
 
-def test_sigterm_checkpoints_and_stops_cleanly(workdir: Path, straight: Path):
-    command = [sys.executable, TRAIN, *TWO_EPOCHS, "trainer.log_every_steps=2", "hydra.run.dir=run"]
+@pytest.mark.parametrize("mode", [[], ["trainer.async_checkpoint=true"]], ids=["sync", "async_checkpoint"])
+def test_sigterm_checkpoints_and_stops_cleanly(workdir: Path, straight: Path, mode: list[str]):
+    """With trainer.async_checkpoint, the run's end waits for the preemption checkpoint's background write."""
+    command = [sys.executable, TRAIN, *TWO_EPOCHS, *mode, "trainer.log_every_steps=2", "hydra.run.dir=run"]
     process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (workdir / "run" / "metrics.json").exists() and time.time() < deadline:
@@ -139,7 +141,10 @@ def test_sigterm_checkpoints_and_stops_cleanly(workdir: Path, straight: Path):
     assert "SIGTERM: checkpointing at the next log step" in err + out
     assert "stopped at step" in out
     saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)["loop"]
-    assert saved["epoch"] == 1 and 22 < saved["step"] < 44 and saved["step"] % 2 == 0
+    assert saved["epoch"] == 1 and 22 < saved["step"] < 44
+    # Signals are checked at log steps, and every ~2 s between (src/parallel/preemption.py): with the writer
+    # thread beside them, the steps right after the epoch's checkpoint may be that slow on a loaded machine.
+    assert saved["step"] % 2 == 0 or mode
     check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))
     assert_same_run(workdir / "run", straight)
 
@@ -161,19 +166,23 @@ import sys, torch
 sys.path.insert(0, {repo!r})
 from pathlib import Path
 from src.checkpoint.file_store import FileStore
-saver = FileStore(Path({directory!r}), is_main_process=True)
+saver = FileStore(Path({directory!r}), is_main_process=True, background={background})
 saver.save({{"model": {{"w": torch.zeros(3)}}, "loop": {{"epoch": 1}}}}, step=1, is_best=False)
+saver.wait()
 print("first saved", flush=True)
 saver.save({{"model": {{"w": torch.ones(64 * 2**20)}}, "loop": {{"epoch": 2}}}}, step=2, is_best=False)  # 256 MB: slow
+saver.wait()
 """
 
 
-def test_a_process_killed_while_writing_leaves_the_previous_checkpoint(tmp_path: Path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async_checkpoint"])
+def test_a_process_killed_while_writing_leaves_the_previous_checkpoint(tmp_path: Path, background: bool):
+    """Killed while the second save is being written (with trainer.async_checkpoint: by the writer thread)."""
     from conftest import REPO
 
     from src import checkpoint
 
-    code = WRITER.format(repo=str(REPO), directory=str(tmp_path))
+    code = WRITER.format(repo=str(REPO), directory=str(tmp_path), background=background)
     writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert writer.stdout.readline().strip() == "first saved"
     temp = tmp_path / "last.pt.tmp"

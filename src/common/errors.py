@@ -84,24 +84,38 @@ _NO_MEMORY = ("can't allocate memory", "out of memory")
 
 
 @contextlib.contextmanager
-def out_of_memory_is_one_line(strategy: str) -> Iterator[None]:
+def out_of_memory_is_one_line(strategy: str, init_weights: str = "auto") -> Iterator[None]:
     """An allocation the process has no memory for, anywhere in the block, becomes one line (a local UsageError:
-    each rank that runs out prints it) naming the process's memory limit and what shrinks a rank's share."""
+    each rank that runs out prints it) naming the process's memory limit and what shrinks a rank's share
+    (`init_weights`: the run's trainer.init_weights; `constructor` builds an fsdp run's model whole)."""
     try:
         yield
-    except (MemoryError, RuntimeError) as error:
-        if isinstance(error, RuntimeError) and not any(words in str(error) for words in _NO_MEMORY):
+    except Exception as raised:  # noqa: BLE001 - re-raised unless it is (or was caused by) running out of memory
+        error = _out_of_memory(raised)
+        if error is None:
             raise
         # torch's allocators say how much they were asked for
         asked = re.search(r"tried to allocate [\d.,]+ ?\w+", str(error), re.IGNORECASE)
         detail = asked.group(0) if asked else (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
-        instead = ("more ranks (torchrun --nproc_per_node=N)" if strategy == "fsdp" else
-                   "dist=fsdp, which keeps 1/W of the parameters, gradients and optimizer state on each of W ranks")
+        instead = ("dist=fsdp, which keeps 1/W of the parameters, gradients and optimizer state on each of W ranks"
+                   if strategy != "fsdp" else "more ranks (torchrun --nproc_per_node=N)" if init_weights != "constructor"
+                   else "trainer.init_weights=by_name (built on the meta device, each rank allocates only its shards)")
         rank = os.environ.get("RANK", "0")
         usage_error = UsageError(f"out of memory on rank {rank} ({detail}) under dist={strategy}, {memory_limit()}: "
                                  f"the model's training state does not fit one process: use {instead}")
         usage_error.local = True
         raise usage_error from None
+
+
+def _out_of_memory(error: BaseException | None) -> BaseException | None:
+    """`error`, or the error it wraps (a model constructor's, inside Hydra's InstantiationException), if that
+    one is an allocation that found no memory; else None."""
+    while error is not None:
+        if isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and
+                                              any(words in str(error) for words in _NO_MEMORY)):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def memory_limit() -> str:

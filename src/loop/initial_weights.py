@@ -1,24 +1,29 @@
-"""A run's initial weights: derived from the seed and each module's name, never from the order of RNG draws.
+"""A fresh run's initial weights (`trainer.init_weights`): drawn by the model's constructor, or derived from the
+seed and each module's name.
 
-Every run (dist=ddp, dist=fsdp, one process) initialises its model the same way, after it is wrapped or
-sharded: for each module that owns parameters or buffers, a full-size copy of that one module's own tensors
-is initialised on the CPU, with the RNG seeded from (seed, the module's name in `named_modules()`), and each
-rank keeps its slice of it (all of it, unless sharded). So the weights depend neither on the world size nor
-on the strategy, and a sharded run's are bitwise those of a ddp run with the same seed, by construction.
-A rank's peak memory is its shards plus one module.
+`constructor` (the default, except under dist=fsdp): the model is built whole, its constructor drawing from the
+RNG as the run's seeding left it, as every run did before; under dist=fsdp every rank builds it whole, then shards.
+
+`by_name` (the default under dist=fsdp): for each module that owns parameters or buffers, a full-size copy of
+that one module's own tensors is initialised on the CPU, with the RNG seeded from (seed, the module's name in
+`named_modules()`), and each rank keeps its slice of it (all of it, unless sharded). So the weights depend
+neither on the world size nor on the strategy: a sharded run's are bitwise those of a dist=ddp run with
+`trainer.init_weights=by_name` and the same seed, by construction. A model built on the meta device has no
+order of RNG draws to replay, which is why dist=fsdp needs this scheme; dist=ddp keeps `constructor`, so its
+runs start where they always did. A rank's peak memory is its shards plus one module.
 
 A module's initialiser is the model's `init_module(module)` when the model defines one (it is called for
 every module that owns tensors: TinyGPT's draws GPT-2's N(0, 0.02), resnet18's torchvision's own scheme),
 else the module's `reset_parameters()` (torch's layers: what their constructors draw). An initialiser
 touches only that module's own parameters and buffers.
 
-dist=fsdp builds the model on the meta device (no memory), shards it, allocates only this rank's shards
-(`to_empty`, src/parallel/distributed.py) and initialises them. A model that cannot be built there (its
-constructor reads data, or makes a tensor on a named device), or one with a module that owns tensors no
-initialiser covers (a bare `nn.Parameter`, a buffer computed in `__init__`), is built whole on every rank and
-then sharded, as before; the log says so in one line, naming the reason. A module no initialiser covers keeps
-the values its constructor gave it, under every strategy alike (constructors run with the RNG seeded from the
-seed, and the run's own RNG left as it was).
+With `by_name`, dist=fsdp builds the model on the meta device (no memory), shards it, allocates only this
+rank's shards (`to_empty`, src/parallel/distributed.py) and initialises them. A model that cannot be built
+there (its constructor reads data, or makes a tensor on a named device), or one with a module that owns
+tensors no initialiser covers (a bare `nn.Parameter`, a buffer computed in `__init__`), is built whole on
+every rank and then sharded; the log says so in one line, naming the reason. A module no initialiser covers
+keeps the values its constructor gave it, under every strategy alike (with `by_name`, constructors run with
+the RNG seeded from the seed, and the run's own RNG left as it was).
 """
 
 from __future__ import annotations
@@ -37,11 +42,22 @@ from src.parallel import fsdp
 log = logging.getLogger(__name__)
 
 
-def build(make: Callable[[], nn.Module], seed: int, on_meta: bool) -> nn.Module:
-    """The model `make()` builds: on the meta device if `on_meta` and it can be (see the module's docstring),
-    else on the CPU, its constructor drawing from the RNG seeded with `seed`."""
+def by_name(setting: str, strategy: str) -> bool:
+    """Whether `trainer.init_weights=setting` initialises by name under `dist.strategy`: `auto` does under fsdp."""
+    return setting == "by_name" or (setting == "auto" and strategy == "fsdp")
+
+
+def build(make: Callable[[], nn.Module], seed: int, named: bool, sharded: bool) -> nn.Module:
+    """The model `make()` builds. Not `named` (constructor): as the RNG stands. `named` (by_name): on the meta
+    device if `sharded` and it can be (see the module's docstring), else on the CPU, its constructor drawing
+    from the RNG seeded with `seed`; `initialise` gives it its weights once prepared."""
+    if not named:
+        if sharded:
+            log.info("dist=fsdp, trainer.init_weights=constructor: the model is built whole on every rank, then "
+                     "sharded")
+        return make()
     reason = None
-    if on_meta:
+    if sharded:
         model, reason = _built_on_meta(make)
         if model is not None:
             log.info("dist=fsdp: the model is built on the meta device; each rank allocates only its shards")

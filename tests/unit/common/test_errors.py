@@ -48,3 +48,21 @@ def test_python_s_and_cuda_s_out_of_memory_are_one_line_too(error: BaseException
 def test_other_runtime_errors_pass_through():
     with pytest.raises(RuntimeError, match="shape mismatch"), errors.out_of_memory_is_one_line("ddp"):
         raise RuntimeError("shape mismatch")
+
+
+def test_an_out_of_memory_a_model_constructor_raised_inside_hydra_s_instantiate_is_one_line_too():
+    """trainer.init_weights=constructor under dist=fsdp builds the whole model, through hydra's instantiate,
+    which wraps what the constructor raised."""
+    from hydra.errors import InstantiationException
+
+    allocator = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 37748736 bytes.")
+    with pytest.raises(errors.UsageError, match=r"^out of memory on rank \d+ \(tried to allocate 37748736 bytes\) "
+                                                r"under dist=fsdp, .*: use trainer.init_weights=by_name \(built on "
+                                                r"the meta device, each rank allocates only its shards\)$"):
+        with errors.out_of_memory_is_one_line("fsdp", "constructor"):
+            try:
+                raise allocator
+            except RuntimeError as error:
+                raise InstantiationException("Error in call to target 'src.components.models.MLP'") from error
+    with pytest.raises(InstantiationException), errors.out_of_memory_is_one_line("fsdp"):
+        raise InstantiationException("Error in call to target 'src.components.models.MLP': TypeError(...)")

@@ -1,5 +1,6 @@
-"""Initial weights from the seed and each module's name (src/loop/initial_weights.py), in one process: built
-on the meta device and materialised, or built whole, every template model starts from the same tensors."""
+"""A fresh run's initial weights (src/loop/initial_weights.py), in one process. By name: built on the meta
+device and materialised, or built whole, every template model starts from the same tensors. By constructor
+(dist=ddp's default): the very tensors `torch.manual_seed(seed); Model(...)` gives, as before."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ MODELS = {
 
 def fresh(make, seed: int = 0, on_meta: bool = False) -> nn.Module:  # noqa: ANN001
     """What train.py does on one process: build, allocate what is on meta, initialise."""
-    model = initial_weights.build(make, seed, on_meta)
+    model = initial_weights.build(make, seed, named=True, sharded=on_meta)
     if on_meta:
         model.to_empty(device="cpu")
     initial_weights.initialise(model, seed)
@@ -33,7 +34,7 @@ def fresh(make, seed: int = 0, on_meta: bool = False) -> nn.Module:  # noqa: ANN
 
 @pytest.mark.parametrize("name", MODELS)
 def test_a_model_built_on_meta_starts_from_the_weights_a_whole_build_gets(name: str):
-    on_meta = initial_weights.build(MODELS[name], 0, on_meta=True)
+    on_meta = initial_weights.build(MODELS[name], 0, named=True, sharded=True)
     assert all(tensor.is_meta for tensor in on_meta.state_dict().values())
     whole, materialised = fresh(MODELS[name]).state_dict(), fresh(MODELS[name], on_meta=True).state_dict()
     assert whole.keys() == materialised.keys()
@@ -96,11 +97,34 @@ class _NamedDevice(nn.Module):
 ], ids=["uncovered module", "reads data", "tensor made on the cpu"])
 def test_a_model_that_cannot_be_built_on_meta_is_built_whole_with_one_line(make, reason, caplog):  # noqa: ANN001
     caplog.set_level(logging.INFO)
-    model = initial_weights.build(make, 0, on_meta=True)
+    model = initial_weights.build(make, 0, named=True, sharded=True)
     assert not any(tensor.is_meta for tensor in model.state_dict().values())
     [line] = [record.getMessage() for record in caplog.records]
     assert line.startswith("dist=fsdp: the model is built whole on every rank, then sharded: ") and reason in line
     initial_weights.initialise(model, 0)
-    again = initial_weights.build(make, 0, on_meta=False)
+    again = initial_weights.build(make, 0, named=True, sharded=False)
     initial_weights.initialise(again, 0)
     assert all(torch.equal(tensor, again.state_dict()[key]) for key, tensor in model.state_dict().items())
+
+
+@pytest.mark.parametrize("setting, strategy, named", [
+    ("auto", "fsdp", True), ("auto", "ddp", False), ("by_name", "ddp", True), ("constructor", "fsdp", False),
+])
+def test_auto_initialises_by_name_only_under_fsdp(setting: str, strategy: str, named: bool):
+    assert initial_weights.by_name(setting, strategy) is named
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp"])
+def test_the_constructor_scheme_draws_what_the_constructor_draws_from_the_run_s_random_state(sharded, caplog):  # noqa: ANN001
+    """trainer.init_weights=constructor (dist=ddp's default): no RNG of its own, nothing on meta; under dist=fsdp
+    (today's path: built whole, then sharded) one line says so."""
+    caplog.set_level(logging.INFO)
+    torch.manual_seed(3)
+    expected, after = MODELS["cnn"]().state_dict(), torch.rand(3)
+    torch.manual_seed(3)
+    built = initial_weights.build(MODELS["cnn"], 0, named=False, sharded=sharded).state_dict()
+    assert built.keys() == expected.keys() and all(torch.equal(built[key], expected[key]) for key in expected)
+    assert torch.equal(torch.rand(3), after)  # the run's RNG advanced as the constructor advanced it
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines == (["dist=fsdp, trainer.init_weights=constructor: the model is built whole on every rank, then "
+                      "sharded"] if sharded else [])

@@ -209,6 +209,17 @@ class Store:
         if writer is not None:
             writer.join()
 
+    def wait_after_failure(self) -> None:
+        """After training failed for another reason: until the save in flight (if any) has ended, so the process
+        group its collectives run on is not torn down under it (they wait at most dist.timeout_s for a rank
+        that is gone); its own failure is only logged, the training's error is the run's."""
+        writer, self._in_flight = self._in_flight, None
+        if writer is not None:
+            writer.thread.join()
+            if writer.failure is not None:
+                log.warning("the checkpoint being written when training failed was not written: %s: %s",
+                            type(writer.failure).__name__, writer.failure)
+
     def snapshot(self, parts: Mapping[str, Any]) -> Any:
         """What `write` writes of `parts`: their states (live tensors, copied by `save` when it writes later)."""
         raise NotImplementedError

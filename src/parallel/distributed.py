@@ -69,6 +69,7 @@ class Runtime:
 
 
 _groups_started = 0
+_timeouts: list[datetime.timedelta] = []  # the running group's dist.timeout_s, for the groups made beside it
 
 
 @contextlib.contextmanager
@@ -100,10 +101,12 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
         # nccl binds the group to this rank's GPU up front instead of guessing later.
         device_id=device if device.type == "cuda" else None,
     )
+    _timeouts.append(datetime.timedelta(seconds=timeout_s))
     try:
         with hang.diagnosed(store, env.rank, env.world_size, timeout_s, step_timeout_s):
             yield Runtime(env, device, backend)
     finally:
+        _timeouts.pop()
         dist.destroy_process_group()
 
 
@@ -231,8 +234,12 @@ _this_thread = threading.local()  # the group the collectives above use in this 
 def new_group() -> Any:
     """A second group over every rank (gloo), for a thread whose collectives run while the training thread's
     run on the default group (a background checkpoint write): two threads' collectives on one group would
-    interleave differently on each rank. None in a single process. A collective: every rank calls it."""
-    return dist.new_group(backend="gloo") if is_initialized() else None
+    interleave differently on each rank. Its collectives wait as long as the default group's at start-up
+    (dist.timeout_s; torch's default would be 30 min). None in a single process. A collective: every rank
+    calls it."""
+    if not is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=_timeouts[-1] if _timeouts else None)
 
 
 def collective_group() -> Any:

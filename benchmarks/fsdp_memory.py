@@ -10,10 +10,11 @@ the bytes of the tensors it holds itself (a DTensor's local shard, not its globa
 gradients and optimizer state (AdamW: exp_avg, exp_avg_sq), and reads its peak resident set size
 (getrusage), also less the RSS it had before building the model (torch and the process group: ~0.7 GiB).
 DDP holds all of them on every rank (and its gradient buckets, another copy of the gradients); FSDP 1/W of
-each, plus what it gathers for one unit at a time. `fsdp` builds the model as train.py does: on the meta device,
-sharded, then only this rank's shards allocated and initialised (src/loop/initial_weights.py); `fsdp-whole`
-builds it whole on every rank before sharding (the path of a model that cannot be built on meta, and of
-every model before), so its peak RSS includes one full copy of the parameters at start-up. Not a test: RSS
+each, plus what it gathers for one unit at a time. `fsdp` builds the model as train.py does by default: on the
+meta device, sharded, then only this rank's shards allocated and initialised (src/loop/initial_weights.py);
+`fsdp-whole` builds it whole on every rank before sharding (trainer.init_weights=constructor, the path of a
+model that cannot be built on meta, and of every model before), so its peak RSS includes one full copy of the
+parameters at start-up. Not a test: RSS
 depends on the allocator and the machine.
 """
 
@@ -49,11 +50,14 @@ def worker(strategy: str, width: int, layers: int, out: Path) -> None:
 
     with distributed.process_group("cpu", "gloo", 600.0) as runtime:
         start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch imported, no model yet
+        named = strategy == "fsdp"  # trainer.init_weights: by_name (dist=fsdp's default), else constructor
+        torch.manual_seed(0)
         model = initial_weights.build(lambda: MLP(in_features=width, num_outputs=10, hidden_sizes=(width,) * layers),
-                                      0, on_meta=strategy == "fsdp")
+                                      0, named, sharded=strategy.startswith("fsdp"))
         sharding = FsdpConfig() if strategy.startswith("fsdp") else None
         module, train_model = distributed.prepare_model(model, runtime, False, False, sharding)
-        initial_weights.initialise(module, 0)
+        if named:
+            initial_weights.initialise(module, 0)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=False)
         for step in range(3):
             if step:

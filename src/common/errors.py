@@ -98,8 +98,9 @@ def out_of_memory_is_one_line(strategy: str, init_weights: str = "auto") -> Iter
         asked = re.search(r"tried to allocate [\d.,]+ ?\w+", str(error), re.IGNORECASE)
         detail = asked.group(0) if asked else (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
         instead = ("dist=fsdp, which keeps 1/W of the parameters, gradients and optimizer state on each of W ranks"
-                   if strategy != "fsdp" else "more ranks (torchrun --nproc_per_node=N)" if init_weights != "constructor"
-                   else "trainer.init_weights=by_name (built on the meta device, each rank allocates only its shards)")
+                   if strategy != "fsdp" else
+                   "trainer.init_weights=by_name (built on the meta device, each rank allocates only its shards)"
+                   if init_weights == "constructor" else "more ranks (torchrun --nproc_per_node=N)")
         rank = os.environ.get("RANK", "0")
         usage_error = UsageError(f"out of memory on rank {rank} ({detail}) under dist={strategy}, {memory_limit()}: "
                                  f"the model's training state does not fit one process: use {instead}")

@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="sync/async pairs per strategy")
     parser.add_argument("--dir", type=Path, default=None, help="where checkpoints are written (default: a temp dir)")
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "CHECKPOINT_STALL.md")
+    parser.add_argument("--strategies", default="fsdp,ddp", help="the dist.strategy rows, comma-separated")
     parser.add_argument("--worker", choices=("ddp", "fsdp"), help=argparse.SUPPRESS)
     parser.add_argument("--background", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -99,7 +100,7 @@ def main() -> None:
         return
     lines = ["| dist | W | stall per save, sync (s) | stall per save, async (s) | async / sync "
              "| step time, sync (s) | step time, async (s) |", "|---|---|---|---|---|---|---|"]
-    for strategy in ("fsdp", "ddp"):
+    for strategy in args.strategies.split(","):
         runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
         for _ in range(args.repeats):
             for background in (False, True):  # interleaved

@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "FSDP_MEMORY.md")
+    parser.add_argument("--without-whole", action="store_true", help="leave out the fsdp-whole rows (a quick run)")
     parser.add_argument("--worker", choices=("ddp", "fsdp", "fsdp-whole"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -119,7 +120,7 @@ def main() -> None:
         exit_after_a_group()  # the gloo group's threads could abort the interpreter's teardown (its docstring)
         return
     results = [(strategy, world_size, measure(strategy, world_size, args.width, args.layers))
-               for strategy, world_size in CASES]
+               for strategy, world_size in CASES if not (args.without_whole and strategy == "fsdp-whole")]
     report = (f"# dist=ddp vs dist=fsdp: per-rank memory\n\n`python benchmarks/fsdp_memory.py --width {args.width} "
               f"--layers {args.layers}`: an MLP of {results[0][2]['parameters']:,} parameters (fp32), AdamW, 3 steps "
               f"of 8 samples per rank, CPU/gloo. Largest value over the ranks.\n\n{table(results)}\n")

@@ -72,8 +72,14 @@ def main(cfg: DictConfig) -> float:
             heap.resume_collection()  # this process only waits on its workers, for as long as they run
             workers.launch_workers(__file__, cfg.dist.nproc_per_node, context.run_dir, context.overrides,
                                    cfg.dist.master_port, cfg.trainer.device, cfg.dist.backend)
-            return json.loads((context.run_dir / "metrics.json").read_text())[cfg.trainer.monitor]
+            return workers_result(context.run_dir / "metrics.json", cfg.trainer.monitor)
         return (workers.recording_errors(train) if ranks.is_worker() else train)(cfg, context)
+
+
+def workers_result(metrics_file: Path, monitor: str) -> float:
+    """What the launcher returns: the workers' last monitored value; NaN if they stopped (max_steps, preemption)
+    before the first validation wrote metrics.json, as a one-process run returns."""
+    return json.loads(metrics_file.read_text())[monitor] if metrics_file.exists() else float("nan")
 
 
 def train(cfg: DictConfig, context: RunContext) -> float:

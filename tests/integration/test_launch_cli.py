@@ -70,6 +70,15 @@ def test_self_launch_matches_torchrun(workdir: Path):
     assert [p.name for p in workdir.iterdir()] != [] and not (workdir / "outputs").exists()
 
 
+def test_self_launched_workers_stopped_before_the_first_validation_end_cleanly(workdir: Path):
+    """max_steps ends the workers before any metrics.json: the launcher exits 0 (its result is NaN, as a
+    one-process run's), and the run resumes from the checkpoint."""
+    result = check(train(["dist.nproc_per_node=2", "trainer.max_steps=2", "hydra.run.dir=run"], workdir))
+    assert "stopped at step 2 with a checkpoint; continue with: resume=auto" in result.stdout
+    assert "Traceback" not in result.stderr and not (workdir / "run" / "metrics.json").exists()
+    assert (workdir / "run" / "checkpoints" / "last.pt").exists()
+
+
 def test_sweep_of_ddp_groups(workdir: Path):
     args = ["-m", "dist.nproc_per_node=2", "optimizer=sgd,adam", "trainer.epochs=1", "hydra.sweep.dir=sweep"]
     result = check(train(args, workdir, timeout=600))

@@ -58,7 +58,9 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
         if usage_error is None or in_sweep:
             raise
         if (is_main_process or usage_error.local) and not usage_error.reported:
-            print(f"error: {usage_error}", file=sys.stderr)
+            # One write: the line of each rank that ran out of memory (a local error) stays whole in a shared stderr.
+            sys.stderr.write(f"error: {usage_error}\n")
+            sys.stderr.flush()
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Rank 0 reports the mistake every rank hit. Exiting at once would let torchrun's agent
             # SIGTERM rank 0 before it has printed that line; a moment's grace lets it.

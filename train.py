@@ -45,6 +45,7 @@ loaders = lazy.module("src.data.loaders")
 resume = lazy.module("src.checkpoint.resume")
 callback = lazy.module("src.loop.callback")
 init_from = lazy.module("src.loop.init_from")
+initial_weights = lazy.module("src.loop.initial_weights")
 optim = lazy.module("src.loop.optim")
 performance = lazy.module("src.loop.performance")
 precision = lazy.module("src.loop.precision")
@@ -87,8 +88,9 @@ def train(cfg: DictConfig, context: RunContext) -> float:
     # first, is collected as usual.
     lazy.load_all()
     heap.resume_collection()
-    with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s,
-                                   cfg.dist.step_timeout_s) as runtime:
+    with errors.out_of_memory_is_one_line(cfg.dist.strategy, cfg.trainer.init_weights), \
+            distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s,
+                                      cfg.dist.step_timeout_s) as runtime:
         # The run's objects (DDP's reducer among them) are freed when run() returns, before
         # the group they talk through is destroyed.
         return run(cfg, context, runtime)
@@ -99,7 +101,7 @@ def run(cfg: DictConfig, context: RunContext, runtime: Any) -> float:
     trackers = build_trackers(cfg.logger, context, runtime.is_main_process)  # a missing package: one line, here
     trainer_cfg: schema.TrainerConfig = OmegaConf.to_object(cfg.trainer)  # the `trainer` settings, typed
     store = checkpoint.open_store(cfg.dist.strategy, context.run_dir / "checkpoints", runtime.is_main_process,
-                                  trainer_cfg.keep_last)
+                                  trainer_cfg.keep_last, trainer_cfg.async_checkpoint)
     # A restarted or requeued run picks up where it stopped; otherwise as configured. Every rank gets
     # the same checkpoint (with auto: the newest that loads), or the run stops here, before any work.
     resumed = resume.load_resume_checkpoint(store.directory, runtime.is_main_process, launch.resume_setting(cfg.resume),
@@ -160,10 +162,12 @@ def build_parts(cfg, trainer_cfg, context, runtime, data, task, callbacks, store
     """What the loop needs once the data and task are known: the model (wrapped for DDP, or sharded, and
     compiled), the optimizer and schedule, the reporter (a TrainParts)."""
     performance.set_backend_flags(runtime.device, trainer_cfg.tf32, trainer_cfg.deterministic)
-    model = initial_model(cfg, trainer_cfg, resumed, task)
+    named = initial_weights.by_name(trainer_cfg.init_weights, cfg.dist.strategy)  # else: the constructor's
+    model = initial_model(cfg, trainer_cfg, task, named)
     sharding = OmegaConf.to_object(cfg.dist.fsdp) if cfg.dist.strategy == "fsdp" else None
     module, train_model = distributed.prepare_model(model, runtime, cfg.dist.sync_bn, cfg.dist.find_unused_parameters,
                                                     sharding, precision.autocast_dtype(trainer_cfg.precision))
+    starting_weights(cfg, module, resumed, named)
     # Frozen parameters (trainer.freeze) get no optimizer state.
     optimizer = optim.build_optimizer(cfg.optimizer, [p for p in module.parameters() if p.requires_grad],
                                       sharded=fsdp.is_sharded(module))
@@ -177,20 +181,31 @@ def build_parts(cfg, trainer_cfg, context, runtime, data, task, callbacks, store
                               saved_config=saved_config)
 
 
-def initial_model(cfg, trainer_cfg, resumed, task):  # noqa: ANN001, ANN201 - DictConfig, TrainerConfig, Checkpoint, Task
-    """The model (refused if it cannot take the task's inputs) and the weights it starts from, on a fresh
-    start: those of `init_from` (weights only: the optimizer, schedule and step count start afresh), else its
-    fresh initialisation; a resumed run's are read later, into the prepared model. Then the parameters
-    `trainer.freeze` names are frozen, before DDP and the optimizer see them. Weights that do not fit are
-    refused before the run writes anything."""
+def initial_model(cfg, trainer_cfg, task, named: bool):  # noqa: ANN001, ANN201 - DictConfig, TrainerConfig, Task
+    """The model, refused if it cannot take the task's inputs. To be initialised by name (`named`) under
+    dist=fsdp, it is built on the meta device if it can be (src/loop/initial_weights.py), to be sharded before
+    any weight exists. The parameters `trainer.freeze` names are frozen before DDP, FSDP and the optimizer see
+    them."""
+    def make():  # noqa: ANN202
+        return performance.with_memory_format(setup.build_model(cfg.model, task), trainer_cfg.channels_last)
+
     with building.errors_named("model", cfg.model):
-        model = performance.with_memory_format(setup.build_model(cfg.model, task), trainer_cfg.channels_last)
+        model = initial_weights.build(make, cfg.seed, named, sharded=cfg.dist.strategy == "fsdp")
+    init_from.freeze(model, trainer_cfg.freeze)
+    return model
+
+
+def starting_weights(cfg: DictConfig, module: Any, resumed: Any, named: bool) -> None:
+    """The prepared (wrapped or sharded) model's weights on a fresh start: those of `init_from` (weights only:
+    the optimizer, schedule and step count start afresh) over its initialisation (by module name if `named`,
+    else the constructor's); a resumed run's are read later, into the same module. Weights that do not fit are
+    refused before the run writes anything."""
+    if named:
+        initial_weights.initialise(module, cfg.seed)
     if resumed is not None and cfg.init_from is not None:
         log.info("init_from=%s not applied: the run resumes from %s", cfg.init_from, resumed.path)
     elif cfg.init_from is not None:
-        init_from.load_on_every_rank(model, Path(cfg.init_from), cfg.init_from_strict)
-    init_from.freeze(model, trainer_cfg.freeze)
-    return model
+        init_from.load_on_every_rank(module, Path(cfg.init_from), cfg.init_from_strict)
 
 
 def train_and_report(trainer_cfg, parts, resumed, context: RunContext, print_config: bool) -> float:  # noqa: ANN001

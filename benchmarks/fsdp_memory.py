@@ -10,9 +10,12 @@ the bytes of the tensors it holds itself (a DTensor's local shard, not its globa
 gradients and optimizer state (AdamW: exp_avg, exp_avg_sq), and reads its peak resident set size
 (getrusage), also less the RSS it had before building the model (torch and the process group: ~0.7 GiB).
 DDP holds all of them on every rank (and its gradient buckets, another copy of the gradients); FSDP 1/W of
-each, plus what it gathers for one unit at a time. The model is built whole on every rank before sharding, as
-train.py does, so FSDP's peak RSS includes one full copy of the parameters at start-up. Not a test: RSS depends
-on the allocator and the machine.
+each, plus what it gathers for one unit at a time. `fsdp` builds the model as train.py does by default: on the
+meta device, sharded, then only this rank's shards allocated and initialised (src/loop/initial_weights.py);
+`fsdp-whole` builds it whole on every rank before sharding (trainer.init_weights=constructor, the path of a
+model that cannot be built on meta, and of every model before), so its peak RSS includes one full copy of the
+parameters at start-up. Not a test: RSS
+depends on the allocator and the machine.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-CASES = [("ddp", 1), ("ddp", 2), ("fsdp", 2), ("ddp", 3), ("fsdp", 3)]
+CASES = [("ddp", 1), ("ddp", 2), ("fsdp-whole", 2), ("fsdp", 2), ("ddp", 3), ("fsdp-whole", 3), ("fsdp", 3)]
 MIB = 2**20
 
 
@@ -42,14 +45,19 @@ def worker(strategy: str, width: int, layers: int, out: Path) -> None:
 
     from src.components.models import MLP
     from src.config.schema import FsdpConfig
+    from src.loop import initial_weights
     from src.parallel import distributed
 
     with distributed.process_group("cpu", "gloo", 600.0) as runtime:
         start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch imported, no model yet
+        named = strategy == "fsdp"  # trainer.init_weights: by_name (dist=fsdp's default), else constructor
         torch.manual_seed(0)
-        model = MLP(in_features=width, num_outputs=10, hidden_sizes=(width,) * layers)
-        sharding = FsdpConfig() if strategy == "fsdp" else None
+        model = initial_weights.build(lambda: MLP(in_features=width, num_outputs=10, hidden_sizes=(width,) * layers),
+                                      0, named, sharded=strategy.startswith("fsdp"))
+        sharding = FsdpConfig() if strategy.startswith("fsdp") else None
         module, train_model = distributed.prepare_model(model, runtime, False, False, sharding)
+        if named:
+            initial_weights.initialise(module, 0)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=False)
         for step in range(3):
             if step:
@@ -101,7 +109,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "FSDP_MEMORY.md")
-    parser.add_argument("--worker", choices=("ddp", "fsdp"), help=argparse.SUPPRESS)
+    parser.add_argument("--without-whole", action="store_true", help="leave out the fsdp-whole rows (a quick run)")
+    parser.add_argument("--worker", choices=("ddp", "fsdp", "fsdp-whole"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -111,7 +120,7 @@ def main() -> None:
         exit_after_a_group()  # the gloo group's threads could abort the interpreter's teardown (its docstring)
         return
     results = [(strategy, world_size, measure(strategy, world_size, args.width, args.layers))
-               for strategy, world_size in CASES]
+               for strategy, world_size in CASES if not (args.without_whole and strategy == "fsdp-whole")]
     report = (f"# dist=ddp vs dist=fsdp: per-rank memory\n\n`python benchmarks/fsdp_memory.py --width {args.width} "
               f"--layers {args.layers}`: an MLP of {results[0][2]['parameters']:,} parameters (fp32), AdamW, 3 steps "
               f"of 8 samples per rank, CPU/gloo. Largest value over the ranks.\n\n{table(results)}\n")

@@ -31,9 +31,11 @@ def _named(path: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def open_store(strategy: str, directory: Path, is_main_process: bool, keep_last: int) -> Store:
-    """The store a run of `dist.strategy` writes its checkpoints with, into `directory`."""
-    return _named(STORES[strategy])(directory, is_main_process, keep_last)
+def open_store(strategy: str, directory: Path, is_main_process: bool, keep_last: int,
+               background: bool = False) -> Store:
+    """The store a run of `dist.strategy` writes its checkpoints with, into `directory`; with `background`
+    (trainer.async_checkpoint), writing in a thread while training goes on (src/checkpoint/store.py)."""
+    return _named(STORES[strategy])(directory, is_main_process, keep_last, background)
 
 
 def read(path: Path) -> Checkpoint:

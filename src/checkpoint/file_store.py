@@ -27,8 +27,10 @@ from src.parallel import fsdp
 class FileStore(Store):
     """Writes `last.pt` (every save), `best.pt` (on improvement) and `step_<N>.pt` (mid-epoch saves)."""
 
-    def save(self, parts: Mapping[str, Any], step: int, is_best: bool, mid_epoch: bool = False) -> None:
-        payload = {"format": FORMAT, **{name: state_of(part) for name, part in parts.items()}}  # the live tensors
+    def snapshot(self, parts: Mapping[str, Any]) -> dict[str, Any]:
+        return {"format": FORMAT, **{name: state_of(part) for name, part in parts.items()}}  # the live tensors
+
+    def write(self, payload: dict[str, Any], step: int, is_best: bool, mid_epoch: bool) -> None:
         stop_every_rank_on_failure(self.is_main_process,
                                    lambda: self._write(payload, step if mid_epoch else None, is_best))
 

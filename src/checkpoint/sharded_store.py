@@ -72,23 +72,29 @@ def is_complete(directory: Path) -> bool:
 class ShardedStore(Store):
     """Writes `step_<N>/` directories of shards, and `last` / `best` naming them."""
 
-    def save(self, parts: Mapping[str, Any], step: int, is_best: bool, mid_epoch: bool = False) -> None:
-        """Called on every rank; every rank raises if any part failed. Every save is a directory of its own,
-        mid-epoch or not."""
-        # This rank's shards of the model and optimizer tensors by parameter name, so any world size can read
-        # them back; every other part, and the optimizer's param_groups, in state.pt.
+    def snapshot(self, parts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's shards of the model and optimizer tensors by parameter name, so any world size can read
+        them back; and every other part, with the optimizer's param_groups, for state.pt."""
         model, optimizer = get_state_dict(parts[MODEL], parts[OPTIMIZER])
         tensors = {MODEL: model, OPTIMIZER: optimizer["state"]}
         rest = {"format": FORMAT, **{name: state_of(part) for name, part in parts.items()
                                      if name not in (MODEL, OPTIMIZER)},
                 OPTIMIZER: {"param_groups": optimizer["param_groups"]}}
+        return tensors, rest
+
+    def write(self, snapshot: tuple[dict[str, Any], dict[str, Any]], step: int, is_best: bool,
+              mid_epoch: bool) -> None:
+        """Called on every rank; every rank raises if any part failed. Every save is a directory of its own,
+        mid-epoch or not."""
+        tensors, rest = snapshot
         self.directory.mkdir(parents=True, exist_ok=True)
         name = layout.step_name(step)
         staging = self.directory / f"{name}.tmp"
         stop_every_rank_on_failure(self.is_main_process, lambda: _stage(staging, rest))
         try:
             with _alone_is_fine():  # every rank writes its shards; rank 0 renames the index into place last
-                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging, sync_files=True))
+                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging, sync_files=True),
+                         process_group=distributed.collective_group())
         except CheckpointException as error:  # raised on every rank, with every rank's failure
             raise _no_room(error, staging, tensors) or error
         stop_every_rank_on_failure(self.is_main_process,

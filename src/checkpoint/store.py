@@ -22,9 +22,11 @@ Checkpoints written before the parts were named (format 1: the loop's fields, `e
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,7 @@ from torch import nn
 
 from src.checkpoint import layout
 from src.common.errors import UsageError
-from src.parallel import fsdp
+from src.parallel import distributed, fsdp
 
 log = logging.getLogger(__name__)
 
@@ -173,16 +175,56 @@ def _first_keys(problem: str, shown: int = 3) -> str:
 
 class Store:
     """Where a run writes its checkpoints (`directory`, its run dir's checkpoints/), in one format. Called on
-    every rank at the same points; a failed write stops every rank with one line."""
+    every rank at the same points; a failed write stops every rank with one line.
 
-    def __init__(self, directory: Path, is_main_process: bool, keep_last: int = 2) -> None:
+    With `background` (trainer.async_checkpoint), `save` waits only for a copy of the state in host memory and
+    writes it in a thread, while training goes on; its collectives run on a group of their own
+    (src/parallel/distributed.py `new_group`). At most one save is in flight: the next `save`, and `wait` (the
+    end of the run, preemption included), wait for it, and raise its failure on every rank. A write is as
+    atomic as a synchronous one: a process killed during it leaves the previous checkpoint the newest.
+    """
+
+    def __init__(self, directory: Path, is_main_process: bool, keep_last: int = 2, background: bool = False) -> None:
         self.directory = directory
         self.is_main_process = is_main_process
         self.keep_last = keep_last  # step checkpoints kept, besides the newest and the best
+        self.group = distributed.new_group() if background else None
+        self.background = background
+        self._in_flight: _Writer | None = None
 
     def save(self, parts: Mapping[str, Any], step: int, is_best: bool, mid_epoch: bool = False) -> None:
         """Save `parts` (by name, as `Checkpoint.restore` takes them) as the newest checkpoint, also the best if
         `is_best`; a `mid_epoch` one is kept as a step checkpoint too (the newest `keep_last` of them)."""
+        self.wait()
+        snapshot = self.snapshot(parts)
+        if not self.background:
+            self.write(snapshot, step, is_best, mid_epoch)
+            return
+        snapshot = on_host(snapshot)  # the training thread's last wait: it may change the parts from here on
+        self._in_flight = _Writer(lambda: self.write(snapshot, step, is_best, mid_epoch), self.group)
+
+    def wait(self) -> None:
+        """Until the save in flight (if any) is written; its failure raised here, on every rank."""
+        writer, self._in_flight = self._in_flight, None
+        if writer is not None:
+            writer.join()
+
+    def wait_after_failure(self) -> None:
+        """After training failed for another reason: until the save in flight (if any) has ended, so the process
+        group its collectives run on is not torn down under it (they wait at most dist.timeout_s for a rank
+        that is gone); its own failure is only logged, the training's error is the run's."""
+        writer, self._in_flight = self._in_flight, None
+        if writer is not None:
+            writer.thread.join()
+            if writer.failure is not None:
+                log.warning("the checkpoint being written when training failed was not written: %s: %s",
+                            type(writer.failure).__name__, writer.failure)
+
+    def snapshot(self, parts: Mapping[str, Any]) -> Any:
+        """What `write` writes of `parts`: their states (live tensors, copied by `save` when it writes later)."""
+        raise NotImplementedError
+
+    def write(self, snapshot: Any, step: int, is_best: bool, mid_epoch: bool) -> None:
         raise NotImplementedError
 
     def latest(self) -> Path | None:
@@ -190,3 +232,43 @@ class Store:
 
     def newest_first(self) -> list[Path]:
         return layout.newest_first(self.directory)
+
+
+class _Writer:
+    """`work` in a thread of its own, its collectives on `group`; `join` raises what it raised."""
+
+    def __init__(self, work: Callable[[], None], group: Any) -> None:
+        self.failure: BaseException | None = None
+        self.work, self.group = work, group
+        # A daemon: a run that fails elsewhere exits without it (the previous checkpoint stays the newest).
+        self.thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with distributed.collectives_on(self.group):
+                self.work()
+        except BaseException as error:  # noqa: BLE001 - raised again on the training thread by join()
+            self.failure = error
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.failure is not None:
+            raise self.failure
+
+
+def on_host(state: Any) -> Any:
+    """A copy of `state` the training thread no longer touches: tensors copied to the CPU (a DTensor keeps its
+    sharding, with its local shard copied), containers and plain values copied."""
+    if isinstance(state, torch.Tensor):
+        if hasattr(state, "to_local"):  # a DTensor
+            local = state.to_local().detach().to("cpu", copy=True)
+            return type(state).from_local(local, state.device_mesh, state.placements, run_check=False,
+                                          shape=state.shape, stride=state.stride())
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return type(state)((key, on_host(value)) for key, value in state.items())
+    if isinstance(state, (list, tuple)):
+        values = [on_host(value) for value in state]
+        return type(state)(*values) if hasattr(state, "_fields") else type(state)(values)
+    return copy.deepcopy(state)

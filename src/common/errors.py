@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import resource
 import sys
 import time
 from typing import Iterator
@@ -56,7 +58,9 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
         if usage_error is None or in_sweep:
             raise
         if (is_main_process or usage_error.local) and not usage_error.reported:
-            print(f"error: {usage_error}", file=sys.stderr)
+            # One write: the line of each rank that ran out of memory (a local error) stays whole in a shared stderr.
+            sys.stderr.write(f"error: {usage_error}\n")
+            sys.stderr.flush()
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Rank 0 reports the mistake every rank hit. Exiting at once would let torchrun's agent
             # SIGTERM rank 0 before it has printed that line; a moment's grace lets it.
@@ -74,3 +78,52 @@ def exit_if_failed_for_good() -> None:
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {message} (not retried: every restart would stop on it)", file=sys.stderr)
     sys.exit(USAGE_ERROR_EXIT_CODE)
+
+
+# How an allocation that found no memory reads: Python's MemoryError, torch's CPU allocator ("can't allocate
+# memory"), CUDA's caching allocator ("CUDA out of memory").
+_NO_MEMORY = ("can't allocate memory", "out of memory")
+
+
+@contextlib.contextmanager
+def out_of_memory_is_one_line(strategy: str, init_weights: str = "auto") -> Iterator[None]:
+    """An allocation the process has no memory for, anywhere in the block, becomes one line (a local UsageError:
+    each rank that runs out prints it) naming the process's memory limit and what shrinks a rank's share
+    (`init_weights`: the run's trainer.init_weights; `constructor` builds an fsdp run's model whole)."""
+    try:
+        yield
+    except Exception as raised:  # noqa: BLE001 - re-raised unless it is (or was caused by) running out of memory
+        error = _out_of_memory(raised)
+        if error is None:
+            raise
+        # torch's allocators say how much they were asked for
+        asked = re.search(r"tried to allocate [\d.,]+ ?\w+", str(error), re.IGNORECASE)
+        detail = asked.group(0) if asked else (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        instead = ("dist=fsdp, which keeps 1/W of the parameters, gradients and optimizer state on each of W ranks"
+                   if strategy != "fsdp" else
+                   "trainer.init_weights=by_name (built on the meta device, each rank allocates only its shards)"
+                   if init_weights == "constructor" else "more ranks (torchrun --nproc_per_node=N)")
+        rank = os.environ.get("RANK", "0")
+        usage_error = UsageError(f"out of memory on rank {rank} ({detail}) under dist={strategy}, {memory_limit()}: "
+                                 f"the model's training state does not fit one process: use {instead}")
+        usage_error.local = True
+        raise usage_error from None
+
+
+def _out_of_memory(error: BaseException | None) -> BaseException | None:
+    """`error`, or the error it wraps (a model constructor's, inside Hydra's InstantiationException), if that
+    one is an allocation that found no memory; else None."""
+    while error is not None:
+        if isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and
+                                              any(words in str(error) for words in _NO_MEMORY)):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def memory_limit() -> str:
+    """The per-process memory limits set (ulimit -v / -d), in words."""
+    limits = [f"{name} {value / 2**20:,.0f} MiB" for name, value in
+              (("address space (ulimit -v)", resource.getrlimit(resource.RLIMIT_AS)[0]),
+               ("data (ulimit -d)", resource.getrlimit(resource.RLIMIT_DATA)[0])) if value != resource.RLIM_INFINITY]
+    return f"limits: {', '.join(limits)}" if limits else "no per-process limit set (the machine's memory is full)"

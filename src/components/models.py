@@ -95,7 +95,17 @@ def resnet18(in_channels: int, num_outputs: int, small_images: bool = True) -> n
         model.maxpool = nn.Identity()
     elif in_channels != 3:
         model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    model.init_module = _torchvision_resnet_init  # per module, as train.py initialises (src/loop/initial_weights.py)
     return model
+
+
+def _torchvision_resnet_init(module: nn.Module) -> None:
+    """torchvision's ResNet initialisation of one module's own tensors: Kaiming-normal (fan-out) convolutions;
+    BatchNorm (weight 1, bias 0) and the linear head as torch builds them."""
+    if isinstance(module, nn.Conv2d):
+        nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
 
 
 class TwoInputCNN(nn.Module):
@@ -158,11 +168,20 @@ class TinyGPT(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, num_outputs)
         self.dropout = nn.Dropout(dropout)
-        for module in self.modules():  # GPT-2's initialisation: N(0, 0.02) weights, zero biases
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
+        for module in self.modules():
+            self.init_module(module)
+
+    @staticmethod
+    def init_module(module: nn.Module) -> None:
+        """GPT-2's initialisation of one module's own tensors: N(0, 0.02) weights, zero biases; LayerNorm as
+        torch builds it. train.py calls it per module, from a seed derived from the module's name
+        (src/loop/initial_weights.py)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)

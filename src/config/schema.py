@@ -125,6 +125,9 @@ def timeout_setting() -> Any:
 # -- train.py's settings --------------------------------------------------------------------------
 
 
+INIT_WEIGHTS = ("auto", "constructor", "by_name")  # trainer.init_weights: where a fresh run's weights come from
+
+
 @dataclass
 class TrainerConfig:
     """The `trainer` block: how the loop trains, checkpoints and reports. `train.py trainer.KEY=VALUE`
@@ -149,6 +152,12 @@ class TrainerConfig:
     checkpoint_every_steps: int | None = setting(None, at_least(1, or_null=True))  # also checkpoint mid-epoch
     # every N optimizer steps (null: at epoch ends only); resume goes on from that very step with the same
     # remaining data
+    async_checkpoint: bool = False  # true: a save waits only for a copy of the state in host memory and is written
+    # in the background while training goes on (at most one in flight; the next save and the run's end wait)
+    init_weights: str = setting("auto", one_of(*INIT_WEIGHTS))  # auto: by_name under dist=fsdp (built on the meta
+    # device), constructor otherwise | constructor: the model's constructor draws them from the seeded RNG (under
+    # dist=fsdp: built whole on every rank, then sharded) | by_name: each module's from (seed, its name), the same
+    # on any world size and strategy (src/loop/initial_weights.py)
     keep_last: int = setting(2, at_least(1))  # newest mid-epoch checkpoints kept as checkpoints/step_<N>.pt
     # (last.pt is always kept)
     max_steps: int | None = setting(None, at_least(1, or_null=True))  # stop after this many optimizer steps in

@@ -29,7 +29,7 @@ from src import checkpoint
 from src.checkpoint.file_store import model_weights_in
 from src.checkpoint.layout import is_directory_checkpoint
 from src.common.errors import UsageError
-from src.parallel import distributed
+from src.parallel import distributed, fsdp
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,10 @@ def load_initial_weights(module: nn.Module, path: Path, strict: bool) -> Match:
     if strict and not found.complete:
         raise UsageError(f"init_from={path} does not fit the model ({_problems(found)}); pass init_from_strict=false "
                          "to load the weights that match and keep the rest freshly initialised (e.g. a new head)")
-    module.load_state_dict(found.loadable, strict=False)
+    if fsdp.is_sharded(module):  # each rank keeps its shards of the file's tensors
+        fsdp.load_full_model_state(module, found.loadable, strict=False)
+    else:
+        module.load_state_dict(found.loadable, strict=False)
     log.info("init_from: loaded %d of the model's %d tensors from %s", len(found.loadable),
              len(found.loadable) + len(found.missing) + len(found.mismatched), path)
     for kind, keys in (("missing from the file (fresh initialisation kept)", found.missing),

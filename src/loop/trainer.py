@@ -143,7 +143,9 @@ class Trainer:
             callbacks.run_start(run)
             with self.stopping:
                 reason = self._epochs(run)
+            self.parts.store.wait()  # the last checkpoint written (trainer.async_checkpoint), or its failure raised
         except Exception as error:
+            self.parts.store.wait_after_failure()  # a background write ends before the group is torn down
             callbacks.exception(run, error)  # a callback may raise a clearer error in its place
             raise
         callbacks.run_end(run, reason)

@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -68,6 +69,7 @@ class Runtime:
 
 
 _groups_started = 0
+_timeouts: list[datetime.timedelta] = []  # the running group's dist.timeout_s, for the groups made beside it
 
 
 @contextlib.contextmanager
@@ -99,10 +101,12 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
         # nccl binds the group to this rank's GPU up front instead of guessing later.
         device_id=device if device.type == "cuda" else None,
     )
+    _timeouts.append(datetime.timedelta(seconds=timeout_s))
     try:
         with hang.diagnosed(store, env.rank, env.world_size, timeout_s, step_timeout_s):
             yield Runtime(env, device, backend)
     finally:
+        _timeouts.pop()
         dist.destroy_process_group()
 
 
@@ -152,12 +156,16 @@ def prepare_model(
     Returns `(module, train_model)`: the module that is evaluated and saved, and the one the loop
     trains: DDP's wrapper around the plain module, or, with `sharding` (the `dist.fsdp` settings of
     dist.strategy=fsdp), the FSDP2-sharded module both times (src/parallel/fsdp.py; `param_dtype`: its
-    compute dtype under mixed precision). A single process gets the plain module both times.
+    compute dtype under mixed precision). A single process gets the plain module both times. A module on the
+    meta device (src/loop/initial_weights.py) gets memory only for what this rank holds (its shards, after
+    sharding), left uninitialised.
     """
     if runtime.env.is_distributed and sync_bn:
         module = convert_sync_batchnorm(module, runtime.device)
-    module = module.to(runtime.device)
+    on_meta = any(parameter.is_meta for parameter in module.parameters())
+    module = module if on_meta else module.to(runtime.device)
     if not runtime.env.is_distributed:
+        module = module.to_empty(device=runtime.device) if on_meta else module
         return module, module
     if sharding is not None:
         if sharding.cpu_offload and runtime.device.type != "cuda":  # FSDP2 pins host memory for the copies
@@ -166,6 +174,8 @@ def prepare_model(
 
         module = fsdp.shard(module, sharding.wrap, sharding.reshard_after_forward, sharding.cpu_offload, param_dtype,
                             sharding.min_unit_params)
+        if on_meta:
+            module.to_empty(device=runtime.device)
         return module, module
     train_model = torch.nn.parallel.DistributedDataParallel(
         module,
@@ -205,7 +215,7 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     if not is_initialized():
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=src)
+    dist.broadcast_object_list(holder, src=src, group=collective_group())
     return holder[0]
 
 
@@ -214,8 +224,36 @@ def gather_objects(obj: object) -> list[object]:
     if not is_initialized():
         return [obj]
     gathered: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    dist.all_gather_object(gathered, obj, group=collective_group())
     return gathered
+
+
+_this_thread = threading.local()  # the group the collectives above use in this thread (None: the default)
+
+
+def new_group() -> Any:
+    """A second group over every rank (gloo), for a thread whose collectives run while the training thread's
+    run on the default group (a background checkpoint write): two threads' collectives on one group would
+    interleave differently on each rank. Its collectives wait as long as the default group's at start-up
+    (dist.timeout_s; torch's default would be 30 min). None in a single process. A collective: every rank
+    calls it."""
+    if not is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=_timeouts[-1] if _timeouts else None)
+
+
+def collective_group() -> Any:
+    return getattr(_this_thread, "group", None)
+
+
+@contextlib.contextmanager
+def collectives_on(group: Any) -> Iterator[None]:
+    """This thread's `broadcast_object` and `gather_objects` (and what asks `collective_group()`) use `group`."""
+    _this_thread.group = group
+    try:
+        yield
+    finally:
+        _this_thread.group = None
 
 
 @contextlib.contextmanager

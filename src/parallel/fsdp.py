@@ -124,12 +124,12 @@ def no_gradient_sync(model: Any) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def load_full_model_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+def load_full_model_state(module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
     """A whole model's state_dict (every rank holds all of it) into the sharded `module`: each rank keeps its
-    shards."""
+    shards (`strict=False`: of the tensors `state` holds; the others keep their values)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:

@@ -161,19 +161,23 @@ import sys, torch
 sys.path.insert(0, {repo!r})
 from pathlib import Path
 from src.checkpoint.file_store import FileStore
-saver = FileStore(Path({directory!r}), is_main_process=True)
+saver = FileStore(Path({directory!r}), is_main_process=True, background={background})
 saver.save({{"model": {{"w": torch.zeros(3)}}, "loop": {{"epoch": 1}}}}, step=1, is_best=False)
+saver.wait()
 print("first saved", flush=True)
 saver.save({{"model": {{"w": torch.ones(64 * 2**20)}}, "loop": {{"epoch": 2}}}}, step=2, is_best=False)  # 256 MB: slow
+saver.wait()
 """
 
 
-def test_a_process_killed_while_writing_leaves_the_previous_checkpoint(tmp_path: Path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async_checkpoint"])
+def test_a_process_killed_while_writing_leaves_the_previous_checkpoint(tmp_path: Path, background: bool):
+    """Killed while the second save is being written (with trainer.async_checkpoint: by the writer thread)."""
     from conftest import REPO
 
     from src import checkpoint
 
-    code = WRITER.format(repo=str(REPO), directory=str(tmp_path))
+    code = WRITER.format(repo=str(REPO), directory=str(tmp_path), background=background)
     writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert writer.stdout.readline().strip() == "first saved"
     temp = tmp_path / "last.pt.tmp"

@@ -38,21 +38,30 @@ MLP = ["model=mlp", "optimizer=sgd", "scheduler=constant", "trainer.epochs=1", "
 # train the very same weights as FSDP (bit for bit, measured, without gradient clipping).
 SAME_KERNELS = ["optimizer.fused=null", "+optimizer.foreach=true"]
 # Two epochs of 29 steps with a step checkpoint every 5: a stop at step 27 is mid-epoch 1 (step 27 of 29),
-# and 48 divides by 1, 2 and 3 ranks.
+# and 48 divides by 1, 2 and 3 ranks. These runs start from the constructor's weights (today's build-whole path,
+# trainer.init_weights=constructor), as the resumed-elsewhere checks were measured with: from seed 0's by-name
+# weights, resumed on 3 ranks, train/loss follows the straight run within 1e-7 for 3 steps, then one step
+# (31) turns that into 3.6e-5 (resumed on 1 process: step 53, 1.4e-6 to 6.9e-5), ending 2.1e-3 apart. A jump in
+# one step, not a steady growth (most likely rounding moved a value across a ReLU's kink, and that step's
+# gradient took the other branch). These runs test resharding, not initialisation (test_fsdp_large_cli.py).
 # The digits CNN (151k parameters) is one unit by default (dist.fsdp.min_unit_params): PER_UNIT shards its
 # two children as units of their own, the layout with the most collectives, which most runs below use; the
 # bf16 run keeps the default layout (the root, plus BatchNorm units in fp32).
 PER_UNIT = ["dist=fsdp", "dist.fsdp.min_unit_params=0"]
-TWO_EPOCHS = ["model=cnn", "optimizer=sgd", "optimizer.lr=0.05", "scheduler=constant", "trainer.epochs=2",
-              "dataset.batch_size=48", "trainer.checkpoint_every_steps=5", *PER_UNIT]
+TWO_EPOCHS = ["trainer.init_weights=constructor", "model=cnn", "optimizer=sgd", "optimizer.lr=0.05",
+              "scheduler=constant", "trainer.epochs=2", "dataset.batch_size=48", "trainer.checkpoint_every_steps=5",
+              *PER_UNIT]
 STOPPED = [*TWO_EPOCHS, "trainer.max_steps=27"]
 TIMING_KEYS = {"epoch_time_s", "samples_per_s"}
 
+# dist=fsdp initialises each module from (seed, its name), dist=ddp by default from its constructor: the ddp
+# runs compared with fsdp ones start from the fsdp runs' weights (src/loop/initial_weights.py).
+BY_NAME = "trainer.init_weights=by_name"
 RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
-    "ddp cnn": (2, CNN),
+    "ddp cnn": (2, [*CNN, BY_NAME]),
     "fsdp cnn": (2, [*CNN, *PER_UNIT]),
-    "ddp mlp": (2, [*MLP, *SAME_KERNELS]),
-    "ddp cnn bf16": (2, [*CNN, "trainer.precision=bf16"]),
+    "ddp mlp": (2, [*MLP, *SAME_KERNELS, BY_NAME]),
+    "ddp cnn bf16": (2, [*CNN, "trainer.precision=bf16", BY_NAME]),
     "fsdp cnn bf16": (2, [*CNN, "trainer.precision=bf16", "dist=fsdp"]),
     "fsdp mlp": (2, [*MLP, *PER_UNIT]),
     "straight": (2, TWO_EPOCHS),
@@ -187,12 +196,15 @@ def test_stopped_on_1_process_resumes_on_2_ranks(runs: Runs):
     assert_close_to(resumed, runs("straight"), sharded_weights(resumed))
 
 
-def test_a_kill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(runs: Runs, launched, tmp_path: Path):
+@pytest.mark.parametrize("mode", [[], ["trainer.async_checkpoint=true"]], ids=["sync", "async_checkpoint"])
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(runs: Runs, launched, tmp_path: Path,
+                                                                            mode: list[str]):
     """Rank 0 stalls while writing the index of the second checkpoint (step 10), after every rank wrote its
-    shards; the whole group is SIGKILLed there."""
+    shards (with trainer.async_checkpoint: in the writer thread, while training goes on up to the next save,
+    which waits for it); the whole group is SIGKILLed there."""
     marker = tmp_path / "stalled"
     worker = str(REPO / "tests" / "fixtures" / "stalled_save_worker.py")
-    process = launched.start([*TORCHRUN, "--standalone", "--nproc_per_node=2", worker, *TWO_EPOCHS,
+    process = launched.start([*TORCHRUN, "--standalone", "--nproc_per_node=2", worker, *TWO_EPOCHS, *mode,
                               "hydra.run.dir=run"], tmp_path, env={"STALL_MARKER": str(marker)})
     wait_until(marker.exists, timeout=180, what="the stalled save")
     for pid in [process.pid, *descendants(process.pid)]:  # torchrun's workers run in sessions of their own

@@ -105,6 +105,7 @@ EXERCISED_BY = {
         "test_trackers_cli.py::test_a_sigterm_stop_then_resume_auto_continue_the_checkpoints_runs",
     "python train.py logger=csv":
         "test_trackers_cli.py::test_a_killed_rank_restarted_by_torchrun_is_one_run_with_each_step_once",
+    "python benchmarks/checkpoint_stall.py": "test_readme.py::test_the_checkpoint_stall_benchmark_writes_its_table",
 }
 
 
@@ -215,7 +216,7 @@ def test_the_fsdp_benchmarks_write_their_tables(tmp_path: Path):
     (1 repeat of 1 epoch); the real numbers come from full runs (FSDP_MEMORY.md, FSDP_SPEED.md)."""
     memory, speed = tmp_path / "memory.md", tmp_path / "speed.md"
     check(run([sys.executable, str(REPO / "benchmarks" / "fsdp_memory.py"), "--width", "256", "--layers", "1",
-               "--output", str(memory)], tmp_path))
+               "--without-whole", "--output", str(memory)], tmp_path))
     rows = [line.split("|")[1:-1] for line in memory.read_text().splitlines() if line.startswith(("| ddp", "| fsdp"))]
     state_ratio = {(row[0].strip(), int(row[1])): float(row[6]) for row in rows}
     # The bytes each rank holds: all of them under DDP, 1/W under FSDP (shards padded to a multiple of W).
@@ -229,3 +230,21 @@ def test_the_fsdp_benchmarks_write_their_tables(tmp_path: Path):
     assert set(rows) == {"ddp", "fsdp (default: one unit)", "fsdp, a unit per child"}
     for samples_per_s, ratio in rows.values():
         assert samples_per_s > 0 and abs(ratio - samples_per_s / rows["ddp"][0]) < 0.01
+
+
+def test_the_checkpoint_stall_benchmark_writes_its_table(tmp_path: Path):
+    """A smoke run of `python benchmarks/checkpoint_stall.py` (a 66k-parameter MLP, 3 saves, 1 run per mode, the
+    sharded store: the one whose writer thread runs collectives); the real numbers come from the full run
+    (CHECKPOINT_STALL.md)."""
+    table = tmp_path / "stall.md"
+    check(run([sys.executable, str(REPO / "benchmarks" / "checkpoint_stall.py"), "--width", "256", "--layers", "1",
+               "--saves", "3", "--steps", "1", "--repeats", "1", "--strategies", "fsdp", "--dir", str(tmp_path),
+               "--output", str(table)], tmp_path))
+    rows = {row[0].strip(): [float(value) for value in row[2:]] for row in
+            (line.split("|")[1:-1] for line in table.read_text().splitlines() if line.startswith(("| ddp", "| fsdp")))}
+    assert set(rows) == {"fsdp"}
+    for sync, asynchronous, ratio, *steps in rows.values():
+        assert sync > 0 and asynchronous > 0 and all(step > 0 for step in steps)
+        # Each value is rounded to 0.0005: the printed stalls give the ratio within 0.0005 (1 + ratio) / (sync - 0.0005)
+        # of the unrounded one, which was rounded by 0.0005 in turn.
+        assert ratio == pytest.approx(asynchronous / sync, abs=0.0005 + 0.0005 * (1 + ratio) / (sync - 0.0005))

@@ -37,13 +37,14 @@ def worker(strategy: str, background: bool, width: int, layers: int, saves: int,
     from src.config.schema import FsdpConfig
     from src.parallel import distributed
 
-    with distributed.process_group("cpu", "gloo", 600.0) as runtime:
+    timeout_s = 600.0
+    with distributed.process_group("cpu", "gloo", timeout_s) as runtime:
         torch.manual_seed(0)
         model = MLP(in_features=width, num_outputs=10, hidden_sizes=(width,) * layers)
         sharding = FsdpConfig() if strategy == "fsdp" else None
         module, train_model = distributed.prepare_model(model, runtime, False, False, sharding)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=False)
-        store = checkpoint.open_store(strategy, out / "checkpoints", runtime.is_main_process, 1, background)
+        store = checkpoint.open_store(strategy, out / "checkpoints", runtime.is_main_process, 1, background, timeout_s)
         stalls, step_seconds = [], []
         for save in range(saves):
             started = time.perf_counter()

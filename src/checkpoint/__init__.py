@@ -32,10 +32,11 @@ def _named(path: str) -> type:
 
 
 def open_store(strategy: str, directory: Path, is_main_process: bool, keep_last: int,
-               background: bool = False) -> Store:
+               background: bool = False, timeout_s: float | None = None) -> Store:
     """The store a run of `dist.strategy` writes its checkpoints with, into `directory`; with `background`
-    (trainer.async_checkpoint), writing in a thread while training goes on (src/checkpoint/store.py)."""
-    return _named(STORES[strategy])(directory, is_main_process, keep_last, background)
+    (trainer.async_checkpoint), writing in a thread while training goes on, its collectives waiting at most
+    `timeout_s` (src/checkpoint/store.py)."""
+    return _named(STORES[strategy])(directory, is_main_process, keep_last, background, timeout_s)
 
 
 def read(path: Path) -> Checkpoint:

@@ -69,7 +69,6 @@ class Runtime:
 
 
 _groups_started = 0
-_timeouts: list[datetime.timedelta] = []  # the running group's dist.timeout_s, for the groups made beside it
 
 
 @contextlib.contextmanager
@@ -101,12 +100,10 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
         # nccl binds the group to this rank's GPU up front instead of guessing later.
         device_id=device if device.type == "cuda" else None,
     )
-    _timeouts.append(datetime.timedelta(seconds=timeout_s))
     try:
         with hang.diagnosed(store, env.rank, env.world_size, timeout_s, step_timeout_s):
             yield Runtime(env, device, backend)
     finally:
-        _timeouts.pop()
         dist.destroy_process_group()
 
 
@@ -231,15 +228,15 @@ def gather_objects(obj: object) -> list[object]:
 _this_thread = threading.local()  # the group the collectives above use in this thread (None: the default)
 
 
-def new_group() -> Any:
+def new_group(timeout_s: float | None) -> Any:
     """A second group over every rank (gloo), for a thread whose collectives run while the training thread's
     run on the default group (a background checkpoint write): two threads' collectives on one group would
-    interleave differently on each rank. Its collectives wait as long as the default group's at start-up
-    (dist.timeout_s; torch's default would be 30 min). None in a single process. A collective: every rank
+    interleave differently on each rank. Its collectives wait `timeout_s` (the run passes dist.timeout_s, as
+    its default group's; None: torch's default, 30 min). None in a single process. A collective: every rank
     calls it."""
     if not is_initialized():
         return None
-    return dist.new_group(backend="gloo", timeout=_timeouts[-1] if _timeouts else None)
+    return dist.new_group(backend="gloo", timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
 
 
 def collective_group() -> Any:

@@ -7,10 +7,14 @@ one drew. Two paths:
 
 - Datasets read through a DataLoader (`SeededSamples`): right before `dataset[i]`, torch's, Python's
   and NumPy's global generators are seeded from (seed, epoch, i), so any transform that draws from
-  them (torchvision v1 or v2, your own) is covered. The sampler's keys carry the epoch (`EpochKeys`:
-  `(epoch, i)`), so persistent workers need no message when an epoch starts. In the main process
-  (`num_workers=0`) the generators are restored after each batch: the trainer's own seeding of
-  dropout, per rank and step on purpose, is left as it was.
+  them (torchvision v1 or v2, your own) is covered. Seeding costs per sample (Python's `random.seed`
+  about 9 us, NumPy's 2, torch's 2), so each process seeds only the generators its dataset has been
+  seen to draw from: the others are set to one fixed state before a batch and checked after it, and a
+  batch that moved one is fetched again with that generator seeded per sample from then on. Every
+  sample is what seeding all three would give, at the cost of one batch fetched twice per generator.
+  The sampler's keys carry the epoch (`EpochKeys`: `(epoch, i)`), so persistent workers need no
+  message when an epoch starts. In the main process (`num_workers=0`) the generators are restored
+  after each batch: the trainer's own seeding of dropout, per rank and step on purpose, is left as it was.
 - uint8 images on the device (src/data/image_tensors.py): `sample_key` and `draw` compute a
   counter-based hash of (seed, epoch, i) on the device for a whole batch at once, with no host sync.
 
@@ -21,8 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -93,50 +99,91 @@ def host_seeds(seed: int, keys: Sequence[tuple[int, int]]) -> list[int]:
     return ((draw(key, 0).astype(np.uint64) << np.uint64(32)) | draw(key, 1).astype(np.uint64)).tolist()
 
 
-def seed_host_generators(seed: int) -> None:
-    """Seed torch's CPU generator, Python's and NumPy's global ones (not CUDA's: torch.manual_seed
-    would queue a seed for every device, a stack trace each time, about 0.3 ms)."""
-    torch.default_generator.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed & MASK32)
+@dataclass(frozen=True)
+class HostGenerator:
+    """One global generator a dataset's transforms may draw from: read, restore, compare and seed it."""
+
+    name: str
+    get_state: Callable[[], Any]
+    set_state: Callable[[Any], None]
+    same_state: Callable[[Any, Any], bool]
+    seed: Callable[[int], Any]  # from a 64-bit seed
+
+
+def _same_numpy_state(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and a[2:] == b[2:] and np.array_equal(a[1], b[1])
+
+
+HOST_GENERATORS = (
+    # Not CUDA's: torch.manual_seed would queue a seed for every device, a stack trace each time (0.3 ms).
+    HostGenerator("torch", torch.get_rng_state, torch.set_rng_state, torch.equal,
+                  lambda seed: torch.default_generator.manual_seed(seed)),
+    HostGenerator("python", random.getstate, random.setstate, operator.eq, random.seed),
+    HostGenerator("numpy", np.random.get_state, np.random.set_state, _same_numpy_state,
+                  lambda seed: np.random.seed(seed & MASK32)),
+)
+UNSEEDED = 0x5EED  # the fixed seed of the generators a dataset has not been seen to draw from
+
+
+def seed_host_generators(seed: int, generators: Sequence[HostGenerator] = HOST_GENERATORS) -> None:
+    """Seed torch's CPU generator, Python's and NumPy's global ones (or those of `generators`)."""
+    for generator in generators:
+        generator.seed(seed)
 
 
 @contextlib.contextmanager
 def preserved_host_generators() -> Iterator[None]:
     """The block's draws leave torch's CPU, Python's and NumPy's global generators as they were."""
-    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    states = [generator.get_state() for generator in HOST_GENERATORS]
     try:
         yield
     finally:
-        torch.set_rng_state(states[0])
-        random.setstate(states[1])
-        np.random.set_state(states[2])
+        for generator, state in zip(HOST_GENERATORS, states):
+            generator.set_state(state)
 
 
 class SeededSamples(Dataset):
     """`dataset` read by (epoch, index) keys, each sample fetched with the host generators seeded
-    from (seed, epoch, index)."""
+    from (seed, epoch, index): those that `dataset` draws from, as learned batch by batch."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset = dataset
         self.seed = seed
+        self.drawn_from: tuple[str, ...] = ()  # names of HOST_GENERATORS; each process learns its own
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         epoch, index = key
-        return self._fetch(host_seed(self.seed, epoch, index), index)
+        seed_host_generators(host_seed(self.seed, epoch, index))
+        return self.dataset[index]
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
         """A batch's samples (what a DataLoader asks for); in the main process, the host generators
         are as they were afterwards (saved and restored once a batch: about 0.13 ms)."""
         with contextlib.nullcontext() if get_worker_info() is not None else preserved_host_generators():
-            return [self._fetch(seed, index) for seed, (_, index) in zip(host_seeds(self.seed, keys), keys)]
+            return self._fetch(host_seeds(self.seed, keys), [index for _, index in keys])
 
-    def _fetch(self, seed: int, index: int) -> Any:
-        seed_host_generators(seed)
-        return self.dataset[index]
+    def _fetch(self, seeds: Sequence[int], indices: Sequence[int]) -> list[Any]:
+        """The samples, fetched with the generators named in `drawn_from` seeded per sample. The others
+        start the batch in one fixed state; if the batch moved one, it joins `drawn_from` and the batch
+        is fetched again (at most once per generator and process)."""
+        while True:
+            seeded = [g for g in HOST_GENERATORS if g.name in self.drawn_from]
+            unseen = [g for g in HOST_GENERATORS if g.name not in self.drawn_from]
+            marks = []
+            for generator in unseen:
+                generator.seed(UNSEEDED)
+                marks.append(generator.get_state())
+            samples = []
+            for seed, index in zip(seeds, indices):
+                seed_host_generators(seed, seeded)
+                samples.append(self.dataset[index])
+            moved = [g.name for g, mark in zip(unseen, marks) if not g.same_state(g.get_state(), mark)]
+            if not moved:
+                return samples
+            self.drawn_from = (*self.drawn_from, *moved)
 
 
 class EpochKeys:

@@ -61,8 +61,10 @@ class Zygote:
 
     def __init__(self) -> None:
         script = str(REPO / "tests" / "fixtures" / "zygote.py")
+        # ZYGOTE_ENV_ROOM: room in the environment block exec puts on the zygote's stack, where each forked child
+        # writes its own environment for /proc/PID/environ (zygote.set_environment).
         self.server = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       env=launch_env(), text=True, bufsize=1)
+                                       env={**launch_env(), "ZYGOTE_ENV_ROOM": "." * 65536}, text=True, bufsize=1)
 
     def run(self, command: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="zygote-") as tmp:

@@ -192,6 +192,7 @@ class Store:
         self.group = distributed.new_group(timeout_s) if background else None  # the writer's collectives' wait
         self.background = background
         self._in_flight: _Writer | None = None
+        self._host_copy: Any = None  # the last background save's copy, written: the next one copies into it
 
     def save(self, parts: Mapping[str, Any], step: int, is_best: bool, mid_epoch: bool = False) -> None:
         """Save `parts` (by name, as `Checkpoint.restore` takes them) as the newest checkpoint, also the best if
@@ -201,7 +202,9 @@ class Store:
         if not self.background:
             self.write(snapshot, step, is_best, mid_epoch)
             return
-        snapshot = on_host(snapshot)  # the training thread's last wait: it may change the parts from here on
+        # The training thread's last wait: it may change the parts from here on. Into the previous save's copy
+        # where the shapes allow: writing into memory already mapped costs about half of a fresh allocation.
+        snapshot = self._host_copy = on_host(snapshot, reuse=self._host_copy)
         self._in_flight = _Writer(lambda: self.write(snapshot, step, is_best, mid_epoch), self.group)
 
     def wait(self) -> None:
@@ -258,18 +261,30 @@ class _Writer:
             raise self.failure
 
 
-def on_host(state: Any) -> Any:
+def on_host(state: Any, reuse: Any = None) -> Any:
     """A copy of `state` the training thread no longer touches: tensors copied to the CPU (a DTensor keeps its
-    sharding, with its local shard copied), containers and plain values copied."""
+    sharding, with its local shard copied), containers and plain values copied. A tensor goes into the CPU
+    tensor at its place in `reuse` (an earlier copy of the same structure, no longer in use) when their
+    shape, stride and dtype agree, and into new memory otherwise."""
     if isinstance(state, torch.Tensor):
         if hasattr(state, "to_local"):  # a DTensor
-            local = state.to_local().detach().to("cpu", copy=True)
+            local = _host_tensor(state.to_local(), reuse.to_local() if hasattr(reuse, "to_local") else None)
             return type(state).from_local(local, state.device_mesh, state.placements, run_check=False,
                                           shape=state.shape, stride=state.stride())
-        return state.detach().to("cpu", copy=True)
+        return _host_tensor(state, reuse)
     if isinstance(state, dict):
-        return type(state)((key, on_host(value)) for key, value in state.items())
+        earlier = reuse if isinstance(reuse, dict) else {}
+        return type(state)((key, on_host(value, earlier.get(key))) for key, value in state.items())
     if isinstance(state, (list, tuple)):
-        values = [on_host(value) for value in state]
+        earlier = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(state) else [None] * len(state)
+        values = [on_host(value, old) for value, old in zip(state, earlier)]
         return type(state)(*values) if hasattr(state, "_fields") else type(state)(values)
     return copy.deepcopy(state)
+
+
+def _host_tensor(tensor: torch.Tensor, reuse: Any) -> torch.Tensor:
+    tensor = tensor.detach()
+    if (type(reuse) is torch.Tensor and reuse.device.type == "cpu" and reuse.dtype == tensor.dtype
+            and reuse.shape == tensor.shape and reuse.stride() == tensor.stride()):
+        return reuse.copy_(tensor)
+    return tensor.to("cpu", copy=True)

@@ -153,7 +153,8 @@ class TrainerConfig:
     # every N optimizer steps (null: at epoch ends only); resume goes on from that very step with the same
     # remaining data
     async_checkpoint: bool = False  # true: a save waits only for a copy of the state in host memory and is written
-    # in the background while training goes on (at most one in flight; the next save and the run's end wait)
+    # in the background while training goes on (at most one in flight; the next save and the run's end wait).
+    # The host copy is kept between saves (one more copy of each rank's state in RAM), and later saves copy into it
     init_weights: str = setting("auto", one_of(*INIT_WEIGHTS))  # auto: by_name under dist=fsdp (built on the meta
     # device), constructor otherwise | constructor: the model's constructor draws them from the seeded RNG (under
     # dist=fsdp: built whole on every rank, then sharded) | by_name: each module's from (seed, its name), the same

@@ -69,3 +69,25 @@ def test_after_a_training_failure_the_write_in_flight_ends_and_its_failure_is_on
     assert not waited.is_alive() and not any(t.name == "checkpoint-writer" for t in threading.enumerate())
     assert "the checkpoint being written when training failed was not written: OSError" in caplog.text
     assert caplog.records[-1].levelno == logging.WARNING
+
+
+def test_a_later_save_copies_into_the_previous_saves_memory_and_writes_its_own_values(tmp_path: Path):
+    store, weight = GatedStore(tmp_path), torch.zeros(1024)
+    store.gate.set()
+    copies = []
+    for step in (1, 2, 3):
+        weight += 1
+        store.save(parts(weight, step), step=step, is_best=False)
+        copies.append(store._host_copy["model"]["w"])
+        assert store._host_copy["model"]["w"].data_ptr() != weight.data_ptr()  # a copy, never the live tensor
+        weight += 100  # training goes on
+        store.wait()
+        saved = torch.load(tmp_path / "last.pt", weights_only=True)
+        assert torch.equal(saved["model"]["w"], torch.full((1024,), 1.0 + 101 * (step - 1)))
+        assert saved["loop"]["step"] == step
+    assert copies[0].data_ptr() == copies[1].data_ptr() == copies[2].data_ptr()  # one allocation, reused
+    grown = torch.ones(2048)  # another shape (a fork that grows its model between saves): new memory
+    store.save(parts(grown, 4), step=4, is_best=False)
+    store.wait()
+    assert store._host_copy["model"]["w"].shape == (2048,)
+    assert torch.equal(torch.load(tmp_path / "last.pt", weights_only=True)["model"]["w"], grown)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -27,14 +28,16 @@ def run(command: list[str], cwd: Path, timeout: float = 300, env: dict | None = 
     """Run `command`, returning its exit code and output; never hangs the suite. `python SCRIPT ...` and
     `python -m MODULE ...` without environment overrides run in a child of the zygote (torch already imported)."""
     full_env = launch_env(env)
-    if ZYGOTE_ENABLED and not env and command[0] == sys.executable and forkable(command[1], cwd):
+    if zygote_runs(command, cwd, env):
         return _zygote().run(command, cwd, full_env, timeout)
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
-def forkable(first: str, cwd: Path) -> bool:
-    """Whether `python FIRST ...` can run in the zygote: a module (-m) or a script file, no interpreter flags."""
-    return first == "-m" or (first.endswith(".py") and (Path(cwd) / first).is_file())
+def zygote_runs(command: list[str], cwd: Path, env: dict | None) -> bool:
+    """Whether the zygote can run `command`: `python SCRIPT.py ...` or `python -m MODULE ...`, no interpreter
+    flags, no environment overrides (TEST_ZYGOTE=0: never)."""
+    first = command[1] if command[0] == sys.executable and len(command) > 1 else ""
+    return ZYGOTE_ENABLED and not env and (first == "-m" or (first.endswith(".py") and (Path(cwd) / first).is_file()))
 
 
 def launch_env(env: dict | None = None) -> dict[str, str]:
@@ -66,6 +69,14 @@ class Zygote:
         self.server = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        env={**launch_env(), "ZYGOTE_ENV_ROOM": "." * 65536}, text=True, bufsize=1)
 
+    def start(self, command: list[str], cwd: Path, env: dict, stdout: Path, stderr: Path, session: bool) -> int:
+        """The pid of `command` started in a forked child that this process adopts (see ZygoteProcess)."""
+        _become_a_subreaper()
+        request = {"argv": command[1:], "cwd": str(Path(cwd).resolve()), "env": env, "stdout": str(stdout),
+                   "stderr": str(stderr), "detached": True, "launcher": os.getpid(), "session": session}
+        self.server.stdin.write(json.dumps(request) + "\n")
+        return json.loads(self.server.stdout.readline())["pid"]
+
     def run(self, command: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="zygote-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
@@ -88,6 +99,31 @@ class Zygote:
         if _killed.pop(pid, False):  # the timer killed it
             raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
         return subprocess.CompletedProcess(command, os.waitstatus_to_exitcode(status), stdout, stderr)
+
+
+class ZygoteProcess(subprocess.Popen):
+    """`command` forked by this process's zygote and adopted by this process, which waits for it, signals it and
+    reads its exit status as for any Popen; its stdout and stderr go to files."""
+
+    def __init__(self, command: list[str], cwd: Path, env: dict, stdout: Path, stderr: Path,
+                 start_new_session: bool = False) -> None:
+        self._start = (cwd, env, stdout, stderr, start_new_session)
+        super().__init__(command)
+
+    def _execute_child(self, args, *rest) -> None:  # noqa: ANN001 - Popen's
+        cwd, env, stdout, stderr, session = self._start
+        self.pid = _zygote().start(list(args), cwd, env, stdout, stderr, session)
+        self._child_created = True
+
+
+_subreaper: list[bool] = []
+
+
+def _become_a_subreaper() -> None:
+    """Orphans below this process come to it (PR_SET_CHILD_SUBREAPER), not to init: so can a zygote's child."""
+    if not _subreaper:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+        _subreaper.append(True)
 
 
 _killed: dict[int, bool] = {}

@@ -228,12 +228,15 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(runs
     assert_bitwise_equal(tmp_path / "run", runs("straight"))
 
 
-def test_a_disk_with_no_room_for_the_shards_is_one_line_and_keeps_the_previous_checkpoint(tmp_path: Path):
+@pytest.mark.parametrize("mode", [[], ["trainer.async_checkpoint=true"]], ids=["sync", "async_checkpoint"])
+def test_a_disk_with_no_room_for_the_shards_is_one_line_and_keeps_the_previous_checkpoint(tmp_path: Path,
+                                                                                         mode: list[str]):
     """As tests/integration/test_full_disk.py, sharded: a 512 KiB file-size limit (EFBIG, ENOSPC's path) under
-    which each rank's shard file of the digits CNN with AdamW (about 0.9 MB) cannot be written."""
+    which each rank's shard file of the digits CNN with AdamW (about 0.9 MB) cannot be written. Written in the
+    background (async_checkpoint), the failure surfaces when the run ends, as the same one line."""
     from test_full_disk import LIMIT, file_size_limit
 
-    args = ["dist=fsdp", "trainer.progress=false"]
+    args = ["dist=fsdp", "trainer.progress=false", *mode]
     check(torchrun(2, [*args, "trainer.epochs=1", "hydra.run.dir=run"], tmp_path))
     checkpoints = tmp_path / "run" / "checkpoints"
     before = {path.name: path.read_bytes() for path in (checkpoints / "step_000000022").iterdir()}

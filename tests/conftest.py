@@ -116,13 +116,14 @@ class ZygoteProcess(subprocess.Popen):
         self._child_created = True
 
 
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
 _subreaper: list[bool] = []
 
 
 def _become_a_subreaper() -> None:
     """Orphans below this process come to it (PR_SET_CHILD_SUBREAPER), not to init: so can a zygote's child."""
     if not _subreaper:
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         _subreaper.append(True)
 
 

@@ -8,7 +8,7 @@ one drew. Two paths:
 - Datasets read through a DataLoader (`SeededSamples`): right before `dataset[i]`, torch's, Python's
   and NumPy's global generators are seeded from (seed, epoch, i), so any transform that draws from
   them (torchvision v1 or v2, your own) is covered. Seeding costs per sample (Python's `random.seed`
-  about 9 us, NumPy's 2, torch's 2), so each process seeds only the generators its dataset has been
+  about 4 us, NumPy's 2, torch's 1), so each process seeds only the generators its dataset has been
   seen to draw from: the others are set to one fixed state before a batch and checked after it, and a
   batch that moved one is fetched again with that generator seeded per sample from then on. Every
   sample is what seeding all three would give, at the cost of one batch fetched twice per generator.

@@ -7,8 +7,9 @@ Each repeat runs `train.py` twice, interleaved (ddp, fsdp, ddp, fsdp, ...), so a
 with the default recipe (small CNN, AdamW, global batch 64) and `samples_per_s` from metrics.json (training
 steps only: evaluation and checkpoints are not timed). Reports the medians and fsdp / ddp. The digits CNN has
 151k parameters: sharding it saves nothing worth having, and FSDP pays an all-gather per unit in the forward,
-another in the backward and a reduce-scatter per unit instead of DDP's bucketed all-reduce, and runs AdamW
-without the fused kernel (src/loop/optim.py). Not a test: numbers on a shared machine are noisy.
+another in the backward and a reduce-scatter per unit instead of DDP's bucketed all-reduce. Both run AdamW's fused
+kernel, which takes sharded parameters (src/loop/optim.py); the foreach case shows what that kernel saves. Not a
+test: numbers on a shared machine are noisy.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 # name -> train.py overrides: DDP; FSDP as configured by default (the CNN's children hold fewer than
 # dist.fsdp.min_unit_params parameters, so the whole model is one unit, which stays gathered from the forward
-# to the backward: one all-gather and one reduce-scatter per step); FSDP with each child a unit of its own.
+# to the backward: one all-gather and one reduce-scatter per step); FSDP with each child a unit of its own; the
+# default FSDP with AdamW's foreach kernels instead of its fused one (what sharded parameters ran before).
 CASES = {
     "ddp": ["dist=ddp"],
     "fsdp (default: one unit)": ["dist=fsdp"],
     "fsdp, a unit per child": ["dist=fsdp", "dist.fsdp.min_unit_params=0"],
+    "fsdp, AdamW's foreach kernels": ["dist=fsdp", "optimizer.fused=null", "+optimizer.foreach=true"],
 }
 
 

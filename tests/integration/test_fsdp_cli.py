@@ -33,10 +33,12 @@ CNN = ["model=cnn", "optimizer=sgd", "scheduler=constant", "trainer.epochs=1", "
 # clipped: a norm computed over one rank's shards only would scale the steps differently from DDP's.
 MLP = ["model=mlp", "optimizer=sgd", "scheduler=constant", "trainer.epochs=1", "dataset.batch_size=64",
        "trainer.grad_accum=2", "trainer.grad_clip=0.01"]
-# Sharded parameters cannot use torch's fused optimizer kernels and take the foreach ones (src/loop/optim.py),
-# which round differently: over 58 SGD steps by up to 9.4e-5 (measured here). DDP runs given the same kernels
+# torch's fused SGD takes no sharded parameters, which take the foreach kernels instead (src/loop/optim.py),
+# rounding differently: over 58 SGD steps by up to 9.4e-5 (measured here). DDP runs given the same kernels
 # train the very same weights as FSDP (bit for bit, measured, without gradient clipping).
 SAME_KERNELS = ["optimizer.fused=null", "+optimizer.foreach=true"]
+# The default optimizer, AdamW, whose fused kernel takes sharded parameters: the same kernel on both sides.
+ADAMW = ["model=cnn", "trainer.epochs=1", "dataset.batch_size=64"]
 # Two epochs of 29 steps with a step checkpoint every 5: a stop at step 27 is mid-epoch 1 (step 27 of 29),
 # and 48 divides by 1, 2 and 3 ranks. These runs start from the constructor's weights (today's build-whole path,
 # trainer.init_weights=constructor), as the resumed-elsewhere checks were measured with: from seed 0's by-name
@@ -60,6 +62,8 @@ BY_NAME = "trainer.init_weights=by_name"
 RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
     "ddp cnn": (2, [*CNN, BY_NAME]),
     "fsdp cnn": (2, [*CNN, *PER_UNIT]),
+    "ddp adamw": (2, [*ADAMW, BY_NAME]),
+    "fsdp adamw": (2, [*ADAMW, *PER_UNIT]),
     "ddp mlp": (2, [*MLP, *SAME_KERNELS, BY_NAME]),
     "ddp cnn bf16": (2, [*CNN, "trainer.precision=bf16", BY_NAME]),
     "fsdp cnn bf16": (2, [*CNN, "trainer.precision=bf16", "dist=fsdp"]),
@@ -139,6 +143,21 @@ def test_fsdp_trains_the_ddp_model_with_the_same_metrics(runs: Runs, model: str)
     for key in ("train/loss", "train/acc", "val/loss", "val/acc"):
         assert fsdp_metrics[key] == pytest.approx(ddp_metrics[key], abs=1e-5), key
     assert fsdp_metrics["val/num_samples"] == ddp_metrics["val/num_samples"] == 360
+
+
+def test_fsdp_runs_adamws_fused_kernel_and_trains_bit_for_bit_what_ddp_trains(runs: Runs):
+    """The default AdamW keeps `fused: true` on sharded parameters (its kernel takes DTensors), SGD's falls back
+    to foreach with a log line; with the same kernel on both sides, FSDP's weights and metrics are DDP's exactly."""
+    assert "foreach kernels instead" in (runs("fsdp cnn") / "train.log").read_text()
+    assert "foreach kernels instead" not in (runs("fsdp adamw") / "train.log").read_text()
+    ddp, fsdp = runs("ddp adamw"), runs("fsdp adamw")
+    ddp_weights, fsdp_weights = weights(ddp), sharded_weights(fsdp)
+    assert ddp_weights.keys() == fsdp_weights.keys()
+    assert all(torch.equal(ddp_weights[name], fsdp_weights[name]) for name in ddp_weights)
+    ddp_metrics, fsdp_metrics = metrics(ddp), metrics(fsdp)
+    for key in ("train/loss", "train/acc", "val/loss", "val/acc"):
+        assert fsdp_metrics[key] == ddp_metrics[key], key
+    assert fsdp_metrics["step"] == ddp_metrics["step"] == 22
 
 
 def test_bf16_computes_in_bf16_and_trains_what_ddp_trains(runs: Runs):

@@ -229,7 +229,7 @@ def test_the_fsdp_benchmarks_write_their_tables(tmp_path: Path):
                "--output", str(speed)], tmp_path))
     rows = {row[0].strip(): (float(row[2]), float(row[3])) for row in
             (line.split("|")[1:-1] for line in speed.read_text().splitlines() if line.startswith(("| ddp", "| fsdp")))}
-    assert set(rows) == {"ddp", "fsdp (default: one unit)", "fsdp, a unit per child"}
+    assert set(rows) == {"ddp", "fsdp (default: one unit)", "fsdp, a unit per child", "fsdp, AdamW's foreach kernels"}
     for samples_per_s, ratio in rows.values():
         assert samples_per_s > 0 and abs(ratio - samples_per_s / rows["ddp"][0]) < 0.01
 

@@ -78,3 +78,39 @@ def test_build_optimizer_completes_the_partial_and_reports_torchs_refusals():
     cfg.fused = None  # torch's default is accepted by every class that has the key
     cfg._target_ = "torch.optim.Adam"
     assert build_optimizer(cfg, params).param_groups[0]["fused"] is None
+
+
+def test_sharded_parameters_keep_a_fused_kernel_that_takes_them_and_others_fall_back_to_foreach(tmp_path):
+    """FSDP2's DTensor shards (a one-rank group): torch 2.14's fused AdamW takes them and steps them to the very
+    values it gives plain tensors; its fused SGD does not (no DTensor sharding rule), so foreach instead."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from src.loop.optim import build_optimizer
+    from src.parallel.fsdp import shard
+
+    def trained(target: str, sharded: bool) -> tuple[torch.optim.Optimizer, torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(5, 3)
+        if sharded:
+            shard(model, [], True, False, None)
+        cfg = OmegaConf.create({"_target_": target, "_partial_": True, "lr": 0.1, "fused": True})
+        optimizer = build_optimizer(cfg, model.parameters(), sharded=sharded)
+        for step in range(3):
+            model(torch.full((4, 5), step + 1.0)).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        weight = model.weight.full_tensor() if sharded else model.weight
+        return optimizer, weight.detach()
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        adamw, sharded_weight = trained("torch.optim.AdamW", sharded=True)
+        sgd, _ = trained("torch.optim.SGD", sharded=True)
+    finally:
+        dist.destroy_process_group()
+    assert adamw.defaults["fused"] is True and not adamw.defaults["foreach"]
+    assert sgd.defaults["fused"] is None and sgd.defaults["foreach"] is True
+    plain, plain_weight = trained("torch.optim.AdamW", sharded=False)
+    assert plain.defaults["fused"] is True and torch.equal(sharded_weight, plain_weight)
+    assert not torch.equal(plain_weight, trained("torch.optim.SGD", sharded=False)[1])

@@ -114,3 +114,27 @@ def test_sharded_parameters_keep_a_fused_kernel_that_takes_them_and_others_fall_
     plain, plain_weight = trained("torch.optim.AdamW", sharded=False)
     assert plain.defaults["fused"] is True and torch.equal(sharded_weight, plain_weight)
     assert not torch.equal(plain_weight, trained("torch.optim.SGD", sharded=False)[1])
+
+
+def test_settings_torch_refuses_are_one_line_on_sharded_parameters_too(tmp_path):
+    """The fused-kernel probe builds the optimizer first: its refusals are the same UsageErrors."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from src.common.errors import UsageError
+    from src.loop.optim import build_optimizer
+    from src.parallel.fsdp import shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = shard(torch.nn.Linear(5, 3), [], True, False, None)
+        cfg = OmegaConf.create({"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.1, "fused": True,
+                                "betas": [1.5, 0.99]})
+        with pytest.raises(UsageError, match=r"torch.optim.AdamW refused its settings \(Invalid beta parameter"):
+            build_optimizer(cfg, model.parameters(), sharded=True)
+        cfg.pop("betas")
+        cfg.momentum_decay = 0.1
+        with pytest.raises(UsageError, match=r"^torch.optim.AdamW does not take momentum_decay: remove it"):
+            build_optimizer(cfg, model.parameters(), sharded=True)
+    finally:
+        dist.destroy_process_group()

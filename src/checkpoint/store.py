@@ -215,8 +215,8 @@ class Store:
 
     def wait_after_failure(self) -> None:
         """After training failed for another reason: until the save in flight (if any) has ended, so the process
-        group its collectives run on is not torn down under it (they wait at most dist.timeout_s for a rank
-        that is gone); its own failure is only logged, the training's error is the run's."""
+        group its collectives run on is not torn down under it (they wait at most dist.step_timeout_s for a
+        rank that is gone); its own failure is only logged, the training's error is the run's."""
         writer, self._in_flight = self._in_flight, None
         if writer is not None:
             writer.thread.join()

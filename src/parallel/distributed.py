@@ -231,9 +231,9 @@ _this_thread = threading.local()  # the group the collectives above use in this 
 def new_group(timeout_s: float | None) -> Any:
     """A second group over every rank (gloo), for a thread whose collectives run while the training thread's
     run on the default group (a background checkpoint write): two threads' collectives on one group would
-    interleave differently on each rank. Its collectives wait `timeout_s` (the run passes dist.timeout_s, as
-    its default group's; None: torch's default, 30 min). None in a single process. A collective: every rank
-    calls it."""
+    interleave differently on each rank. Its collectives wait `timeout_s` (the run passes dist.step_timeout_s,
+    as its default group's after the first step, or dist.timeout_s if that is null; None: torch's default,
+    30 min). None in a single process. A collective: every rank calls it."""
     if not is_initialized():
         return None
     return dist.new_group(backend="gloo", timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -245,6 +246,26 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(runs
     log = (tmp_path / "run" / "train.log").read_text()
     assert "after epoch 0, step 5 (5 steps into epoch 1)" in log
     assert_bitwise_equal(tmp_path / "run", runs("straight"))
+
+
+def test_a_rank_stalled_in_a_background_write_ends_the_group_within_the_step_timeout(launched, tmp_path: Path):
+    """trainer.async_checkpoint: rank 0 stalls in the writer thread (the index of the second checkpoint, step 10,
+    as above) while rank 1's writer waits for it in a collective of the writer's own group. That group waits
+    dist.step_timeout_s, as the training's does after the first step (not dist.timeout_s, 30 min by default):
+    the group ends within it, naming the write's collective and rank 0, and the previous checkpoint stays."""
+    marker, step_timeout_s = tmp_path / "stalled", 4
+    worker = str(REPO / "tests" / "fixtures" / "stalled_save_worker.py")
+    process = launched.start([*TORCHRUN, "--standalone", "--nproc_per_node=2", worker, *TWO_EPOCHS,
+                              "trainer.async_checkpoint=true", f"dist.step_timeout_s={step_timeout_s}",
+                              "hydra.run.dir=run"], tmp_path, env={"STALL_MARKER": str(marker)})
+    wait_until(marker.exists, timeout=180, what="the stalled save")
+    assert process.wait(timeout=step_timeout_s + 60) != 0
+    log = (tmp_path / "run" / "train.rank1.log").read_text()  # rank 0 is the stalled one
+    assert re.search(rf"torch\.distributed\.\w+ \(src/checkpoint/sharded_store\.py:\d+ write\) timed out after "
+                     rf"{step_timeout_s} s \(dist\.step_timeout_s\): rank 0 did not arrive", log), log[-2000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / "last").read_text() == "step_000000005" and (checkpoints / "step_000000005").is_dir()
+    assert not (checkpoints / "step_000000010").exists()
 
 
 @pytest.mark.parametrize("mode", [[], ["trainer.async_checkpoint=true"]], ids=["sync", "async_checkpoint"])

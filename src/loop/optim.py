@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from src.common.errors import UsageError
+from src.parallel import fsdp
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[torch.nn.Parameter]
     refusal is the user's to fix, so it becomes one `error:` line instead of a traceback.
     `sharded`: the parameters are FSDP2's DTensor shards. Some of torch's fused kernels take them (torch
     2.14: Adam's and AdamW's), others do not (`aten._fused_sgd_ does not have a sharding strategy`): with
-    `fused: true`, one step on a one-element shard tells which (`_fused_takes_shards`), and a kernel that
+    `fused: true`, one step on a one-element shard tells which (src/parallel/fsdp.py), and a kernel that
     refuses becomes the multi-tensor (foreach) kernels, with a log line. Not torch's CPU default, a loop
     over the parameters: every DTensor op pays a dispatch, and foreach pays it once per group (measured
     here: digits CNN, dist=fsdp on 2 ranks, 14% more samples/s; the fused AdamW's step takes 0.6 of the
@@ -40,7 +41,7 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[torch.nn.Parameter]
         options = {}
         if sharded and optimizer_cfg.get("fused"):
             parameters = list(parameters)
-            if not _fused_takes_shards(optimizer_cfg, parameters):
+            if not fsdp.fused_step_takes_shards(lambda params: instantiate(optimizer_cfg)(params=params), parameters):
                 log.info(f"optimizer.fused=true: {optimizer_cfg._target_}'s fused kernel does not take sharded "
                          "parameters (dist=fsdp): foreach kernels instead")
                 options.update(fused=None, foreach=True)
@@ -58,28 +59,6 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[torch.nn.Parameter]
             f"{optimizer_cfg._target_} does not take {key}: remove it from the optimizer's YAML, or drop it for this "
             f"run with ~optimizer.{key}"
         ) from error
-
-
-def _fused_takes_shards(optimizer_cfg: Any, parameters: list[torch.nn.Parameter]) -> bool:
-    """Whether the optimizer's fused kernel runs on FSDP2's DTensor shards: one step of it on a one-element
-    shard laid out as the first parameter is (no communication: the step is elementwise)."""
-    from torch.distributed.tensor import DTensor
-
-    like = next((parameter for parameter in parameters if isinstance(parameter, DTensor)), None)
-    if like is None:
-        return True
-
-    def shard() -> DTensor:
-        local = torch.zeros(1, dtype=like.dtype, device=like.to_local().device)
-        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False)
-
-    probe = torch.nn.Parameter(shard())
-    probe.grad = shard()
-    try:
-        instantiate(optimizer_cfg)(params=[probe]).step()
-    except NotImplementedError:  # DTensor: "Operator aten._fused_sgd_.default does not have a sharding strategy"
-        return False
-    return True
 
 
 def _warmup_steps(warmup_epochs: float, steps_per_epoch: int, total_steps: int) -> int:

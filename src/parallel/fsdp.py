@@ -20,15 +20,15 @@ sharding and all-reduces the activation statistics as under DDP; the loop's metr
 and NaN guard never see the difference. Whole (unsharded) state dicts, e.g. of a dist=ddp checkpoint, are put
 into a sharded module and its optimizer by parameter name (`load_full_model_state`, `load_full_optimizer_state`).
 
-torch.distributed.fsdp and DCP's state-dict helpers take ~0.45 s to import: `shard` and the two loaders
-import them (deferred imports, the only ones here), and only runs that shard call them.
+torch.distributed.fsdp and DCP's state-dict helpers take ~0.45 s to import: `shard`, the two loaders and the
+fused-kernel probe import them or DTensor (deferred imports, the only ones here), and only runs that shard call them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -110,6 +110,30 @@ def is_sharded(module: nn.Module) -> bool:
     `shard`, or anything else) no module can be one, and the check imports nothing."""
     loaded = sys.modules.get("torch.distributed.fsdp")
     return loaded is not None and isinstance(module, loaded.FSDPModule)
+
+
+def fused_step_takes_shards(build: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                            parameters: Sequence[nn.Parameter]) -> bool:
+    """Whether the optimizer `build(params)` makes (with `fused: true`) steps DTensor shards: torch 2.14's fused
+    Adam and AdamW do, its fused SGD does not ("aten._fused_sgd_ does not have a sharding strategy"). One
+    step on a one-element shard laid out as the first sharded parameter tells (no communication: elementwise)."""
+    from torch.distributed.tensor import DTensor
+
+    like = next((parameter for parameter in parameters if isinstance(parameter, DTensor)), None)
+    if like is None:
+        return True
+
+    def shard() -> DTensor:
+        local = torch.zeros(1, dtype=like.dtype, device=like.to_local().device)
+        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False)
+
+    probe = nn.Parameter(shard())
+    probe.grad = shard()
+    try:
+        build([probe]).step()
+    except NotImplementedError:  # DTensor has no sharding rule for the fused op
+        return False
+    return True
 
 
 @contextlib.contextmanager

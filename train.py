@@ -100,7 +100,7 @@ def run(cfg: DictConfig, context: RunContext, runtime: Any) -> float:
     reporting.setup_logging(context.run_dir, runtime.env.rank)
     trackers = build_trackers(cfg.logger, context, runtime.is_main_process)  # a missing package: one line, here
     trainer_cfg: schema.TrainerConfig = OmegaConf.to_object(cfg.trainer)  # the `trainer` settings, typed
-    # A background write's collectives come after a step: they wait as long as the group's do by then.
+    # A background write's collectives are a rank's write apart, a gap dist.step_timeout_s covers by definition.
     writer_timeout_s = cfg.dist.timeout_s if cfg.dist.step_timeout_s is None else cfg.dist.step_timeout_s
     store = checkpoint.open_store(cfg.dist.strategy, context.run_dir / "checkpoints", runtime.is_main_process,
                                   trainer_cfg.keep_last, trainer_cfg.async_checkpoint, writer_timeout_s)

@@ -37,15 +37,17 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[torch.nn.Parameter]
     here: digits CNN, dist=fsdp on 2 ranks, 14% more samples/s; the fused AdamW's step takes 0.6 of the
     foreach one's).
     """
+    def make(params: Iterable[torch.nn.Parameter], **options: Any) -> Optimizer:
+        return instantiate(optimizer_cfg, **options)(params=params)
+
     try:
-        options = {}
         if sharded and optimizer_cfg.get("fused"):
             parameters = list(parameters)
-            if not fsdp.fused_step_takes_shards(lambda params: instantiate(optimizer_cfg)(params=params), parameters):
+            if not fsdp.fused_step_takes_shards(make, parameters):
                 log.info(f"optimizer.fused=true: {optimizer_cfg._target_}'s fused kernel does not take sharded "
                          "parameters (dist=fsdp): foreach kernels instead")
-                options.update(fused=None, foreach=True)
-        return instantiate(optimizer_cfg, **options)(params=parameters)
+                return make(parameters, fused=None, foreach=True)
+        return make(parameters)
     except ValueError as error:
         raise UsageError(
             f"{optimizer_cfg._target_} refused its settings ({error}): change the optimizer.* keys"

@@ -164,6 +164,7 @@ def build_parts(cfg, trainer_cfg, context, runtime, data, task, callbacks, store
     """What the loop needs once the data and task are known: the model (wrapped for DDP, or sharded, and
     compiled), the optimizer and schedule, the reporter (a TrainParts)."""
     performance.set_backend_flags(runtime.device, trainer_cfg.tf32, trainer_cfg.deterministic)
+    performance.reuse_host_memory(trainer_cfg.reuse_host_memory)  # before the loaders fork their workers
     named = initial_weights.by_name(trainer_cfg.init_weights, cfg.dist.strategy)  # else: the constructor's
     model = initial_model(cfg, trainer_cfg, task, named)
     sharding = OmegaConf.to_object(cfg.dist.fsdp) if cfg.dist.strategy == "fsdp" else None

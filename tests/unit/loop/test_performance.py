@@ -1,10 +1,15 @@
-"""Backend flags and channels_last (src/loop/performance.py), on the CPU."""
+"""Backend flags, channels_last and host memory reuse (src/loop/performance.py), on the CPU."""
 
 from __future__ import annotations
+
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import REPO
 from torch import nn
 
 from src.components.models import SimpleCNN
@@ -74,3 +79,44 @@ def test_channels_last_trains_to_the_same_losses():
     channels_last = train_losses(performance.with_memory_format(cnn(), channels_last=True))
     assert contiguous[-1] < contiguous[0]  # it does learn
     assert channels_last == pytest.approx(contiguous, rel=1e-4, abs=1e-5)
+
+
+# ---- host memory -------------------------------------------------------------------------------
+
+KEPT_AFTER_FREE = """
+import ctypes, sys
+import torch
+from src.loop import performance
+class MallInfo2(ctypes.Structure):  # glibc >= 2.33
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = MallInfo2
+applied = performance.reuse_host_memory(sys.argv[1] == "on")
+before = mallinfo2()
+buffer = torch.ones(7 << 20)  # 28 MB: a CPU step's batch of activations
+mapped = mallinfo2().hblkhd - before.hblkhd  # bytes in chunks of their own mapping
+del buffer
+print(applied, mapped >> 20, mallinfo2().fordblks >> 20)  # and the free bytes the heap keeps
+"""
+
+
+def after_a_28_mb_buffer(setting: str) -> tuple[str, int, int]:
+    """In a process of its own (the allocator's settings last as long as it): whether the setting was applied,
+    how many MB of a 28 MB buffer glibc mapped on its own, and how many MB of free memory the process keeps
+    once it is freed."""
+    result = subprocess.run([sys.executable, "-c", KEPT_AFTER_FREE, setting], cwd=REPO, capture_output=True,
+                            text=True, check=True)
+    applied, mapped, kept = result.stdout.split()
+    return applied, int(mapped), int(kept)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's thresholds are glibc's")
+def test_reused_host_memory_keeps_a_freed_buffer_for_the_next_step():
+    applied, mapped, kept = after_a_28_mb_buffer("on")
+    assert applied == "True"
+    assert mapped == 0 and kept >= 28, (mapped, kept)  # on the heap, and still there after the free
+    # glibc's default: a mapping of its own, returned to the OS by the free (the next step's pages zeroed anew)
+    applied, mapped, kept = after_a_28_mb_buffer("off")
+    assert applied == "False"
+    assert mapped >= 28 and kept < 28, (mapped, kept)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ctypes
+import sys
 from typing import Any
 
 import torch
@@ -39,8 +40,8 @@ def reuse_host_memory(enabled: bool) -> bool:
     (benchmarks/DATA_PIPELINE.md). With mallopt's fixed thresholds the process keeps up to TRIM_THRESHOLD of
     freed memory and reuses it (torch's CPU launcher, torch.backends.xeon.run_cpu, sets jemalloc up alike).
     Set once per process, inherited by DataLoader workers forked afterwards; a no-op without glibc (macOS,
-    musl), and `false` leaves the allocator as it is."""
-    if not enabled:
+    Windows, musl), and `false` leaves the allocator as it is."""
+    if not enabled or not sys.platform.startswith("linux"):
         return False
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own symbols: its C library's
     if mallopt is None:

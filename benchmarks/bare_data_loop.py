@@ -10,8 +10,8 @@ and transforms; no seeding per sample, no validation, no checkpoints. Prints one
 only), first_step_at and the last epoch's mean loss.
 
 The schedule is part of "the same training": without its warmup, SGD at lr 0.1 diverges on this data within the first
-epoch and leaves a network of dead ReLUs at chance loss, whose max-pool and backward run faster on all-zero
-activations than on a network that learns (benchmarks/DATA_PIPELINE.md).
+epoch and leaves a network of dead ReLUs at chance loss, which is not the work the template's run does
+(benchmarks/DATA_PIPELINE.md).
 """
 
 import argparse

@@ -27,13 +27,17 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from src.loop.performance import MMAP_THRESHOLD, TRIM_THRESHOLD  # noqa: E402  (the template's, declared once)
+
 IMAGE_SIZE, CROP = 16, ("0.35", "1.0")
 
 
 # The template keeps freed host memory for reuse (trainer.reuse_host_memory: glibc's mallopt, set in the process);
 # the bare loop as a researcher writes it does not. The same thresholds as environment tunables give the bare loop
 # that allocator too, which leaves the template's machinery alone in the ratio.
-SAME_ALLOCATOR = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456"}
+SAME_ALLOCATOR = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}:"
+                                    f"glibc.malloc.trim_threshold={TRIM_THRESHOLD}"}
 
 
 def run_checked(command: list[str], env: dict[str, str] | None = None) -> str:

@@ -13,6 +13,7 @@ processes (every val sample counted once) and land in this run's own dir.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,10 @@ distributed = lazy.module("src.parallel.distributed")
 workers = lazy.module("src.parallel.workers", with_the_run=False)  # a launcher's and its workers' only
 loaders = lazy.module("src.data.loaders")
 evaluation = lazy.module("src.loop.evaluation")
+models = lazy.module("src.loop.models")
 precision = lazy.module("src.loop.precision")
 setup = lazy.module("src.loop.setup")
+trained = lazy.module("src.checkpoint.trained")
 reporting = lazy.module("src.reports.reporting")
 
 log = logging.getLogger("eval")
@@ -86,6 +89,8 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
 
     with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
         reporting.setup_logging(run_dir, runtime.env.rank, name="eval")
+        task.aux = models.build_aux(saved.get("aux"), task, runtime.device,
+                                    trusted_targets.trusted(cfg.trusted_targets, cfg))
         val = evaluate_saved_model(saved_checkpoint, task, dataset_cfg, dataset_choice, runtime, amp_dtype,
                                    cfg.weights)
         return report(val, path, saved_checkpoint.loop["epoch"], runtime, run_dir, cfg.weights, task.unit)[monitored]
@@ -100,8 +105,9 @@ def read_checkpoint(cfg: DictConfig) -> Any:
     # Checkpoints are data: the callables its saved config names must be ones the user trusts.
     trusted_targets.check_saved_config(saved.config, path, trusted_targets.trusted(cfg.trusted_targets, cfg))
     if not saved.has_weights(cfg.weights):
-        raise UsageError(f"{path} holds no EMA weights (its run had callbacks.ema.decay=null): evaluate its model "
-                         "with weights=model")
+        which = "" if saved.output_model == "model" else f" of its model {saved.output_model}"
+        raise UsageError(f"{path} holds no EMA weights{which} (its run had callbacks.ema.decay=null): evaluate its "
+                         "model with weights=model")
     return saved
 
 
@@ -117,17 +123,20 @@ def evaluate_saved_model(saved_checkpoint, task, dataset_cfg, dataset_choice, ru
     setup.bind_to_dataset(task, splits, f"dataset={dataset_choice}")  # the task's inputs and target, by field
     data_fields.check_same(saved_checkpoint.config.get("data_fields"), setup.model_fields(task, splits.info),
                            f"checkpoint {path}", f"dataset={dataset_choice}")
-    # The plain module, not DDP: evaluation syncs no gradients, only the metric sums. Its config
-    # was saved resolved, with the shapes it was built with; a sharded checkpoint's shards are read
-    # into the whole model on every rank.
-    with building.errors_named("model", saved.model):
-        module = setup.build_model(saved.model, task)
-    saved_checkpoint.load_model(module, weights)
-    module.to(runtime.device)
+    # The plain modules, not DDP: evaluation syncs no gradients, only the metric sums. Their configs were
+    # saved resolved, with the shapes they were built with; a sharded checkpoint's shards are read into the
+    # whole models on every rank. `weights=ema` puts the EMA weights into the model they average.
+    modules = {name: trained.build_saved_model(saved_checkpoint, name, weights if name == saved_checkpoint.output_model
+                                               else "model").to(runtime.device)
+               for name in saved_checkpoint.model_names}
+    if task.feeds_batches:  # the model the task feeds batches: one line if it cannot take them
+        setup.check_inputs(modules[saved_checkpoint.output_model], task)
     val_batch = dataset_cfg.get("val_batch_size") or dataset_cfg.batch_size
-    loader = loaders.make_val_loader(splits, val_batch, runtime.env.rank, runtime.world_size,
-                                     runtime.device, dataset_cfg.num_workers, saved.seed)
-    return evaluation.evaluate(module, loader, task, splits.info, runtime.device, amp_dtype)
+    loader = functools.partial(loaders.make_eval_loader, global_batch_size=val_batch, rank=runtime.env.rank,
+                               world_size=runtime.world_size, device=runtime.device,
+                               num_workers=dataset_cfg.num_workers, seed=saved.seed)
+    return evaluation.evaluate(task, modules, lambda split: loader(getattr(splits, split)), splits.info,
+                               runtime.device, amp_dtype, saved.seed)
 
 
 def report(val: dict, path: Path, epoch: int, runtime, run_dir: Path,  # noqa: ANN001 - Runtime

@@ -45,10 +45,8 @@ loaders = lazy.module("src.data.loaders")
 resume = lazy.module("src.checkpoint.resume")
 callback = lazy.module("src.loop.callback")
 init_from = lazy.module("src.loop.init_from")
-initial_weights = lazy.module("src.loop.initial_weights")
-optim = lazy.module("src.loop.optim")
+models = lazy.module("src.loop.models")
 performance = lazy.module("src.loop.performance")
-precision = lazy.module("src.loop.precision")
 setup = lazy.module("src.loop.setup")
 trainer = lazy.module("src.loop.trainer")
 reporting = lazy.module("src.reports.reporting")
@@ -71,15 +69,16 @@ def main(cfg: DictConfig) -> float:
         if cfg.dist.nproc_per_node > 1 and not ranks.is_worker():
             heap.resume_collection()  # this process only waits on its workers, for as long as they run
             workers.launch_workers(__file__, cfg.dist.nproc_per_node, context.run_dir, context.overrides,
-                                   cfg.dist.master_port, cfg.trainer.device, cfg.dist.backend)
+                                   cfg.dist.master_port, cfg.trainer.device, cfg.dist.backend, context.composing)
             return workers_result(context.run_dir / "metrics.json", cfg.trainer.monitor)
         return (workers.recording_errors(train) if ranks.is_worker() else train)(cfg, context)
 
 
-def workers_result(metrics_file: Path, monitor: str) -> float:
+def workers_result(metrics_file: Path, monitor: str | None) -> float:
     """What the launcher returns: the workers' last monitored value; NaN if they stopped (max_steps, preemption)
     before the first validation wrote metrics.json, as a one-process run returns."""
-    return json.loads(metrics_file.read_text())[monitor] if metrics_file.exists() else float("nan")
+    return json.loads(metrics_file.read_text()).get(monitor, float("nan")) if metrics_file.exists() and monitor \
+        else float("nan")
 
 
 def train(cfg: DictConfig, context: RunContext) -> float:
@@ -88,7 +87,7 @@ def train(cfg: DictConfig, context: RunContext) -> float:
     # first, is collected as usual.
     lazy.load_all()
     heap.resume_collection()
-    with errors.out_of_memory_is_one_line(cfg.dist.strategy, cfg.trainer.init_weights), \
+    with errors.out_of_memory_is_one_line(cfg.dist.strategy), \
             distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s,
                                       cfg.dist.step_timeout_s) as runtime:
         # The run's objects (DDP's reducer among them) are freed when run() returns, before
@@ -161,73 +160,50 @@ def fill_model_config(cfg: DictConfig, fields: dict[str, Any], dataset: str) -> 
 
 def build_parts(cfg, trainer_cfg, context, runtime, data, task, callbacks, store, saved_config,  # noqa: ANN001
                 resumed) -> Any:  # noqa: ANN001
-    """What the loop needs once the data and task are known: the model (wrapped for DDP, or sharded, and
-    compiled), the optimizer and schedule, the reporter (a TrainParts)."""
+    """What the loop needs once the data and task are known: the models (each wrapped for DDP, or sharded, and
+    compiled) with their optimizers and schedules, the task's auxiliary models, the reporter (a TrainParts)."""
     performance.set_backend_flags(runtime.device, trainer_cfg.tf32, trainer_cfg.deterministic)
-    performance.reuse_host_memory(trainer_cfg.reuse_host_memory)  # before the loaders fork their workers
-    named = initial_weights.by_name(trainer_cfg.init_weights, cfg.dist.strategy)  # else: the constructor's
-    model = initial_model(cfg, trainer_cfg, task, named)
-    sharding = OmegaConf.to_object(cfg.dist.fsdp) if cfg.dist.strategy == "fsdp" else None
-    module, train_model = distributed.prepare_model(model, runtime, cfg.dist.sync_bn, cfg.dist.find_unused_parameters,
-                                                    sharding, precision.autocast_dtype(trainer_cfg.precision))
-    starting_weights(cfg, module, resumed, named)
-    # Frozen parameters (trainer.freeze) get no optimizer state.
-    optimizer = optim.build_optimizer(cfg.optimizer, [p for p in module.parameters() if p.requires_grad],
-                                      sharded=fsdp.is_sharded(module))
-    steps_per_epoch = data.train_sampler.steps_per_epoch
-    scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=steps_per_epoch * trainer_cfg.epochs,
-                                           steps_per_epoch=steps_per_epoch)
+    task.aux = models.build_aux(cfg.aux, task, runtime.device, trusted_targets.trusted(cfg.trusted_targets, cfg))
+    modules, train_models = models.build_trained(cfg, trainer_cfg, task, runtime)
+    starting_weights(cfg, modules, task.output_model, resumed)
+    optimizers, schedulers = models.build_optimizers(cfg, modules, data.train_sampler.steps_per_epoch,
+                                                     trainer_cfg.epochs)
     reporter = reporting.Reporter(context.run_dir, runtime.is_main_process, "tensorboard" in cfg.logger,
                                   trainer_cfg.progress, callbacks.all["trackers"])
-    return trainer.TrainParts(runtime, task, module, performance.compiled(train_model, trainer_cfg.compile),
-                              optimizer, scheduler, data, store, reporter, callbacks, seed=cfg.seed,
-                              saved_config=saved_config)
+    return trainer.TrainParts(runtime, task, modules, train_models, optimizers, schedulers, data, store, reporter,
+                              callbacks, seed=cfg.seed, saved_config=saved_config)
 
 
-def initial_model(cfg, trainer_cfg, task, named: bool):  # noqa: ANN001, ANN201 - DictConfig, TrainerConfig, Task
-    """The model, refused if it cannot take the task's inputs. To be initialised by name (`named`) under
-    dist=fsdp, it is built on the meta device if it can be (src/loop/initial_weights.py), to be sharded before
-    any weight exists. The parameters `trainer.freeze` names are frozen before DDP, FSDP and the optimizer see
-    them."""
-    def make():  # noqa: ANN202
-        return performance.with_memory_format(setup.build_model(cfg.model, task), trainer_cfg.channels_last)
-
-    with building.errors_named("model", cfg.model):
-        model = initial_weights.build(make, cfg.seed, named, sharded=cfg.dist.strategy == "fsdp")
-    init_from.freeze(model, trainer_cfg.freeze)
-    return model
-
-
-def starting_weights(cfg: DictConfig, module: Any, resumed: Any, named: bool) -> None:
-    """The prepared (wrapped or sharded) model's weights on a fresh start: those of `init_from` (weights only:
-    the optimizer, schedule and step count start afresh) over its initialisation (by module name if `named`,
-    else the constructor's); a resumed run's are read later, into the same module. Weights that do not fit are
+def starting_weights(cfg: DictConfig, modules: dict[str, Any], output_model: str, resumed: Any) -> None:
+    """`init_from`'s weights (weights only: the optimizer, schedule and step count start afresh) over the models'
+    own on a fresh start; a resumed run's are read later, into the same modules. Weights that do not fit are
     refused before the run writes anything."""
-    if named:
-        initial_weights.initialise(module, cfg.seed)
     if resumed is not None and cfg.init_from is not None:
         log.info("init_from=%s not applied: the run resumes from %s", cfg.init_from, resumed.path)
     elif cfg.init_from is not None:
-        init_from.load_on_every_rank(module, Path(cfg.init_from), cfg.init_from_strict)
+        init_from.load_on_every_rank(modules, output_model, Path(cfg.init_from), cfg.init_from_strict)
 
 
 def train_and_report(trainer_cfg, parts, resumed, context: RunContext, print_config: bool) -> float:  # noqa: ANN001
     """Train (from the resumed state, if any), then report; returns the last monitored value."""
     loop = trainer.Trainer(trainer_cfg, parts)
     state = trainer.TrainState()
-    if resumed is not None:  # every part, the model's weights into the prepared model
-        resumed.restore(loop.stateful(state))
-        log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", resumed.path, state.epoch,
-                 state.step, state.step_in_epoch, state.epoch + 1)
-    reporting.log_run_start(context.run_dir, parts.runtime, parts.module, parts.data, trainer_cfg.grad_accum,
+    if resumed is not None:  # every part but the callbacks', before the run writes anything
+        loop.restore(state, resumed)
+    reporting.log_run_start(context.run_dir, parts.runtime, parts.modules, parts.data, trainer_cfg.grad_accum,
                             parts.saved_config, context.overrides, print_config, parts.task.unit)
-    parts.reporter.text("model/summary", reporting.model_summary(parts.module))
-    if not loop.fit(state, resumed=resumed is not None).is_final:  # max_steps or preemption, with a checkpoint
+    parts.reporter.text("model/summary", reporting.model_summary(parts.modules))
+    if not loop.fit(state, resumed).is_final:  # max_steps or preemption, with a checkpoint
         log.info("stopped at step %d with a checkpoint; continue with: resume=auto hydra.run.dir=%s",
                  state.step, context.run_dir)
         parts.reporter.close()  # the trackers' runs KILLED until the run continues
-        return state.history[-1][trainer_cfg.monitor] if state.history else float("nan")
+        return monitored(state.history[-1] if state.history else {}, trainer_cfg.monitor)
     return report_final(loop, state, context)
+
+
+def monitored(record: dict[str, Any], monitor: str | None) -> float:
+    """The monitored value of an epoch's record: NaN without one (no epoch yet, or trainer.monitor=null)."""
+    return record.get(monitor, float("nan")) if monitor is not None else float("nan")
 
 
 def report_final(loop, state, context: RunContext) -> float:  # noqa: ANN001 - Trainer, TrainState
@@ -241,7 +217,7 @@ def report_final(loop, state, context: RunContext) -> float:  # noqa: ANN001 - T
     parts.reporter.close()
     log.info("final: %s", "  ".join(f"{k}={v:.4f}" for k, v in final.items()))
     log.info("run dir: %s", context.run_dir)
-    return summary[loop.config.monitor]
+    return monitored(summary, loop.config.monitor)
 
 
 if __name__ == "__main__":

@@ -28,16 +28,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from src.loop.performance import MMAP_THRESHOLD, TRIM_THRESHOLD  # noqa: E402  (the template's, declared once)
 
 IMAGE_SIZE, CROP = 16, ("0.35", "1.0")
 
 
-# The template keeps freed host memory for reuse (trainer.reuse_host_memory: glibc's mallopt, set in the process);
-# the bare loop as a researcher writes it does not. The same thresholds as environment tunables give the bare loop
-# that allocator too, which leaves the template's machinery alone in the ratio.
-SAME_ALLOCATOR = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}:"
-                                    f"glibc.malloc.trim_threshold={TRIM_THRESHOLD}"}
 
 
 def run_checked(command: list[str], env: dict[str, str] | None = None) -> str:
@@ -160,14 +154,13 @@ def main() -> None:
                      str(workdir / "arrow")])
         roots = {"image_folder": workdir / "images", "arrow": workdir / "arrow"}
         for dataset, workers in (case.split(":") for case in args.cases):
-            ours, theirs, same_allocator = [], [], []
+            ours, theirs = [], []
             for _ in range(args.repeats):  # interleaved: a busy moment slows all alike
                 ours.append(template(dataset, roots[dataset], int(workers), args.epochs, workdir))
                 theirs.append(bare(dataset, roots[dataset], int(workers), args.epochs))
-                same_allocator.append(bare(dataset, roots[dataset], int(workers), args.epochs, SAME_ALLOCATOR))
-            print(dataset, workers, ours, theirs, same_allocator, flush=True)
+            print(dataset, workers, ours, theirs, flush=True)
             fetch = loader_rates(dataset, roots[dataset], int(workers), rounds=1 + 2 * args.repeats)
-            rows.append((dataset, int(workers), ours, theirs, same_allocator, *fetch))
+            rows.append((dataset, int(workers), ours, theirs, *fetch))
         raw, transformed = decode_rates(workdir / "images" / "train")
     write_table(args, rows, raw, transformed, load_at_start)
 
@@ -188,26 +181,23 @@ def write_table(args: argparse.Namespace, rows: list, raw: float, transformed: f
         "",
         "Both loops train the same way (SGD with the template's default schedule: one epoch of warmup, then cosine);",
         "the last column shows each one's final train loss (median), so a baseline that stopped learning would show.",
-        "The template keeps freed host memory for reuse (`trainer.reuse_host_memory`, on by default); the bare loop",
-        "runs as written and, interleaved with it, with the same allocator thresholds (`GLIBC_TUNABLES`): the second",
-        "ratio is the template's machinery alone.",
+        "Both run with the C library's allocator as it comes (the template tunes none).",
         "",
-        "| data | num_workers | template samples/s | bare loop samples/s | template / bare | bare, same allocator "
-        "| template / bare, same allocator | fetch only: template / plain DataLoader | samples/s per worker / PIL "
+        "| data | num_workers | template samples/s | bare loop samples/s | template / bare "
+        "| fetch only: template / plain DataLoader | samples/s per worker / PIL "
         "decode + transforms | final train loss: template, bare |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for dataset, workers, ours, theirs, same, fetch_ours, fetch_bare in rows:
-        rate, bare_rate, same_rate = (statistics.median(r for r, _ in runs) for runs in (ours, theirs, same))
+    for dataset, workers, ours, theirs, fetch_ours, fetch_bare in rows:
+        rate, bare_rate = (statistics.median(r for r, _ in runs) for runs in (ours, theirs))
         per_worker = f"{rate / workers / transformed:.3f}" if workers else "(main process)"
         losses = statistics.median(loss for _, loss in ours), statistics.median(loss for _, loss in theirs)
         lines.append(f"| {dataset} | {workers} | {rate:.0f} | {bare_rate:.0f} | {rate / bare_rate:.3f} | "
-                     f"{same_rate:.0f} | {rate / same_rate:.3f} | "
                      f"{fetch_ours / fetch_bare:.3f} ({fetch_ours:.0f} / {fetch_bare:.0f}) | {per_worker} | "
                      f"{losses[0]:.2g}, {losses[1]:.2g} |")
-    lines += ["", "Every repeat, template / bare / bare with the same allocator samples/s, in the order run:"]
-    for dataset, workers, ours, theirs, same, *_ in rows:
-        runs = ", ".join(f"{a:.0f}/{b:.0f}/{c:.0f}" for (a, _), (b, _), (c, _) in zip(ours, theirs, same))
+    lines += ["", "Every repeat, template / bare samples/s, in the order run:"]
+    for dataset, workers, ours, theirs, *_ in rows:
+        runs = ", ".join(f"{a:.0f}/{b:.0f}" for (a, _), (b, _) in zip(ours, theirs))
         lines.append(f"- {dataset}, {workers} workers: {runs}")
     lines += [
         "",

@@ -12,9 +12,9 @@ gradients and optimizer state (AdamW: exp_avg, exp_avg_sq), and reads its peak r
 DDP holds all of them on every rank (and its gradient buckets, another copy of the gradients); FSDP 1/W of
 each, plus what it gathers for one unit at a time. `fsdp` builds the model as train.py does by default: on the
 meta device, sharded, then only this rank's shards allocated and initialised (src/loop/initial_weights.py);
-`fsdp-whole` builds it whole on every rank before sharding (trainer.init_weights=constructor, the path of a
-model that cannot be built on meta, and of every model before), so its peak RSS includes one full copy of the
-parameters at start-up. Not a test: RSS
+`fsdp-whole` builds it whole on every rank before sharding (the same MLP without its `init_module`: the path of
+a model that declares no initialisation hook), so its peak RSS includes one full copy of the parameters at
+start-up. Not a test: RSS
 depends on the allocator and the machine.
 """
 
@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
 import tempfile
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,16 +50,20 @@ def worker(strategy: str, width: int, layers: int, out: Path) -> None:
     from src.loop import initial_weights
     from src.parallel import distributed
 
+    class WholeMLP(MLP):
+        init_module = None  # no initialisation hook: built by its constructor, whole on every rank
+
     with distributed.process_group("cpu", "gloo", 600.0) as runtime:
         start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch imported, no model yet
-        named = strategy == "fsdp"  # trainer.init_weights: by_name (dist=fsdp's default), else constructor
         torch.manual_seed(0)
-        model = initial_weights.build(lambda: MLP(in_features=width, num_outputs=10, hidden_sizes=(width,) * layers),
-                                      0, named, sharded=strategy.startswith("fsdp"))
+        model_class = WholeMLP if strategy == "fsdp-whole" else MLP
+        initial = initial_weights.build(lambda: model_class(in_features=width, num_outputs=10,
+                                                            hidden_sizes=(width,) * layers),
+                                        "model", 0, sharded=strategy.startswith("fsdp"))
         sharding = FsdpConfig() if strategy.startswith("fsdp") else None
-        module, train_model = distributed.prepare_model(model, runtime, False, False, sharding)
-        if named:
-            initial_weights.initialise(module, 0)
+        module, train_model = distributed.prepare_model(
+            initial.model, runtime, False, False, sharding,
+            initialise=lambda prepared: initial_weights.initialise(initial, prepared, 0))
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=False)
         for step in range(3):
             if step:
@@ -104,12 +110,95 @@ def table(results: list[tuple[str, int, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+# -- host memory by layer shape: a frozen backbone built on the meta device, through train.py -------------------
+
+FROZEN_SHAPES = ["30x3072", "34x2880", "60x2048", "1x16384"]  # the research issue's three, and one very wide layer
+TUNABLE = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4194304"}  # 4 MiB: below every gathered unit
+
+
+def hidden_sizes(shape: str) -> list[int]:
+    layers, width = map(int, shape.split("x"))
+    return [width] * layers if layers > 1 else [width, width]  # one width x width layer: between two of that width
+
+
+def frozen_bytes(sizes: list[int], world_size: int, min_unit_params: int = 1_000_000) -> tuple[int, int, int]:
+    """(parameters, a rank's shards in bytes: its share of the fp32 parameters and of the trainable head's AdamW
+    state, the two largest units gathered in bytes) of the digits MLP with every hidden layer frozen."""
+    widths = [64, *sizes]
+    layers = [(a, b) for a, b in zip(widths, widths[1:])] + [(widths[-1], 10)]
+    params = [a * b + b for a, b in layers]
+    head = params[-1]
+    units = sorted((p for p in params if p >= min_unit_params), reverse=True) or [sum(params)]
+    return sum(params), (sum(params) * 4 + head * 8) // world_size, sum(units[:2]) * 4
+
+
+def peak_vm_data(args: list[str], env: dict[str, str], world_size: int = 2) -> list[int]:
+    """Each worker's peak VmData (bytes) over a torchrun of train.py `args`, sampled every 0.1 s."""
+    import time
+
+    with tempfile.TemporaryDirectory() as folder:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
+                   str(REPO / "train.py"), *args, f"hydra.run.dir={folder}/run"]
+        process = subprocess.Popen(command, cwd=folder, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)
+        peaks: dict[int, int] = {}
+        while process.poll() is None:
+            for pid, data in workers_vm_data(process.pid).items():
+                peaks[pid] = max(peaks.get(pid, 0), data)
+            time.sleep(0.1)
+        if process.returncode != 0:
+            sys.exit(f"train.py {' '.join(args)} failed:\n{process.stderr.read()[-3000:]}")
+    return sorted(peaks.values())
+
+
+def workers_vm_data(launcher: int) -> dict[int, int]:
+    """VmData (bytes) of the launcher's workers (its children with a RANK), by pid."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines() if ":" in line)
+            is_worker = b"\0RANK=" in b"\0" + (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if int(fields.get("PPid", "0")) == launcher and "VmData" in fields and is_worker:
+            found[int(entry.name)] = int(fields["VmData"].split()[0]) * 1024
+    return found
+
+
+def frozen_run(sizes: list[int]) -> list[str]:
+    freeze = ",".join(f"net.{3 * layer + 1}." for layer in range(len(sizes)))
+    return ["model=mlp", f"model.hidden_sizes=[{','.join(map(str, sizes))}]", "dist=fsdp", "optimizer.fused=null",
+            f"trainer.freeze=[{freeze}]", "dataset.batch_size=48", "trainer.max_steps=1", "trainer.progress=false",
+            "trainer.save_checkpoints=false"]
+
+
+def shapes_report(shapes: list[str]) -> str:
+    """Peak VmData per rank of each shape, with glibc's allocator as it comes and with TUNABLE, against the bound
+    start-up + 1.25 x (shards + two gathered units); start-up: the same run's peak with a 64-wide model."""
+    startup = max(peak_vm_data(frozen_run([64]), {}))
+    lines = [f"Start-up (the same command with `model.hidden_sizes=[64]`): {startup / MIB:,.0f} MiB per rank.", "",
+             "| shape | parameters | shards + 2 units (MiB) | bound (MiB) | peak VmData per rank, glibc as it comes "
+             f"(MiB) | peak with `GLIBC_TUNABLES={TUNABLE['GLIBC_TUNABLES']}` (MiB) |", "|---|---|---|---|---|---|"]
+    for shape in shapes:
+        sizes = hidden_sizes(shape)
+        count, shards, units = frozen_bytes(sizes, 2)
+        bound = startup + 1.25 * (shards + units)
+        peaks = [peak_vm_data(frozen_run(sizes), env) for env in ({}, TUNABLE)]
+        cells = [" / ".join(f"{peak / MIB:,.0f}{'' if peak <= bound else ' (over)'}" for peak in ranks)
+                 for ranks in peaks]
+        lines.append(f"| {shape} | {count / 1e6:.1f}M | {(shards + units) / MIB:,.0f} | {bound / MIB:,.0f} | "
+                     f"{cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "FSDP_MEMORY.md")
     parser.add_argument("--without-whole", action="store_true", help="leave out the fsdp-whole rows (a quick run)")
+    parser.add_argument("--shapes", nargs="*", metavar="LAYERSxWIDTH",
+                        help=f"instead: host memory of a frozen MLP of each shape (default {' '.join(FROZEN_SHAPES)})")
     parser.add_argument("--worker", choices=("ddp", "fsdp", "fsdp-whole"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -118,6 +207,15 @@ def main() -> None:
         from src.parallel.distributed import exit_after_a_group
 
         exit_after_a_group()  # the gloo group's threads could abort the interpreter's teardown (its docstring)
+        return
+    if args.shapes is not None:
+        report = (f"# dist=fsdp: host memory by layer shape ({datetime.now():%Y-%m-%d}, {os.cpu_count()} cores, "
+                  f"CPU/gloo)\n\n`python benchmarks/fsdp_memory.py --shapes {' '.join(args.shapes or FROZEN_SHAPES)}`"
+                  ": the digits MLP with every hidden layer frozen, built on the meta device, 2 ranks, batch 48, one "
+                  "step (the research issue's command).\n\n" + shapes_report(args.shapes or FROZEN_SHAPES) + "\n")
+        output = args.output.with_name("FSDP_HOST_MEMORY.md") if args.output.name == "FSDP_MEMORY.md" else args.output
+        output.write_text(report)
+        print(report)
         return
     results = [(strategy, world_size, measure(strategy, world_size, args.width, args.layers))
                for strategy, world_size in CASES if not (args.without_whole and strategy == "fsdp-whole")]

@@ -158,7 +158,7 @@ def metrics(run_dir: Path) -> dict:
 
 
 def weights(run_dir: Path, name: str = "last.pt") -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / name, map_location="cpu", weights_only=True)["model"]
+    return torch.load(run_dir / "checkpoints" / name, map_location="cpu", weights_only=True)["models"]["model"]
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from src.common.errors import UsageError
 from src.config.building import check_arguments
 from src.config.schema import at_least, number_or_null
 from src.loop.callback import Callback, Run, Stop
@@ -45,6 +46,12 @@ class EarlyStopping(Callback):
                         min_delta=(min_delta, number_or_null(zero_allowed=True)))
         self.patience, self.min_delta = patience, min_delta
         self.enabled = patience is not None
+
+    def on_run_start(self, run: Run) -> None:
+        if run.config.monitor is None:
+            raise UsageError(f"callbacks.{self.name}.patience={self.patience} stops on trainer.monitor, which is null: "
+                             f"name the metric to watch (trainer.monitor=val/NAME) or set callbacks.{self.name}."
+                             "patience=null")
 
     def on_epoch_end(self, run: Run, record: Mapping[str, float]) -> Stop | None:
         monitor, state = run.config.monitor, run.state

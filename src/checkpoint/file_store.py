@@ -5,8 +5,9 @@ runs code (and the config saved in one never chooses code either: src/config/tru
     checkpoints/last.pt            every save; best.pt a copy when the monitored metric improves
     checkpoints/step_<N>.pt        mid-epoch saves, the newest `trainer.keep_last` of them
 
-The parts are named as src/checkpoint/store.py describes; `model` is the unwrapped module's state_dict, so
-`torch.load(path)["model"]` loads into the plain `nn.Module` the config builds.
+The parts are named as src/checkpoint/store.py describes; `models.<name>` is the unwrapped module's state_dict,
+so `torch.load(path)["models"]["model"]` loads into the plain `nn.Module` the config builds (src/checkpoint/
+trained.py does it in one call).
 """
 
 from __future__ import annotations
@@ -15,13 +16,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from torch import nn
 
 from src.checkpoint import layout
-from src.checkpoint.store import FORMAT, MODEL, OPTIMIZER, Checkpoint, Store, check_format, state_of
+from src.checkpoint.store import FORMAT, Checkpoint, Store, check_format, state_of
 from src.checkpoint.writing import copy_atomic, save_atomic, stop_every_rank_on_failure
 from src.common.errors import UsageError
-from src.parallel import fsdp
 
 
 class FileStore(Store):
@@ -61,22 +60,13 @@ class FileCheckpoint(Checkpoint):
             raise UsageError(f"checkpoint {path} cannot be read ({reason}): is it a complete .pt file?") from None
         return cls(path, check_format(payload, path))
 
-    def _load_model(self, module: nn.Module) -> None:
-        self.load_whole_state(module, self.state[MODEL])
-
-    def load_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        if fsdp.is_sharded(module):  # a dist=ddp checkpoint resumed by dist=fsdp: put to parameter names
-            fsdp.load_full_optimizer_state(module, optimizer, self.state[OPTIMIZER])
-        else:
-            optimizer.load_state_dict(self.state[OPTIMIZER])
-
-    def model_weights(self) -> dict[str, torch.Tensor]:
-        return self.state[MODEL]
+    def whole(self, *keys: str) -> Any:
+        state: Any = self.state
+        for key in keys:
+            state = state[key]
+        return state
 
 
-def model_weights_in(payload: Any) -> dict[str, torch.Tensor] | None:
-    """The model weights of a `.pt` file's loaded payload if it is a checkpoint of this template (any format);
-    None for any other payload (a plain state_dict: init_from takes those too)."""
-    if isinstance(payload, dict) and str(payload.get("format", "")).startswith("ddp-template-checkpoint/"):
-        return FileCheckpoint(Path(), check_format(payload, Path())).model_weights()
-    return None
+def is_template_checkpoint(payload: Any) -> bool:
+    """Whether a `.pt` file's loaded payload is a checkpoint of this template (of any version)."""
+    return isinstance(payload, dict) and str(payload.get("format", "")).startswith("ddp-template-checkpoint/")

@@ -3,11 +3,11 @@ torch.distributed.checkpoint (DCP), readable on any world size.
 
     checkpoints/
       step_000000044/     one checkpoint, named by its optimizer step
-        __0_0.distcp        rank 0's shards of the model and optimizer tensors (__1_0.distcp: rank 1's, ...)
+        __0_0.distcp        rank 0's tensors: its shards of every sharded tensor (__1_0.distcp: rank 1's, ...)
         .metadata           DCP's index of every shard: written last, by rank 0, once every rank's file is
                             complete (to `.metadata.tmp`, then renamed): the directory is valid only with it
-        state.pt            every other part (src/checkpoint/store.py): config, scheduler, scaler, loop,
-                            callbacks, and the optimizer's param_groups (written by rank 0)
+        state.pt            every part's state (src/checkpoint/store.py) with each tensor replaced by its key in
+                            the shards: the config, the loop, the optimizers' param_groups, ... (written by rank 0)
       last                  a small text file naming the newest valid directory ("step_000000044")
       best                  the same, for the best monitored value
 
@@ -15,6 +15,12 @@ A save writes `step_<N>.tmp/` (state.pt first, then DCP's shard files and its .m
 `step_<N>/`, and only then rewrites `last` (and `best`) atomically: a process killed at any point leaves
 `last` naming the previous complete directory. `trainer.keep_last` directories stay, and the one `best`
 names. Resuming on another world size reads each tensor's pieces into this run's shards (DCP reshards).
+
+Every tensor of every part goes through DCP, wherever it sits in the part's state: a model's, an optimizer's, a
+fork's callback's. A DTensor is written by every rank (its shard), a plain tensor once (DCP keeps one copy:
+plain tensors are the same on every rank, e.g. BatchNorm statistics, an optimizer's step count); a part whose
+tensors differ between ranks must hold them as DTensors. Reading, each tensor goes into the tensor at the same
+place in the restoring part's state (so sharded like it: `load_targets` where a part has one), or whole.
 
 Loading never runs code from the file: state.pt is read with `weights_only=True`; DCP itself unpickles
 `.metadata` with pickle and would `torch.load(weights_only=False)` any non-tensor value it holds, so no
@@ -39,23 +45,15 @@ from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from src.checkpoint import layout
-from src.checkpoint.store import FORMAT, MODEL, OPTIMIZER, Checkpoint, Store, check_format, state_of
+from src.checkpoint.store import FORMAT, Checkpoint, Store, check_format, state_of
 from src.checkpoint.writing import exceeds_room, no_room, save_atomic, stop_every_rank_on_failure
 from src.common import files
 from src.common.errors import UsageError
-from src.parallel import distributed, fsdp
+from src.parallel import distributed
 
 STATE = "state.pt"
 METADATA = ".metadata"
@@ -73,14 +71,11 @@ class ShardedStore(Store):
     """Writes `step_<N>/` directories of shards, and `last` / `best` naming them."""
 
     def snapshot(self, parts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """This rank's shards of the model and optimizer tensors by parameter name, so any world size can read
-        them back; and every other part, with the optimizer's param_groups, for state.pt."""
-        model, optimizer = get_state_dict(parts[MODEL], parts[OPTIMIZER])
-        tensors = {MODEL: model, OPTIMIZER: optimizer["state"]}
-        rest = {"format": FORMAT, **{name: state_of(part) for name, part in parts.items()
-                                     if name not in (MODEL, OPTIMIZER)},
-                OPTIMIZER: {"param_groups": optimizer["param_groups"]}}
-        return tensors, rest
+        """Every part's tensors by key (this rank's shards of the sharded ones), and the parts' states with each
+        tensor replaced by its key, for state.pt."""
+        tensors: dict[str, torch.Tensor] = {}
+        skeleton = _without_tensors({name: state_of(part) for name, part in parts.items()}, (), tensors)
+        return tensors, {"format": FORMAT, **skeleton}
 
     def write(self, snapshot: tuple[dict[str, Any], dict[str, Any]], step: int, is_best: bool,
               mid_epoch: bool) -> None:
@@ -122,6 +117,52 @@ def _local_bytes(state: Any) -> int:
         local = state.to_local() if hasattr(state, "to_local") else state
         return local.numel() * local.element_size()
     return 0
+
+
+_TENSOR = "\0tensor:"  # state.pt's stand-in for a tensor in the shards: this prefix and its key
+
+
+def _without_tensors(state: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> Any:
+    """`state` with each tensor moved into `tensors` under the key of its place (`models/model/net.0.weight`)."""
+    if isinstance(state, torch.Tensor):
+        key = "/".join(path)
+        tensors[key] = state
+        return _TENSOR + key
+    if isinstance(state, dict):
+        return {name: _without_tensors(value, (*path, str(name)), tensors) for name, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_without_tensors(value, (*path, str(index)), tensors) for index, value in enumerate(state))
+    return state
+
+
+def _tensor_keys(skeleton: Any) -> list[str]:
+    if isinstance(skeleton, str) and skeleton.startswith(_TENSOR):
+        return [skeleton[len(_TENSOR):]]
+    values = skeleton.values() if isinstance(skeleton, dict) else skeleton if isinstance(skeleton, (list, tuple)) else ()
+    return [key for value in values for key in _tensor_keys(value)]
+
+
+def _with_tensors(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """`skeleton` with each stand-in replaced by its tensor."""
+    if isinstance(skeleton, str) and skeleton.startswith(_TENSOR):
+        return tensors[skeleton[len(_TENSOR):]]
+    if isinstance(skeleton, dict):
+        return {name: _with_tensors(value, tensors) for name, value in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(_with_tensors(value, tensors) for value in skeleton)
+    return skeleton
+
+
+def _at(state: Any, key: str, start: int) -> Any:
+    """The value at `key`'s place (from its `start`-th part on) in a live state, or None."""
+    for name in key.split("/")[start:]:
+        if isinstance(state, dict):
+            state = state.get(name, state.get(int(name)) if name.isdigit() else None)
+        elif isinstance(state, (list, tuple)) and name.isdigit() and int(name) < len(state):
+            state = state[int(name)]
+        else:
+            return None
+    return state
 
 
 def _stage(staging: Path, rest: dict[str, Any]) -> None:
@@ -184,29 +225,36 @@ class ShardedCheckpoint(Checkpoint):
         read_metadata(directory)  # refuse a crafted index before anything reads through it
         return cls(path, state, directory)
 
-    def _load_model(self, module: nn.Module) -> None:
-        state = get_model_state_dict(module)
-        with _alone_is_fine():
-            dcp.load({MODEL: state}, storage_reader=SafeReader(self.directory))
-        set_model_state_dict(module, state)
-
-    def load_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer's state, resharded into this run's (a plain module's optimizer takes it whole)."""
-        state = get_optimizer_state_dict(module, optimizer)
-        with _alone_is_fine():
-            dcp.load({OPTIMIZER: state["state"]}, storage_reader=SafeReader(self.directory))
-        state["param_groups"] = fsdp.this_implementation(self.state[OPTIMIZER]["param_groups"], optimizer)
-        set_optimizer_state_dict(module, optimizer, state)
-
-    def model_weights(self) -> dict[str, torch.Tensor]:
-        """The whole model's tensors, read in this one process: their names, shapes and dtypes come from the
-        index."""
+    def restore_part(self, name: str, part: Any) -> None:
+        """Read the part's tensors into those at the same places in its live state (sharded like them: each rank
+        reads its slices), the others whole; then give the part its state."""
+        skeleton = self.state[name]
+        live = part.load_targets() if hasattr(part, "load_targets") else state_of(part)
         metadata = read_metadata(self.directory)
-        state = {key.split(".", 1)[1]: torch.empty(item.size, dtype=item.properties.dtype)
-                 for key, item in metadata.state_dict_metadata.items() if key.startswith(f"{MODEL}.")}
-        with _alone_is_fine():
-            dcp.load({MODEL: state}, storage_reader=SafeReader(self.directory), no_dist=True)
-        return state
+        targets = {}
+        for key in _tensor_keys(skeleton):
+            found, saved = _at(live, key, 1), metadata.state_dict_metadata[key]
+            fits = isinstance(found, torch.Tensor) and tuple(found.shape) == tuple(saved.size)
+            targets[key] = found if fits else torch.empty(saved.size, dtype=saved.properties.dtype)
+        if targets:
+            with _alone_is_fine():
+                dcp.load(targets, storage_reader=SafeReader(self.directory), process_group=distributed.collective_group())
+        part.load_state_dict(_with_tensors(skeleton, targets))
+
+    def whole(self, *keys: str) -> Any:
+        """The state at `keys` with its tensors read whole in this one process: their shapes and dtypes come from
+        the index."""
+        skeleton: Any = self.state
+        for key in keys:
+            skeleton = skeleton[key]
+        metadata = read_metadata(self.directory)
+        targets = {key: torch.empty(metadata.state_dict_metadata[key].size,
+                                    dtype=metadata.state_dict_metadata[key].properties.dtype)
+                   for key in _tensor_keys(skeleton)}
+        if targets:
+            with _alone_is_fine():
+                dcp.load(targets, storage_reader=SafeReader(self.directory), no_dist=True)
+        return _with_tensors(skeleton, targets)
 
 
 @contextlib.contextmanager
@@ -228,6 +276,7 @@ _ALLOWED = {
     "torch": {"Size", *(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"PosixPath", "WindowsPath", "Path"},
+    "pathlib._local": {"PosixPath", "WindowsPath", "Path"},  # where Python 3.13 defines them
     "collections": {"OrderedDict"},
 }
 

@@ -1,47 +1,44 @@
 """What a checkpoint holds, whatever its format: named parts, each saved as its own state.
 
-A run hands its store the parts that make it resumable, by name:
+A run hands its store the parts that make it resumable, by name (src/loop/trainer.py `stateful`):
 
-    model        the module's weights: the unwrapped module's state_dict (no `module.` or `_orig_mod.`
-                 prefixes), or its shards under dist=fsdp
-    optimizer    its state (position-keyed in a .pt file, by parameter name in shards)
-    scheduler, scaler   their state_dicts
+    models       each trained model's weights by its name (`model` for a run of one model), as
+                 src/checkpoint/states.py keys them: the plain module's names, whole or sharded
+    optimizers   each model's optimizer state, keyed by parameter name; schedulers: their states
+    scaler       the fp16 gradient scaler's state
     loop         where the loop stands: epoch, step, history, the unfinished epoch's metric sums, the best
                  monitored value, and `stopped` (reason, epoch) once a callback ended the run
     callbacks    each callback's state under its name, e.g. callbacks.ema.weights (src/loop/callback.py)
     config       the run's resolved config (plain data: read back by eval.py, never restored)
+    output_model the name of the model eval.py, export and init_from take by default
 
-and a `Checkpoint` read back restores them into this run's parts by the same names. Two formats implement
+and a `Checkpoint` read back restores them into this run's parts by the same names. Any part may hold
+tensors anywhere in its state, sharded (DTensors) or not: both formats save them all. Two formats implement
 this: one `.pt` file per checkpoint (src/checkpoint/file_store.py, dist=ddp) and a directory of shards per
-checkpoint (src/checkpoint/sharded_store.py, dist=fsdp); src/checkpoint/__init__.py picks one by the
-strategy for writing and by the path for reading, so a run resumes either. No caller knows which.
-
-Checkpoints written before the parts were named (format 1: the loop's fields, `ema`, `early_stopped_at` and
-`pruned_at` at the top level) are read into this layout by `upgrade`, so they resume bitwise.
+checkpoint written by every rank (src/checkpoint/sharded_store.py, dist=fsdp); src/checkpoint/__init__.py
+picks one by the strategy for writing and by the path for reading, so a run resumes either. No caller knows
+which.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import re
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from src.checkpoint import layout
 from src.common.errors import UsageError
-from src.parallel import distributed, fsdp
+from src.parallel import distributed
 
 log = logging.getLogger(__name__)
 
-FORMAT = "ddp-template-checkpoint/2"
-FORMAT_1 = "ddp-template-checkpoint/1"  # top-level loop fields; read through `upgrade`
-MODEL, OPTIMIZER, CONFIG = "model", "optimizer", "config"
+FORMAT = "ddp-template-checkpoint/3"
+MODELS, CONFIG, OUTPUT_MODEL = "models", "config", "output_model"
 
 
 def state_of(part: Any) -> Any:
@@ -49,53 +46,23 @@ def state_of(part: Any) -> Any:
     return part.state_dict() if hasattr(part, "state_dict") else part
 
 
-# -- format 1 ------------------------------------------------------------------------------------------------
-
-_LOOP_KEYS = ("epoch", "step", "best", "train_samples", "train_seconds", "history", "step_in_epoch",
-              "epoch_totals")
-# The words of the add-ons that could end a format-1 run, as their callbacks say them now.
-_FORMAT_1_STOPS = {"early_stopped_at": ("early_stopped", "early stopping had ended this run"),
-                   "pruned_at": ("pruned", "the sweep's pruner had ended this trial")}
-
-
-def upgrade(payload: Mapping[str, Any]) -> dict[str, Any]:
-    """A checkpoint's payload in this format's layout, whichever format wrote it."""
-    if payload.get("format") == FORMAT:
-        return dict(payload)
-    loop = {key: payload[key] for key in _LOOP_KEYS if key in payload}
-    loop["epoch_totals"] = _named_totals(payload.get("epoch_totals"))
-    loop["stopped"] = next(({"reason": reason, "epoch": payload[key], "ended_by": ended_by}
-                            for key, (reason, ended_by) in _FORMAT_1_STOPS.items()
-                            if payload.get(key) is not None), None)
-    callbacks = {}
-    if "ema" in payload:
-        callbacks["ema"] = {"weights": payload["ema"], "best_weights": payload.get("best_weights", "model")}
-    parts = {key: payload[key] for key in (MODEL, OPTIMIZER, "scheduler", "scaler", CONFIG) if key in payload}
-    return {"format": FORMAT, **parts, "loop": loop, "callbacks": callbacks}
-
-
-def _named_totals(saved: Any) -> dict[str, list[float]] | None:
-    """Epoch sums saved by name; a checkpoint of a version that kept them as (loss, correct, count)
-    is read as classification's sums."""
-    if isinstance(saved, (list, tuple)):
-        loss, correct, count = saved[:3]
-        return {"loss": [loss], "count": [count], "correct": [correct]}
-    return saved
-
-
 def check_format(payload: Any, path: Path) -> dict[str, Any]:
-    """`payload` in this format's layout, or one line saying it is no checkpoint of this template."""
-    if not isinstance(payload, dict) or payload.get("format") not in (FORMAT, FORMAT_1):
-        raise UsageError(f"{path} is not a checkpoint of this template (no format={FORMAT!r} in it)")
-    return upgrade(payload)
+    """`payload` as this format lays it out, or one line saying it is no checkpoint of this template."""
+    found = payload.get("format") if isinstance(payload, dict) else None
+    if found == FORMAT:
+        return payload
+    if isinstance(found, str) and found.startswith("ddp-template-checkpoint/"):
+        raise UsageError(f"{path} is a checkpoint of another version of this template ({found}, this one reads "
+                         f"{FORMAT}): use that version, or train again")
+    raise UsageError(f"{path} is not a checkpoint of this template (no format={FORMAT!r} in it)")
 
 
 # -- reading -------------------------------------------------------------------------------------------------
 
 
 class Checkpoint:
-    """A checkpoint read from disk: `state` holds every part but the model's and optimizer's tensors, which
-    the format reads straight into this run's (prepared: wrapped or sharded) module and optimizer."""
+    """A checkpoint read from disk: `state` holds every part (a sharded one's tensors are read later, into the
+    parts that restore them)."""
 
     def __init__(self, path: Path, state: dict[str, Any]) -> None:
         self.path = path
@@ -109,65 +76,56 @@ class Checkpoint:
     def loop(self) -> Mapping[str, Any]:
         return self.state.get("loop", {})
 
+    @property
+    def output_model(self) -> str:
+        return self.state.get(OUTPUT_MODEL, "model")
+
+    @property
+    def model_names(self) -> list[str]:
+        return list(self.state.get(MODELS, {}))
+
     def restore(self, parts: Mapping[str, Any]) -> None:
-        """Load each of `parts` (this run's model, optimizer, scheduler, ... by name; see the module's docstring)
-        from the part of the same name. The model comes before the optimizer; plain data is not restored."""
+        """Load each of `parts` (this run's models, optimizers, ... by name; see the module's docstring) from the
+        part of the same name; plain data is not restored, and a part the checkpoint lacks starts afresh."""
         for name, part in parts.items():
-            if name == MODEL:
-                self.load_model(part)
-            elif name == OPTIMIZER:
-                self.load_optimizer(parts[MODEL], part)
-            elif not hasattr(part, "load_state_dict"):
+            if not hasattr(part, "load_state_dict"):
                 continue
-            elif name in self.state:
-                part.load_state_dict(self.state[name])
+            for named in (part, *getattr(part, "parts", {}).values()):
+                if hasattr(named, "source"):
+                    named.source = f"checkpoint {self.path}"  # what its errors name
+            if name in self.state:
+                self.restore_part(name, part)
             else:
                 log.info("%s holds no %s state: it starts afresh", self.path, name)
 
-    def load_model(self, module: nn.Module, weights: str = MODEL) -> None:
-        """The checkpoint's model weights into `module` (plain, or sharded), or those a callback saved as
-        `weights` (`ema`: its state's `weights`)."""
-        if weights == MODEL:
-            self._load_model(module)
-        else:
-            self.load_whole_state(module, self.state["callbacks"][weights]["weights"])
+    def restore_part(self, name: str, part: Any) -> None:
+        part.load_state_dict(self.state[name])
 
-    def has_weights(self, weights: str) -> bool:
-        return weights == MODEL or "weights" in self.state.get("callbacks", {}).get(weights, {})
-
-    def load_whole_state(self, module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-        """A whole state_dict into `module`, naming the file when keys or shapes differ."""
-        if fsdp.is_sharded(module):
-            fsdp.load_full_model_state(module, state)
-            return
-        try:
-            module.load_state_dict(state)
-        except RuntimeError as error:
-            # torch names every mismatched key, one kind of problem per line: a few of each say enough.
-            problems = [_first_keys(line.strip().rstrip(". ")) for line in str(error).strip().splitlines()[1:]]
-            more = f"; and {len(problems) - 2} more" if len(problems) > 2 else ""
-            raise UsageError(
-                f"checkpoint {self.path} does not fit this model ({'; '.join(problems[:2])}{more}); "
-                "use the model and dataset configs it was saved with"
-            ) from None
-
-    def _load_model(self, module: nn.Module) -> None:
+    def whole(self, *keys: str) -> Any:
+        """The part of the state at `keys` (e.g. "models", "generator"), every tensor in it whole on the CPU, read
+        in this one process with no model built."""
         raise NotImplementedError
 
-    def load_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        raise NotImplementedError
+    def model_weights(self, name: str | None = None, weights: str = "model") -> dict[str, torch.Tensor]:
+        """Model `name`'s tensors (default: the output model), by the plain module's names, whole on the CPU; with
+        `weights` the name of an EMA callback (`ema`), its averaged parameters over the model's buffers."""
+        name = name or self.output_model
+        if name not in self.model_names:
+            raise UsageError(f"{self.path} holds no model {name!r}; it holds {', '.join(self.model_names)}")
+        tensors = dict(self.whole(MODELS, name))
+        if weights != "model":
+            averaged = self.state.get("callbacks", {}).get(weights, {})
+            if averaged.get("model", name) != name or "weights" not in averaged:
+                raise UsageError(f"{self.path} holds no {weights} weights of model {name!r} (its run had "
+                                 f"callbacks.{weights}.decay=null or averaged another model): evaluate weights=model")
+            tensors.update(self.whole("callbacks", weights, "weights"))
+        return tensors
 
-    def model_weights(self) -> dict[str, torch.Tensor]:
-        """The whole model's tensors on the CPU, by the plain module's names, with no model built."""
-        raise NotImplementedError
-
-
-def _first_keys(problem: str, shown: int = 3) -> str:
-    """`Unexpected key(s) in state_dict: "a", "b", ...` cut to its first `shown` keys."""
-    keys = re.findall(r'"([^"]+)"', problem)
-    if len(keys) <= shown:
-        return problem
-    return f"{problem.split(':')[0]}: {', '.join(keys[:shown])} and {len(keys) - shown} more"
+    def has_weights(self, weights: str, name: str | None = None) -> bool:
+        if weights == "model":
+            return True
+        averaged = self.state.get("callbacks", {}).get(weights, {})
+        return "weights" in averaged and averaged.get("model", name or self.output_model) == (name or self.output_model)
 
 
 # -- writing -------------------------------------------------------------------------------------------------

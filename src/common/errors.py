@@ -86,10 +86,9 @@ _NO_MEMORY = ("can't allocate memory", "out of memory")
 
 
 @contextlib.contextmanager
-def out_of_memory_is_one_line(strategy: str, init_weights: str = "auto") -> Iterator[None]:
+def out_of_memory_is_one_line(strategy: str) -> Iterator[None]:
     """An allocation the process has no memory for, anywhere in the block, becomes one line (a local UsageError:
-    each rank that runs out prints it) naming the process's memory limit and what shrinks a rank's share
-    (`init_weights`: the run's trainer.init_weights; `constructor` builds an fsdp run's model whole)."""
+    each rank that runs out prints it) naming the process's memory limit and what shrinks a rank's share."""
     try:
         yield
     except Exception as raised:  # noqa: BLE001 - re-raised unless it is (or was caused by) running out of memory
@@ -100,9 +99,7 @@ def out_of_memory_is_one_line(strategy: str, init_weights: str = "auto") -> Iter
         asked = re.search(r"tried to allocate [\d.,]+ ?\w+", str(error), re.IGNORECASE)
         detail = asked.group(0) if asked else (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
         instead = ("dist=fsdp, which keeps 1/W of the parameters, gradients and optimizer state on each of W ranks"
-                   if strategy != "fsdp" else
-                   "trainer.init_weights=by_name (built on the meta device, each rank allocates only its shards)"
-                   if init_weights == "constructor" else "more ranks (torchrun --nproc_per_node=N)")
+                   if strategy != "fsdp" else "more ranks (torchrun --nproc_per_node=N)")
         rank = os.environ.get("RANK", "0")
         usage_error = UsageError(f"out of memory on rank {rank} ({detail}) under dist={strategy}, {memory_limit()}: "
                                  f"the model's training state does not fit one process: use {instead}")

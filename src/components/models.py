@@ -5,6 +5,11 @@ the dataset and task as `${data:FIELD}` (src/config/data_fields.py), e.g. `num_o
 A model's `forward` takes the sample fields the task binds as inputs (by default every field but the
 target, in order): one image batch for the classifiers here, `(rgb, mask)` for `TwoInputCNN`, token ids for
 `TinyGPT`. Adding a model is one class here (or anywhere importable) plus one YAML file.
+
+Each model here says how it initialises, `init_module(module, name)`: one module's own tensors, called for every
+module that owns some (src/loop/initial_weights.py). That lets it be built on the meta device, and gives it the
+same weights under dist=ddp and dist=fsdp on any world size. Most take torch's own layer initialisation
+(`LayerDefaults`: their constructors' very weights); a model without the hook is built by its constructor.
 """
 
 from __future__ import annotations
@@ -16,7 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class SimpleCNN(nn.Module):
+class LayerDefaults:
+    """`init_module`: each layer as torch's constructor draws it (`reset_parameters()`), in the order the model
+    registers them: the weights `torch.manual_seed(seed); Model(...)` gets, built on the meta device or not."""
+
+    def init_module(self, module: nn.Module, name: str) -> None:
+        module.reset_parameters()
+
+
+class SimpleCNN(LayerDefaults, nn.Module):
     """Two 3x3 conv + BatchNorm blocks, a 2x2 max-pool and a two-layer classifier.
 
     The classic MNIST-example shape with BatchNorm, so sync-BN matters under DDP.
@@ -56,7 +69,7 @@ class SimpleCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-class MLP(nn.Module):
+class MLP(LayerDefaults, nn.Module):
     """A multi-layer perceptron on feature vectors, or on images flattened to vectors."""
 
     def __init__(
@@ -99,7 +112,7 @@ def resnet18(in_channels: int, num_outputs: int, small_images: bool = True) -> n
     return model
 
 
-def _torchvision_resnet_init(module: nn.Module) -> None:
+def _torchvision_resnet_init(module: nn.Module, name: str) -> None:
     """torchvision's ResNet initialisation of one module's own tensors: Kaiming-normal (fan-out) convolutions;
     BatchNorm (weight 1, bias 0) and the linear head as torch builds them."""
     if isinstance(module, nn.Conv2d):
@@ -108,7 +121,7 @@ def _torchvision_resnet_init(module: nn.Module) -> None:
         module.reset_parameters()
 
 
-class TwoInputCNN(nn.Module):
+class TwoInputCNN(LayerDefaults, nn.Module):
     """`model(rgb, mask)`: conv + BatchNorm features of the image, averaged over the mask's pixels
     (masked average pooling), then a linear head. The mask chooses where the network looks, so the
     output depends on both inputs; BatchNorm makes sync-BN matter under DDP."""
@@ -129,7 +142,7 @@ class TwoInputCNN(nn.Module):
         return self.head(pooled)
 
 
-class LeNet5(nn.Module):
+class LeNet5(LayerDefaults, nn.Module):
     """LeNet-5 for 32x32 images: conv 6 5x5, max-pool 2, conv 16 5x5, max-pool 2, fully connected 120, 84 and
     `num_outputs`, with ReLU (the layout of PyTorch's CIFAR-10 tutorial network; LeCun et al. 1998 used
     tanh-like squashing and subsampling layers with weights)."""
@@ -168,11 +181,9 @@ class TinyGPT(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, num_outputs)
         self.dropout = nn.Dropout(dropout)
-        for module in self.modules():
-            self.init_module(module)
 
     @staticmethod
-    def init_module(module: nn.Module) -> None:
+    def init_module(module: nn.Module, name: str) -> None:
         """GPT-2's initialisation of one module's own tensors: N(0, 0.02) weights, zero biases; LayerNorm as
         torch builds it. train.py calls it per module, from a seed derived from the module's name
         (src/loop/initial_weights.py)."""

@@ -103,3 +103,27 @@ def argument_mismatch(key: str, node: Mapping[str, Any], passed_elsewhere: Itera
     if missing and "_args_" not in node and not node.get("_partial_"):
         return f"{key} needs {', '.join(missing)}: {takes(target)}; add +{key}.{missing[0]}=VALUE"
     return None
+
+
+def named(node: Mapping[str, Any], key: str, default_name: str = "model") -> dict[str, Any]:
+    """The configs of a group that takes one (a node with a `_target_`, named `default_name`) or several by name
+    (`model: {generator: {_target_: ...}, discriminator: {...}}`)."""
+    if "_target_" in node:
+        return {default_name: node}
+    if not node or not all(isinstance(value, Mapping) and "_target_" in value for value in node.values()):
+        raise UsageError(f"{key} names no _target_: give it one (a {key} YAML of conf/{key}/), or one per name, "
+                         f"e.g. {key}.generator._target_=...")
+    return {str(name): value for name, value in node.items()}
+
+
+def per_model(node: Mapping[str, Any], key: str, models: Iterable[str]) -> dict[str, Any]:
+    """For each model, its config of group `key` (optimizer, scheduler): the one config (each model gets its own
+    object built from it), or the model's own when `key` names configs by model name, one for each."""
+    models = list(models)
+    if "_target_" in node:
+        return {name: node for name in models}
+    configs = named(node, key)
+    if set(configs) != set(models):
+        raise UsageError(f"{key} names {', '.join(configs)}, but the run's models are {', '.join(models)}: give "
+                         f"one {key} for each model, by its name, or one {key} for all")
+    return {name: configs[name] for name in models}

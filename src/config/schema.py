@@ -125,9 +125,6 @@ def timeout_setting() -> Any:
 # -- train.py's settings --------------------------------------------------------------------------
 
 
-INIT_WEIGHTS = ("auto", "constructor", "by_name")  # trainer.init_weights: where a fresh run's weights come from
-
-
 @dataclass
 class TrainerConfig:
     """The `trainer` block: how the loop trains, checkpoints and reports. `train.py trainer.KEY=VALUE`
@@ -145,8 +142,9 @@ class TrainerConfig:
     # (SIGTERM/SIGUSR2 are also checked here and every ~2 s between log steps: src/parallel/preemption.py)
     device: str = device_setting()  # auto: cuda:LOCAL_RANK if a GPU is visible, else cpu | cpu | cuda
     save_checkpoints: bool = True  # write checkpoints/last.pt every epoch and best.pt on improvement
-    monitor: str = "${task.monitor}"  # metric that decides best.pt, what train.py returns and sweeps sort by:
-    # val/<name> or train/<name> for a name the task computes; default: the task's
+    monitor: str | None = "${task.monitor}"  # metric that decides best.pt, what train.py returns and sweeps sort
+    # by: val/<name> or train/<name> for a name the task computes; default: the task's; null: no best.pt (a
+    # method with no metric that means "better", e.g. a GAN without a judge)
     monitor_mode: str = setting("${task.mode}", one_of("max", "min"))  # max | min: whether a larger or a
     # smaller monitor value is better; default: the task's
     checkpoint_every_steps: int | None = setting(None, at_least(1, or_null=True))  # also checkpoint mid-epoch
@@ -155,10 +153,6 @@ class TrainerConfig:
     async_checkpoint: bool = False  # true: a save waits only for a copy of the state in host memory and is written
     # in the background while training goes on (at most one in flight; the next save and the run's end wait).
     # The host copy is kept between saves (one more copy of each rank's state in RAM), and later saves copy into it
-    init_weights: str = setting("auto", one_of(*INIT_WEIGHTS))  # auto: by_name under dist=fsdp (built on the meta
-    # device), constructor otherwise | constructor: the model's constructor draws them from the seeded RNG (under
-    # dist=fsdp: built whole on every rank, then sharded) | by_name: each module's from (seed, its name), the same
-    # on any world size and strategy (src/loop/initial_weights.py)
     keep_last: int = setting(2, at_least(1))  # newest mid-epoch checkpoints kept as checkpoints/step_<N>.pt
     # (last.pt is always kept)
     max_steps: int | None = setting(None, at_least(1, or_null=True))  # stop after this many optimizer steps in
@@ -174,9 +168,6 @@ class TrainerConfig:
     # GPUs)
     tf32: bool = True  # allow TensorFloat-32 matmuls/convolutions on Ampere+ GPUs (no effect on CPU)
     deterministic: bool = False  # deterministic cuDNN algorithms; false lets cudnn.benchmark pick the fastest
-    reuse_host_memory: bool = True  # keep freed host memory (up to 256 MB) for reuse instead of returning it to
-    # the OS at every free (glibc's mallopt; no effect elsewhere): ~10% faster training on the CPU, where
-    # batches and activations are host memory (src/loop/performance.py)
     freeze: list[str] = field(default_factory=list)  # parameter-name prefixes (e.g. [features]) whose parameters
     # get no gradient and no optimizer state: linear probing / partial fine-tuning (a prefix matching no
     # parameter is an error). BatchNorm running statistics of frozen layers still update while training
@@ -246,15 +237,17 @@ class TrainSchema:
     seed: int = MISSING  # MISSING: the top-level keys' values are conf/config.yaml's
     resume: str | None = MISSING
     init_from: str | None = None  # fine-tune: a fresh run (new optimizer, schedule and step count) that starts
-    # from the MODEL WEIGHTS of this file: a checkpoint of this template (its `model`), a state_dict saved
-    # with torch.save, or a .safetensors file (needs the safetensors package). Only for a fresh start: with
-    # resume=auto and a checkpoint in the run dir the run resumes instead; with resume=PATH it is refused
+    # from the MODEL WEIGHTS of this file: a checkpoint of this template (each model from its model of the same
+    # name), a state_dict saved with torch.save, or a .safetensors file (the output model's). Only for a fresh
+    # start: with resume=auto and a checkpoint in the run dir the run resumes instead; with resume=PATH it is
+    # refused
     init_from_strict: bool = True  # true: every key and shape must match the model, else one error line.
     # false: load the weights that match, keep a fresh initialisation for the rest (listed in the log):
     # the way to say "re-initialise the head" when the class count differs
     trusted_targets: list[str] = MISSING
     print_config: bool = False  # also print the composed config to the console at the start (it is always in
     # .hydra/config.yaml and in each rank's log file, resolved as the rank trains with it)
+    aux: Any = MISSING  # frozen auxiliary models by name (conf/config.yaml; src/loop/models.py)
     callbacks: Any = field(default_factory=dict)  # the add-ons around the loop, by name (conf/callbacks/)
     logger: Any = field(default_factory=dict)  # where the run's scalars go, by name (conf/logger/): tensorboard,
     # mlflow, wandb, csv; several at once with logger=[tensorboard,mlflow]
@@ -324,7 +317,7 @@ def check_train_config(cfg: DictConfig) -> None:
     missing = OmegaConf.missing_keys(cfg)
     problems = [f"{key} is required: add {key}=VALUE" for key in sorted(missing)]
     rules = {**rules_of("trainer", TrainerConfig), **rules_of("dist", DistConfig), **OPEN_GROUP_RULES}
-    problems += init_from_problems(cfg) + strategy_problems(cfg)
+    problems += init_from_problems(cfg)
     _refuse(problems + value_problems(cfg, rules, skip=missing))
 
 
@@ -334,16 +327,6 @@ def init_from_problems(cfg: DictConfig) -> list[str]:
     if init_from is not None and resume not in (None, "auto"):
         return [f"init_from={init_from} starts a fresh run from weights, resume={resume} continues a run: pass only "
                 "one (with resume=auto, init_from applies only when the run dir holds no checkpoint yet)"]
-    return []
-
-
-def strategy_problems(cfg: DictConfig) -> list[str]:
-    """What dist.strategy=fsdp cannot combine with: EMA weights (src/callbacks/ema.py) keep a full copy of the
-    model on every rank, which is what sharding exists to avoid (their update takes whole tensors)."""
-    decay = OmegaConf.select(cfg, "callbacks.ema.decay")
-    if OmegaConf.select(cfg, "dist.strategy") == "fsdp" and decay is not None:
-        return [f"callbacks.ema.decay={decay} keeps a full copy of the model on every rank, which dist=fsdp exists "
-                "to avoid: use dist=ddp for EMA weights, or callbacks.ema.decay=null"]
     return []
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from hydra.utils import instantiate
@@ -215,6 +216,20 @@ class Data:
     train_loader: Iterable[Any]
     val_loader: Iterable[Any]
     num_val_samples: int
+    val_start: int = 0  # the index in the val split of this rank's first val sample
+    # This rank's evaluation loader of another split (no augmentation, each sample once) and its first index.
+    eval_loader: Callable[[Dataset], tuple[Iterable[Any], int]] | None = None
+    _eval_loaders: dict[str, tuple[Iterable[Any], int]] = dataclasses.field(default_factory=dict, repr=False)
+
+    def loader(self, split: str) -> tuple[Iterable[Any], int]:
+        """This rank's evaluation loader of `split` (val, train) and the index of its first sample in the split."""
+        if split == "val":
+            return self.val_loader, self.val_start
+        if split not in self._eval_loaders:
+            if self.eval_loader is None:
+                raise ValueError(f"this run's data has no evaluation loader of the {split} split")
+            self._eval_loaders[split] = self.eval_loader(getattr(self.splits, split))
+        return self._eval_loaders[split]
 
 
 def build_data(
@@ -243,15 +258,28 @@ def build_data(
     )
     num_workers = int(dataset_cfg.num_workers)
     global_val_batch = int(dataset_cfg.get("val_batch_size") or global_batch_size)
+    eval_loader = functools.partial(make_eval_loader, global_batch_size=global_val_batch, rank=rank,
+                                    world_size=world_size, device=device, num_workers=num_workers, seed=seed,
+                                    max_batches=trainer.limit_val_batches)
+    val_loader, val_start = eval_loader(splits.val)
     return Data(
         splits=splits,
         train_sampler=train_sampler,
         train_loader=make_loader(splits.train, train_sampler, device, num_workers, seed, augment=True),
-        val_loader=make_val_loader(
-            splits, global_val_batch, rank, world_size, device, num_workers, seed, trainer.limit_val_batches
-        ),
+        val_loader=val_loader,
         num_val_samples=num_val_samples(len(splits.val), global_val_batch, world_size, trainer.limit_val_batches),
+        val_start=val_start,
+        eval_loader=eval_loader,
     )
+
+
+def make_eval_loader(dataset: Dataset, global_batch_size: int, rank: int, world_size: int, device: torch.device,
+                     num_workers: int, seed: int, max_batches: int | None = None) -> tuple[Iterable[Any], int]:
+    """This rank's shard of `dataset` for evaluation (no augmentation, every sample once, in batches of
+    global_batch_size / world_size; its first `max_batches` only, if given), and the index of its first sample."""
+    sampler = EvalShardSampler(len(dataset), val_batch_size(global_batch_size, world_size), rank, world_size,
+                               max_batches)
+    return make_loader(dataset, sampler, device, num_workers, seed), sampler.start
 
 
 def num_val_samples(num_samples: int, global_batch_size: int, world_size: int, max_batches: int | None) -> int:
@@ -295,9 +323,7 @@ def make_val_loader(
 ) -> Iterable[Any]:
     """This rank's shard of the val split, in batches of global_batch_size / world_size samples
     (its first `max_batches` only, if given)."""
-    batch_size = val_batch_size(global_batch_size, world_size)
-    sampler = EvalShardSampler(len(splits.val), batch_size, rank, world_size, max_batches)
-    return make_loader(splits.val, sampler, device, num_workers, seed)
+    return make_eval_loader(splits.val, global_batch_size, rank, world_size, device, num_workers, seed, max_batches)[0]
 
 
 def val_batch_size(global_batch_size: int, world_size: int) -> int:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import math
 import operator
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -200,3 +202,40 @@ class EpochKeys:
         epoch = getattr(self.batch_sampler, "epoch", VAL_EPOCH)
         for indices in self.batch_sampler:
             yield [(epoch, index) for index in indices]
+
+
+# -- randomness a training step or an evaluation draws per sample ------------------------------------------------
+
+STEP_DRAWS = 0x57E9  # the domain of a step's draws, apart from every (seed, epoch) of the data path's
+
+
+@functools.lru_cache(maxsize=256)
+def _stream_state(seed: int, step: int, stream: str) -> int:
+    """The hash state after absorbing the run's seed, the step (VAL_EPOCH: an evaluation) and the stream's name
+    (64-bit two's complement, 2 words each)."""
+    state = _epoch_state(seed, STEP_DRAWS)
+    name = int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=8).digest(), "little")
+    for value in (step, name):
+        for word in (value & MASK32, (value >> 32) & MASK32):
+            state = mix32(state ^ word)
+    return state
+
+
+def uniform_per_sample(seed: int, step: int, stream: str, positions: torch.Tensor, shape: Sequence[int],
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Uniform draws in (0, 1), `(len(positions), *shape)` on `positions`' device: row i from (seed, step, stream,
+    positions[i]) alone, so any rank, batch or world size that holds the same sample draws the same values, with no
+    host sync. Word j of a row is `draw(key, j)`."""
+    count = math.prod(shape)
+    keys = _index_key(_stream_state(seed, step, stream), positions.to(torch.int64))
+    words = draw(keys[:, None], torch.arange(count, device=positions.device, dtype=torch.int64)[None, :])
+    return ((words.double() + 0.5) / 2.0**32).to(dtype).view(len(positions), *shape)
+
+
+def normal_per_sample(seed: int, step: int, stream: str, positions: torch.Tensor, shape: Sequence[int],
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Standard normal draws, as `uniform_per_sample` keys them (Box-Muller of two uniform words per value)."""
+    count = math.prod(shape)
+    uniform = uniform_per_sample(seed, step, stream, positions, (2, count), torch.float64)
+    radius = torch.sqrt(-2.0 * torch.log(uniform[:, 0]))
+    return (radius * torch.cos(2 * math.pi * uniform[:, 1])).to(dtype).view(len(positions), *shape)

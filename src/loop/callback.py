@@ -7,9 +7,14 @@ group (conf/callbacks/); a fork adds its own with one class and one YAML. The lo
 names none of them. Every hook is called on every rank, in the config's order:
 
     on_run_start(run)              before the first step: the run's parts and its state (fresh or resumed)
-    on_step_end(step)              after each optimizer step: its number, its summed loss (a device tensor)
-                                   and the model inputs of its first micro-batch. No host sync here: a value
-                                   read on the host (`.item()`, `bool()`) would stall every step
+    on_before_optimizer_step(update)   before each optimizer's step (`update`: the step's number, the model's
+                                   name, module and optimizer), its gradients all-reduced (under dist=fsdp: this
+                                   rank's shards of them) and unscaled, before trainer.grad_clip: gradient
+                                   surgery, per-group clipping, gradient norms
+    on_step_end(step)              after each training step: its number, its summed loss (a device tensor:
+                                   every loss the step back-propagated) and the model inputs of its first
+                                   micro-batch (None in a task's own step that sets none). No host sync here: a
+                                   value read on the host (`.item()`, `bool()`) would stall every step
     on_log(step, scalars)          at log steps, with the window's all-reduced train scalars; returns more
     on_validation(run, val)        after the epoch's val pass, with its metrics (and tables, e.g. the
                                    confusion matrix); returns more metrics for the epoch's record
@@ -19,7 +24,8 @@ names none of them. Every hook is called on every rank, in the config's order:
     on_run_end(run, reason)        after the last step, however the loop stopped (a `StopReason`)
     on_exception(run, error)       when the loop raises; may raise a clearer error in its place
     state_dict() / load_state_dict(state)   saved in every checkpoint under the callback's name, and
-                                   given back before `on_run_start` when a run resumes
+                                   given back right after `on_run_start` when a run resumes (the run's parts
+                                   hold the checkpoint's state by then)
 
 Only the callbacks that override a hook are called for it, and a callback that sets `enabled = False`
 (in its constructor or in `on_run_start`: nothing to do in this run) is never called again and saves no
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch import nn
 
 from src.parallel.distributed import broadcast_object
 
@@ -47,11 +54,23 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Step:
-    """An optimizer step, as `on_step_end` sees it."""
+    """A training step, as `on_step_end` sees it."""
 
-    number: int  # optimizer steps taken so far, this one included (1 = the run's first)
-    loss: torch.Tensor  # the step's loss summed over its micro-batches' samples, on the device: never read it here
-    inputs: tuple[tuple[Any, ...], dict[str, Any]]  # the model's (positional, keyword) inputs of its first micro-batch
+    number: int  # training steps taken so far, this one included (1 = the run's first)
+    loss: torch.Tensor | None  # the losses it back-propagated, summed, on the device: never read it here
+    inputs: tuple[tuple[Any, ...], dict[str, Any]] | None  # the model's (positional, keyword) inputs of its first
+    # micro-batch, when the step names them (the built-in supervised step does)
+
+
+@dataclass(frozen=True)
+class Update:
+    """One optimizer's step within a training step, as `on_before_optimizer_step` sees it: its gradients are in
+    `module`'s parameters' `.grad`, all-reduced and unscaled; change them in place."""
+
+    number: int  # the training step being taken (1 = the run's first)
+    name: str  # the model's name (its optimizer's): `model` in a run of one model
+    module: nn.Module  # the model, unwrapped (sharded under dist=fsdp)
+    optimizer: torch.optim.Optimizer
 
 
 @dataclass(frozen=True)
@@ -72,7 +91,8 @@ class Run:
     parts: TrainParts
     state: TrainState
     resumed: bool  # the run continues from a checkpoint
-    evaluate: Callable[..., dict[str, Any]]  # evaluate(module, desc): any weights' metrics on the whole val split
+    evaluate: Callable[..., dict[str, Any]]  # evaluate(desc): the models' metrics, as they are now, on the whole val
+    # split (the task's evaluation; EMA puts its weights in first)
 
 
 class Callback:
@@ -88,6 +108,8 @@ class Callback:
     metric_splits: tuple[str, ...] = ()
 
     def on_run_start(self, run: Run) -> None: ...
+
+    def on_before_optimizer_step(self, update: Update) -> None: ...
 
     def on_step_end(self, step: Step) -> None: ...
 
@@ -113,7 +135,7 @@ class Callback:
         return None
 
 
-HOOKS = ("on_run_start", "on_step_end", "on_log", "on_validation", "on_epoch_end", "on_checkpoint", "on_run_end",
+HOOKS = ("on_run_start", "on_before_optimizer_step", "on_step_end", "on_log", "on_validation", "on_epoch_end", "on_checkpoint", "on_run_end",
          "on_exception")
 
 
@@ -154,6 +176,10 @@ class Callbacks:
         for callback in self._by_hook["on_run_start"]:
             callback.on_run_start(run)
         self._update_hooks()  # a callback may have found nothing to do in this run
+
+    def before_optimizer_step(self, update: Update) -> None:
+        for callback in self._by_hook["on_before_optimizer_step"]:
+            callback.on_before_optimizer_step(update)
 
     def step_end(self, step: Step) -> None:
         for callback in self._by_hook["on_step_end"]:
@@ -204,3 +230,5 @@ class Callbacks:
                 callback.load_state_dict(state)
             else:
                 log.info("the checkpoint's state of callback %s is not used: this run has no such callback on", name)
+        for name in self.state_dict().keys() - states.keys():
+            log.info("the checkpoint holds no state of callback %s: it starts from this run's", name)

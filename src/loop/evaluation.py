@@ -1,55 +1,132 @@
-"""Evaluation: a model's loss and metrics over a split, every sample counted exactly once."""
+"""Evaluation: the models' loss and metrics over a split, every sample counted exactly once, on any world size.
+
+A task's `evaluate(val)` (src/loop/task.py) adds sums to an `Evaluation`; the sums of every rank are added up in one
+all-reduce and the task computes its metrics from them. The default adds each val batch's `val_step` sums; a method
+evaluates as it needs with the same primitives:
+
+    val.batches(split)        this rank's shard of a split ("val"; "train": the training samples without
+                              augmentation), each sample once: (batch, samples), `samples` keying per-sample draws
+    val.models / val.aux      the trained models (unwrapped, in eval mode) and the auxiliary ones, by name
+    val.autocast()            trainer.precision's mixed precision
+    val.add_sums(sums)        a batch's sums (device tensors, by the names of the task's sum_shapes and
+                              val_sum_shapes)
+    val.generated(count, batch) draws for `count` items the models make (a generator's samples), this rank's share
+                              of them in batches: the same items on any world size
+    val.gather(tensor)        every rank's rows of `tensor` (their counts may differ by rank), in rank order:
+                              for a split, in sample order
+    val.image(tag, images)    images (N, C, H, W) shown as a grid in TensorBoard (rank 0's)
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Iterable, Iterator
+from collections.abc import Callable, Mapping
+from typing import Any, ContextManager, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from src.data.batches import to_device
+from src.data.sample_randomness import VAL_EPOCH
 from src.loop.metrics import MetricSums
 from src.loop.precision import autocast
+from src.loop.step import Samples
 from src.loop.task import Task
-from src.parallel.distributed import all_reduce_max
+from src.parallel import fsdp
+from src.parallel.distributed import all_reduce_max, is_initialized
+
+# The `step` of each split's draws, and of generated items'.
+SPLIT_DRAWS = {"val": VAL_EPOCH, "train": VAL_EPOCH - 1, "test": VAL_EPOCH - 2, "generated": VAL_EPOCH - 3}
 
 
-@torch.no_grad()
-def evaluate(
-    module: nn.Module,
-    loader: Iterable[Any],
-    task: Task,
-    info: Mapping[str, Any],
-    device: torch.device,
-    amp_dtype: torch.dtype | None = None,
-    lockstep: bool = False,
-) -> dict[str, Any]:
-    """The task's metrics of `module` over this rank's batches, summed over all ranks, with `count`
-    (the task's units: samples, tokens, ...) and the task's val-only tables (e.g. `confusion`). The model's
-    output is checked against the target on the first batch (`Task.check_output`).
+class Evaluation:
+    """One evaluation pass of the task's models (see the module's docstring). `loaders(split)` gives this rank's
+    loader of a split and the index of its first sample."""
 
-    Pass the unwrapped module: evaluation needs no gradient sync, and ranks may run a
-    different number of batches, which DDP's per-forward collectives would not allow.
-    A sharded module (dist=fsdp, `lockstep`) all-gathers its parameters in every forward, so every rank
-    must run as many forwards: a rank whose shard of the val split has fewer batches (shards differ by at
-    most one sample) runs the missing ones on an empty batch, which adds nothing to the sums.
-    A collective: every rank must call it.
-    """
+    def __init__(self, models: Mapping[str, nn.Module], aux: Mapping[str, nn.Module],
+                 loaders: Callable[[str], tuple[Iterable[Any], int]], sums: MetricSums, device: torch.device,
+                 amp_dtype: torch.dtype | None, seed: int, track: Callable[[Iterable[Any], str], Iterable[Any]]) -> None:
+        self.models, self.aux, self.loaders, self.sums = dict(models), dict(aux), loaders, sums
+        self.device, self.amp_dtype, self.seed, self.track = device, amp_dtype, seed, track
+        self.lockstep = any(fsdp.is_sharded(model) for model in self.models.values())
+        self.images: dict[str, torch.Tensor] = {}
+
+    def batches(self, split: str = "val") -> Iterator[tuple[Any, Samples]]:
+        """This rank's batches of `split`, on the device, with the samples they hold. Under dist=fsdp every rank
+        runs as many forwards (a sharded model gathers its parameters in each): a rank with fewer batches goes
+        on with empty ones, which add nothing to the sums."""
+        loader, first_index = self.loaders(split)
+        batches = _in_lockstep(loader, self.device) if self.lockstep else loader
+        position = first_index
+        for batch in self.track(batches, split):
+            batch = to_device(batch, self.device)
+            rows = _rows(batch)
+            positions = torch.arange(position, position + rows, device=self.device)
+            position += rows
+            yield batch, Samples(self.seed, SPLIT_DRAWS.get(split, VAL_EPOCH), positions)
+
+    def generated(self, count: int, batch_size: int) -> Iterator[Samples]:
+        """Draws for items 0 to `count` - 1 that the models make (no data: a generator's samples), this rank's
+        contiguous share of them in batches of at most `batch_size`; every rank runs as many batches (a sharded
+        model gathers its parameters in each), the last ones empty where a share is smaller."""
+        rank, world = (dist.get_rank(), dist.get_world_size()) if is_initialized() else (0, 1)
+        start, stop = count * rank // world, count * (rank + 1) // world
+        batches = -(-(count // world + 1) // batch_size)  # enough for the largest share, on every rank alike
+        for first in range(start, start + batches * batch_size, batch_size):
+            positions = torch.arange(min(first, stop), min(first + batch_size, stop), device=self.device)
+            yield Samples(self.seed, SPLIT_DRAWS["generated"], positions)
+
+    def autocast(self) -> ContextManager[Any]:
+        return autocast(self.device, self.amp_dtype)
+
+    def add_sums(self, sums: Mapping[str, torch.Tensor | int]) -> None:
+        self.sums.add(sums)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of `tensor`, concatenated in rank order (no gradient; the row counts may differ)."""
+        if not is_initialized():
+            return tensor
+        counts = torch.tensor([tensor.shape[0]], device=tensor.device)
+        every = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, counts)
+        rows = [int(count) for count in every]
+        padded = torch.zeros((max(rows), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        padded[: tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in rows]
+        dist.all_gather(gathered, padded)
+        return torch.cat([part[:count] for part, count in zip(gathered, rows)])
+
+    def image(self, tag: str, images: torch.Tensor) -> None:
+        self.images[tag] = images.detach().float().cpu()
+
+
+def evaluate(task: Task, models: Mapping[str, nn.Module], loaders: Callable[[str], tuple[Iterable[Any], int]],
+             info: Mapping[str, Any], device: torch.device, amp_dtype: torch.dtype | None = None, seed: int = 0,
+             track: Callable[[Iterable[Any], str], Iterable[Any]] = lambda batches, _: batches) -> dict[str, Any]:
+    """The task's metrics of `models` (and its val tables, e.g. `confusion`, and `images`), summed over all ranks,
+    with `count` (the task's units: samples, tokens, ...). Pass the unwrapped models: evaluation needs no gradient
+    sync, and ranks may run a different number of batches, which DDP's per-forward collectives would not allow.
+    A collective: every rank must call it."""
     sums = MetricSums({**task.sum_shapes(info), **task.val_sum_shapes(info)}, device)
-    was_training = module.training
-    module.eval()
-    batches = _in_lockstep(loader, device) if lockstep else loader
-    for index, batch in enumerate(batches):
-        args, kwargs, target = task.split(to_device(batch, device))
-        with autocast(device, amp_dtype):
-            outputs = module(*args, **kwargs)
-        if index == 0:
-            task.check_output(outputs, target)
-        sums.add(task.batch_sums(outputs, target, task.loss(outputs, target), task.count(target), val=True))
-    module.train(was_training)
-    return metrics_of(task, sums.reduce())
+    evaluation = Evaluation(models, task.aux, loaders, sums, device, amp_dtype, seed, track)
+    modes = {name: model.training for name, model in models.items()}
+    for model in models.values():
+        model.eval()
+    with torch.no_grad():
+        task.evaluate(evaluation)
+    for name, model in models.items():
+        model.train(modes[name])
+        fsdp.reshard(model)  # the next forward gathers the shards as they are then
+    return {**metrics_of(task, sums.reduce()), **({"images": evaluation.images} if evaluation.images else {})}
+
+
+def _rows(batch: Any) -> int:
+    """The samples in a batch: the first dimension of its first tensor."""
+    found: list[int] = []
+    tree_map(lambda part: found.append(part.shape[0]) if isinstance(part, torch.Tensor) and part.dim() else None,
+             batch)
+    return found[0] if found else 0
 
 
 def _in_lockstep(loader: Iterable[Any], device: torch.device) -> Iterator[Any]:

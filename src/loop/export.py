@@ -1,10 +1,12 @@
 """Export a checkpoint's model as one safetensors file, to share it or load it anywhere.
 
     python -m src.loop.export outputs/DATE/TIME/checkpoints/best model.safetensors
+    python -m src.loop.export CHECKPOINT generator.safetensors --model generator --weights ema
 
 CHECKPOINT is any checkpoint of this template: a sharded one of dist=fsdp (a `step_<N>/` directory, or the
 `last` / `best` file naming one), whose shards are gathered here into whole tensors, in one process with no
-process group; or a `.pt` of dist=ddp. OUT holds the model's state_dict, unsharded, under the plain module's
+process group; or a `.pt` of dist=ddp. `--model` picks one model of a run of several (default: its output model, e.g.
+a GAN's generator), `--weights ema` its EMA weights. OUT holds the model's state_dict, unsharded, under the plain module's
 names (no `module.`, `_orig_mod.` or FSDP prefixes), so `model.load_state_dict(safetensors.torch.load_file(OUT))`
 loads it into the plain `nn.Module` the config builds, and `init_from=OUT` fine-tunes from it. Only tensors are
 read and written: nothing from the checkpoint is executed. The file is written atomically.
@@ -23,9 +25,9 @@ from src.common import files
 from src.common.errors import UsageError, exit_on_usage_error
 
 
-def model_state(path: Path) -> dict[str, torch.Tensor]:
+def model_state(path: Path, model: str | None = None, weights: str = "model") -> dict[str, torch.Tensor]:
     """The whole model's tensors of the checkpoint `path`, on the CPU (refuses a file that is none)."""
-    return checkpoint.read(path).model_weights()
+    return checkpoint.read(path).model_weights(model, weights)
 
 
 def write_safetensors(state: dict[str, torch.Tensor], out: Path, source: Path) -> None:
@@ -43,11 +45,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m src.loop.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint: step_<N>/, last, best, or a .pt file")
     parser.add_argument("out", type=Path, help="the .safetensors file to write")
+    parser.add_argument("--model", default=None, help="which model of a run of several (default: its output model)")
+    parser.add_argument("--weights", default="model", choices=["model", "ema"], help="its weights, or its EMA weights")
     args = parser.parse_args(argv)
     with exit_on_usage_error(is_main_process=True):
         if not args.out.parent.is_dir():
             raise UsageError(f"cannot write {args.out}: the folder {args.out.parent} does not exist")
-        state = model_state(args.checkpoint)
+        state = model_state(args.checkpoint, args.model, args.weights)
         write_safetensors(state, args.out, args.checkpoint)
         count = sum(tensor.numel() for tensor in state.values())
         print(f"wrote {args.out}: {len(state)} tensors, {count:,} elements, from {args.checkpoint}")

@@ -2,17 +2,19 @@
 parameters frozen out of training.
 
 `init_from=PATH` reads MODEL WEIGHTS ONLY (never an optimizer, schedule or step count) from a
-checkpoint of this template (its `model`; a sharded dist=fsdp directory is gathered whole), a
-state_dict saved with `torch.save` (loaded with `weights_only=True`, so opening it never runs code),
-or a `.safetensors` file when the
-`safetensors` package is installed. Keys are matched after stripping DDP's `module.` and
+checkpoint of this template (each of the run's models from the checkpoint's model of the same name; a
+sharded dist=fsdp directory is gathered whole), or into the run's output model (the one model, or the one
+its task names: a GAN's generator) from a state_dict saved with `torch.save` (loaded with
+`weights_only=True`, so opening it never runs code) or a `.safetensors` file when the `safetensors`
+package is installed. Keys are matched after stripping DDP's `module.` and
 torch.compile's `_orig_mod.` prefixes. What does not match (keys the model lacks, keys the file
 lacks, tensors whose shapes differ) is one log line per kind; with `init_from_strict=true` (the
 default) any of it is one error line instead, before any training. With `init_from_strict=false`
 the model keeps its fresh initialisation there: a new head for another class count.
 
 `trainer.freeze=[PREFIX, ...]` sets requires_grad=False on every parameter whose name starts with a
-prefix, before DDP and the optimizer see the model: they get no gradient and no optimizer state.
+prefix, before DDP and the optimizer see the model: they get no gradient and no optimizer state. In a run of
+several models a parameter's name starts with its model's (`discriminator.net.1.weight`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 from src import checkpoint
-from src.checkpoint.file_store import model_weights_in
+from src.checkpoint.file_store import is_template_checkpoint
 from src.checkpoint.layout import is_directory_checkpoint
 from src.common.errors import UsageError
 from src.parallel import distributed, fsdp
@@ -51,25 +53,38 @@ class Match:
         return not (self.missing or self.unexpected or self.mismatched)
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of `path` by name, prefixes stripped, or one error line saying why not."""
+def read_weights(path: Path, names: list[str], output: str) -> dict[str, dict[str, torch.Tensor]]:
+    """The tensors of `path` by model name (prefixes stripped): a checkpoint of this template's models among
+    `names`, or a plain file's for the `output` model; or one error line saying why not."""
     if is_directory_checkpoint(path):  # dist=fsdp's directory (or last / best): gathered here
-        return strip_prefixes(checkpoint.read(path).model_weights())
+        return _template_weights(checkpoint.read(path), names)
     if not path.is_file():
         raise UsageError(f"init_from={path} does not exist")
     if path.suffix == ".safetensors":
-        return strip_prefixes(_read_safetensors(path))
+        return {output: strip_prefixes(_read_safetensors(path))}
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises several types for truncated or foreign files
         raise UsageError(f"init_from={path} cannot be read ({type(error).__name__}): is it a complete .pt file "
                          "saved with torch.save?") from None
-    template_weights = model_weights_in(payload)  # a checkpoint of this template: its weights only
-    payload = payload if template_weights is None else template_weights
+    if is_template_checkpoint(payload):  # its weights only
+        return _template_weights(checkpoint.read(path), names)
     if not _is_state_dict(payload):
         raise UsageError(f"init_from={path} holds no state_dict (a dict of tensors by name, or a checkpoint of this "
                          "template): save one with torch.save(model.state_dict(), PATH)")
-    return strip_prefixes(payload)
+    return {output: strip_prefixes(payload)}
+
+
+def _template_weights(saved: Any, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Each of the run's models that the checkpoint holds, by name; a run of one model and a checkpoint of one
+    take its weights whatever their names."""
+    if len(names) == 1 and len(saved.model_names) == 1:
+        return {names[0]: strip_prefixes(saved.model_weights(saved.model_names[0]))}
+    found = {name: strip_prefixes(saved.model_weights(name)) for name in names if name in saved.model_names}
+    if not found:
+        raise UsageError(f"init_from={saved.path} holds the models {', '.join(saved.model_names)}, none of this "
+                         f"run's ({', '.join(names)})")
+    return found
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -113,36 +128,45 @@ def match(module: nn.Module, state: dict[str, torch.Tensor]) -> Match:
     return found
 
 
-def load_initial_weights(module: nn.Module, path: Path, strict: bool) -> Match:
-    """Load `path`'s matching weights into `module` (see the module's docstring); returns the match."""
-    found = match(module, read_weights(path))
-    if not found.loadable:
-        raise UsageError(f"init_from={path}: none of its {len(found.unexpected)} keys matches a weight of the model "
-                         f"({_keys(found.unexpected)}); the model expects e.g. {_keys(found.missing)}")
-    if strict and not found.complete:
-        raise UsageError(f"init_from={path} does not fit the model ({_problems(found)}); pass init_from_strict=false "
-                         "to load the weights that match and keep the rest freshly initialised (e.g. a new head)")
-    if fsdp.is_sharded(module):  # each rank keeps its shards of the file's tensors
-        fsdp.load_full_model_state(module, found.loadable, strict=False)
-    else:
-        module.load_state_dict(found.loadable, strict=False)
-    log.info("init_from: loaded %d of the model's %d tensors from %s", len(found.loadable),
-             len(found.loadable) + len(found.missing) + len(found.mismatched), path)
-    for kind, keys in (("missing from the file (fresh initialisation kept)", found.missing),
-                       ("unexpected in the file (ignored)", found.unexpected),
-                       ("shape differs (fresh initialisation kept)", found.mismatched)):
-        if keys:
-            log.warning("init_from: %d %s: %s", len(keys), kind, ", ".join(keys))
-    return found
+def load_initial_weights(modules: dict[str, nn.Module], output: str, path: Path, strict: bool) -> dict[str, Match]:
+    """Load `path`'s matching weights into the run's `modules` (see the module's docstring); returns the matches."""
+    files = read_weights(path, list(modules), output)
+    matches = {}
+    for name, state in files.items():
+        module, label = modules[name], f"init_from={path}" + (f" (model {name})" if len(modules) > 1 else "")
+        found = matches[name] = match(module, state)
+        if not found.loadable:
+            raise UsageError(f"{label}: none of its {len(found.unexpected)} keys matches a weight of the model "
+                             f"({_keys(found.unexpected)}); the model expects e.g. {_keys(found.missing)}")
+        if strict and not found.complete:
+            raise UsageError(f"{label} does not fit the model ({_problems(found)}); pass init_from_strict=false "
+                             "to load the weights that match and keep the rest freshly initialised (e.g. a new head)")
+        if fsdp.is_sharded(module):  # each rank keeps its shards of the file's tensors
+            fsdp.load_full_model_state(module, found.loadable, strict=False)
+        else:
+            module.load_state_dict(found.loadable, strict=False)
+        several = len(modules) > 1
+        log.info("init_from: loaded %d of %s's %d tensors from %s", len(found.loadable),
+                 f"model {name}" if several else "the model",
+                 len(found.loadable) + len(found.missing) + len(found.mismatched), path)
+        for kind, keys in (("missing from the file (fresh initialisation kept)", found.missing),
+                           ("unexpected in the file (ignored)", found.unexpected),
+                           ("shape differs (fresh initialisation kept)", found.mismatched)):
+            if keys:
+                log.warning("init_from: %s%d %s: %s", f"{name}: " if several else "", len(keys), kind, ", ".join(keys))
+    untouched = [name for name in modules if name not in files]
+    if untouched:
+        log.warning("init_from=%s holds no weights for %s: freshly initialised", path, ", ".join(untouched))
+    return matches
 
 
-def load_on_every_rank(module: nn.Module, path: Path, strict: bool) -> None:
+def load_on_every_rank(modules: dict[str, nn.Module], output: str, path: Path, strict: bool) -> None:
     """`load_initial_weights` on every rank, or every rank stops with the first failing rank's line (rank 0
     prints it), instead of some ranks training from other weights, or waiting for ranks that stopped.
     A collective: every rank calls it."""
     failure = None
     try:
-        load_initial_weights(module, path, strict)
+        load_initial_weights(modules, output, path, strict)
     except UsageError as error:
         failure = str(error)
     failures = distributed.gather_objects(failure)
@@ -161,18 +185,27 @@ def _problems(found: Match) -> str:
     return "; ".join(f"{len(keys)} {kind}: {_keys(keys)}" for kind, keys in kinds if keys)
 
 
-def freeze(module: nn.Module, prefixes: list[str]) -> int:
-    """Set requires_grad=False on the parameters whose names start with one of `prefixes`; returns how
-    many parameter elements that froze. A prefix no parameter name starts with is an error line."""
-    named = list(module.named_parameters())
-    unmatched = [prefix for prefix in prefixes if not any(name.startswith(prefix) for name, _ in named)]
+def freeze(modules: dict[str, nn.Module], prefixes: list[str]) -> int:
+    """Set requires_grad=False on the parameters whose names start with one of `prefixes` (in a run of several
+    models, a name starts with its model's: `discriminator.net.1.`); returns how many parameter elements that
+    froze. A prefix no parameter name starts with is an error line, as is a model left with nothing to train."""
+    named = [(name, model, parameter) for model, module in modules.items()
+             for name, parameter in _qualified(module, model, len(modules) > 1)]
+    unmatched = [prefix for prefix in prefixes if not any(name.startswith(prefix) for name, _, _ in named)]
     if unmatched:
-        tops = sorted({name.split(".", 1)[0] for name, _ in named})
+        tops = sorted({name.split(".", 1)[0] if len(modules) == 1 else ".".join(name.split(".", 2)[:2])
+                       for name, _, _ in named})
         raise UsageError(f"trainer.freeze: no parameter name starts with {', '.join(unmatched)}; the model's "
                          f"parameter names start with {', '.join(tops) or 'nothing (it has none)'}")
-    frozen = [parameter for name, parameter in named if name.startswith(tuple(prefixes))]
-    if frozen and len(frozen) == len(named):
-        raise UsageError(f"trainer.freeze={list(prefixes)} freezes every parameter of the model: nothing would train")
-    for parameter in frozen:
+    frozen = [(model, parameter) for name, model, parameter in named if name.startswith(tuple(prefixes))]
+    for model in modules:
+        if frozen and sum(1 for m, _ in frozen if m == model) == sum(1 for _, m, _ in named if m == model):
+            what = "the model" if len(modules) == 1 else f"model {model!r}"
+            raise UsageError(f"trainer.freeze={list(prefixes)} freezes every parameter of {what}: nothing would train")
+    for _, parameter in frozen:
         parameter.requires_grad_(False)
-    return sum(parameter.numel() for parameter in frozen)
+    return sum(parameter.numel() for _, parameter in frozen)
+
+
+def _qualified(module: nn.Module, model: str, several: bool) -> list[tuple[str, nn.Parameter]]:
+    return [(f"{model}.{name}" if several else name, parameter) for name, parameter in module.named_parameters()]

@@ -1,124 +1,143 @@
-"""A fresh run's initial weights (`trainer.init_weights`): drawn by the model's constructor, or derived from the
-seed and each module's name.
+"""A fresh run's initial weights: the ones the model's own code gives, the same under dist=ddp and dist=fsdp and on
+any world size.
 
-`constructor` (the default, except under dist=fsdp): the model is built whole, its constructor drawing from the
-RNG as the run's seeding left it, as every run did before; under dist=fsdp every rank builds it whole, then shards.
+A model either declares how it initialises, or is built by its constructor:
 
-`by_name` (the default under dist=fsdp): for each module that owns parameters or buffers, a full-size copy of
-that one module's own tensors is initialised on the CPU, with the RNG seeded from (seed, the module's name in
-`named_modules()`), and each rank keeps its slice of it (all of it, unless sharded). So the weights depend
-neither on the world size nor on the strategy: a sharded run's are bitwise those of a dist=ddp run with
-`trainer.init_weights=by_name` and the same seed, by construction. A model built on the meta device has no
-order of RNG draws to replay, which is why dist=fsdp needs this scheme; dist=ddp keeps `constructor`, so its
-runs start where they always did. A rank's peak memory is its shards plus one module.
+- `init_module(self, module, name)`: initialise one module's own parameters and buffers (not its children's);
+  called for every module that owns tensors, with its name, in `named_modules()` order, drawing from one RNG
+  stream seeded once for the model (`model_seed`). A per-name rule is one `if` (GPT-2's `c_proj` scaled by
+  1/sqrt(2 n_layer)). A model whose constructor draws only through its layers' `reset_parameters()`, in the order
+  it registers them, gets its constructor's very weights from `module.reset_parameters()`: the built-in models do.
+- `init_weights(self)`: initialise the whole model (torchtitan's models have one), called once, the RNG seeded as
+  for `init_module`.
+- neither: the constructor's values, drawn from the run's RNG as seeded (`self.apply(self._init_weights)` in
+  `__init__`, a zero-initialised head: whatever the constructor does).
 
-A module's initialiser is the model's `init_module(module)` when the model defines one (it is called for
-every module that owns tensors: TinyGPT's draws GPT-2's N(0, 0.02), resnet18's torchvision's own scheme),
-else the module's `reset_parameters()` (torch's layers: what their constructors draw). An initialiser
-touches only that module's own parameters and buffers.
+A model that declares a hook is built on the meta device (no memory, no draws), given memory only for what this
+rank holds (its shards under dist=fsdp, after sharding), and initialised by its hook, on a whole-size CPU copy of
+one module at a time (`init_module`) or of the model (`init_weights`) of which each rank keeps its slices: the
+weights are the same whatever the strategy and world size, and a rank's peak memory is its shards plus one module
+(`init_module`) or plus the whole model once (`init_weights`). A model that cannot be built on the meta device
+(its constructor reads a file, or makes a tensor on a named device) is built whole, then initialised alike; the
+log says so. A model without a hook is built whole on every rank (then sharded under dist=fsdp), and the log
+says so under dist=fsdp with what to add.
 
-With `by_name`, dist=fsdp builds the model on the meta device (no memory), shards it, allocates only this
-rank's shards (`to_empty`, src/parallel/distributed.py) and initialises them. A model that cannot be built
-there (its constructor reads data, or makes a tensor on a named device), or one with a module that owns
-tensors no initialiser covers (a bare `nn.Parameter`, a buffer computed in `__init__`), is built whole on
-every rank and then sharded; the log says so in one line, naming the reason. A module no initialiser covers
-keeps the values its constructor gave it, under every strategy alike (with `by_name`, constructors run with
-the RNG seeded from the seed, and the run's own RNG left as it was).
+A hook must set every tensor it is called for: one it leaves unset (on the meta device nothing else sets it) is
+one error line naming it.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
-import sys
 from itertools import chain
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
+from src.common.errors import UsageError
 from src.parallel import fsdp
 
 log = logging.getLogger(__name__)
 
-
-def by_name(setting: str, strategy: str) -> bool:
-    """Whether `trainer.init_weights=setting` initialises by name under `dist.strategy`: `auto` does under fsdp."""
-    return setting == "by_name" or (setting == "auto" and strategy == "fsdp")
+HOOKS = ("init_module", "init_weights")
 
 
-def build(make: Callable[[], nn.Module], seed: int, named: bool, sharded: bool) -> nn.Module:
-    """The model `make()` builds. Not `named` (constructor): as the RNG stands. `named` (by_name): on the meta
-    device if `sharded` and it can be (see the module's docstring), else on the CPU, its constructor drawing
-    from the RNG seeded with `seed`; `initialise` gives it its weights once prepared."""
-    if not named:
-        if sharded:
-            log.info("dist=fsdp, trainer.init_weights=constructor: the model is built whole on every rank, then "
-                     "sharded")
-        return make()
-    reason = None
-    if sharded:
-        model, reason = _built_on_meta(make)
-        if model is not None:
-            log.info("dist=fsdp: the model is built on the meta device; each rank allocates only its shards")
-            return model
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = make()
-    if reason is not None:
-        log.warning("dist=fsdp: the model is built whole on every rank, then sharded: %s", reason)
-    return model
+def hook_of(model: nn.Module) -> str | None:
+    """The initialisation hook `model` declares: init_module, init_weights, or None."""
+    return next((hook for hook in HOOKS if callable(getattr(model, hook, None))), None)
+
+
+class Initial:
+    """A model as built for a fresh run, and what `initialise` needs to give it its weights by its `hook` once it is
+    prepared: each owner module's class as built (`classes`: DDP's sync-BN and FSDP replace them) and, for
+    init_weights, the model as built on the meta device (`meta`). `hook` None: it has its weights already."""
+
+    def __init__(self, model: nn.Module, name: str, hook: str | None) -> None:
+        self.model, self.name, self.hook = model, name, hook
+        self.classes = {owner: type(module) for owner, module in owners(model)}
+        on_meta = any(tensor.is_meta for _, tensor in _tensors(model))
+        self.meta = copy.deepcopy(model) if hook == "init_weights" and on_meta else None
+
+
+def build(make: Callable[[], nn.Module], name: str, seed: int, sharded: bool) -> Initial:
+    """Model `name` as `make()` builds it: on the meta device if it declares a hook and can be (`initialise` gives
+    it its weights once prepared), else whole, with its weights."""
+    label = "the model" if name == "model" else f"model {name}"
+    model, reason = _built_on_meta(make)
+    if model is not None and hook_of(model) is not None:
+        log.info("%s is built on the meta device; its %s gives it its weights%s", label, hook_of(model),
+                 ", each rank its shards" if sharded else "")
+        return Initial(model, name, hook_of(model))
+    if model is not None and sharded:  # said before the build, which may be what runs out of memory
+        log.info("dist=fsdp: %s (%s) is built whole on every rank, then sharded: it declares no "
+                 "init_module(module, name) or init_weights(); give it one to build it on the meta device, each rank "
+                 "allocating only its shards", label, type(model).__name__)
+    model = make()  # the constructor draws from the run's RNG as seeded
+    hook = hook_of(model)
+    if hook is not None:
+        log.warning("%s is built whole on every rank, then initialised by its %s: %s", label, hook, reason)
+        _initialise(Initial(model, name, hook), model, seed)
+    return Initial(model, name, None)
 
 
 def _built_on_meta(make: Callable[[], nn.Module]) -> tuple[nn.Module | None, str | None]:
-    """The model built on the meta device, or None and why it cannot be."""
+    """The model built on the meta device, or None and why it cannot be. The run's RNG is left as it was."""
     try:
-        with torch.device("meta"):
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = make()
     except Exception as error:  # noqa: BLE001 - any failure: the whole build says it again, or works
         return None, f"{type(error).__name__} when built on the meta device ({error})"
-    real = [name for name, tensor in _tensors(model) if not tensor.is_meta]
-    if real:
-        return None, f"its constructor made {real[0]} on the {_tensor(model, real[0]).device} device, not on meta"
-    uncovered = _uncovered(model)
-    if uncovered is not None:
-        where = f"its module {uncovered!r}" if uncovered else "the model itself"
-        return None, (f"{where} ({type(model.get_submodule(uncovered)).__name__}) owns tensors but has no "
-                      f"reset_parameters(), and {type(model).__name__} defines no init_module(module)")
+    real = next((name for name, tensor in _tensors(model) if not tensor.is_meta), None)
+    if real is not None:
+        return None, f"its constructor made {real} on the {dict(_tensors(model))[real].device} device, not on meta"
     return model, None
 
 
-def initialise(model: nn.Module, seed: int) -> None:
-    """Initialise `model`'s weights (plain, or this rank's shards) as the module's docstring says."""
-    hook = getattr(model, "init_module", None)
+def initialise(initial: Initial, module: nn.Module, seed: int) -> None:
+    """Give `module` (`initial.model` once prepared: plain, or sharded) its weights by `initial.hook`; nothing for a
+    model built with its weights."""
+    if initial.hook is not None:
+        _initialise(initial, module, seed)
+
+
+def _initialise(initial: Initial, module: nn.Module, seed: int) -> None:
     with torch.random.fork_rng(devices=[]), torch.no_grad():
-        for name, module in owners(model):
-            if hook is None and not hasattr(module, "reset_parameters"):
-                continue  # the constructor's values (checked on meta: such a model was built whole)
-            full = _full_size_copy(module)
-            torch.manual_seed(name_seed(seed, name))
-            if hook is not None:
-                hook(full)
-            else:
-                full.reset_parameters()
-            for key, tensor in _own(module):
-                _local(tensor).copy_(_slice(getattr(full, key), tensor))
+        torch.manual_seed(model_seed(seed, initial.name))
+        if initial.hook == "init_module":
+            for name, owner in owners(module):
+                full = _full_size_copy(owner, initial.classes[name])
+                _unset(full)
+                module.init_module(full, name)
+                _check_set(full, f"{type(initial.model).__name__}.init_module", name)
+                for key, tensor in _own(owner):
+                    fsdp.copy_into(tensor, getattr(full, key))
+        else:  # init_weights: on the whole model, or a whole copy of one built on meta (then its slices kept)
+            whole = module if initial.meta is None else initial.meta.to_empty(device="cpu")
+            _unset(whole)
+            whole.init_weights()
+            _check_set(whole, f"{type(whole).__name__}.init_weights", "")
+            if whole is not module:
+                targets = dict(_tensors(module))
+                for key, tensor in _tensors(whole):
+                    fsdp.copy_into(targets[key], tensor)
+            initial.meta = None
 
 
-def name_seed(seed: int, name: str) -> int:
-    """The RNG seed of module `name` in a run seeded with `seed` (63 bits of a hash of both)."""
-    return int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little") >> 1
+def model_seed(seed: int, model: str) -> int:
+    """The seed a model's hook draws from: the run's `seed` for a run's one model (named `model`), so that a hook that
+    replays its constructor's layer initialisations gets the weights `torch.manual_seed(seed); Model()` gets; for
+    each of several models its own, from a hash of both (63 bits)."""
+    if model == "model":
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{model}".encode(), digest_size=8).digest(), "little") >> 1
 
 
 def owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules that own parameters or buffers themselves, by name, in `named_modules()` order."""
     return [(name, module) for name, module in model.named_modules() if any(True for _ in _own(module))]
-
-
-def _uncovered(model: nn.Module) -> str | None:
-    if callable(getattr(model, "init_module", None)):
-        return None
-    return next((name for name, module in owners(model) if not hasattr(module, "reset_parameters")), None)
 
 
 def _own(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -130,15 +149,33 @@ def _tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     return chain(model.named_parameters(), model.named_buffers())
 
 
-def _tensor(model: nn.Module, name: str) -> torch.Tensor:
-    return dict(_tensors(model))[name]
+_UNSET_INT = -(2**62)  # what an integer tensor holds until a hook sets it (NaN for floating ones)
 
 
-def _full_size_copy(module: nn.Module) -> nn.Module:
-    """`module` (same class and settings) with empty full-size CPU tensors of its own, and no children. A unit
-    FSDP sharded is copied as its own class (FSDP's subclass cannot be created without its arguments)."""
-    plain = type(module).__mro__[2] if fsdp.is_sharded(module) else type(module)  # (FSDP<Class>, FSDPModule, Class)
-    full = object.__new__(plain)
+def _unset(module: nn.Module) -> None:
+    """Fill `module`'s tensors with values no initialiser gives, so `_check_set` sees those left unset."""
+    for _, tensor in _tensors(module):
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.fill_(float("nan"))
+        elif tensor.dtype != torch.bool:
+            tensor.fill_(max(_UNSET_INT, torch.iinfo(tensor.dtype).min))
+
+
+def _check_set(module: nn.Module, hook: str, where: str) -> None:
+    for key, tensor in _tensors(module):
+        unset = bool(tensor.isnan().any()) if tensor.is_floating_point() or tensor.is_complex() else (
+            tensor.dtype != torch.bool and bool((tensor == max(_UNSET_INT, torch.iinfo(tensor.dtype).min)).any()))
+        if tensor.numel() and unset:
+            name = f"{where}.{key}" if where else key
+            raise UsageError(f"{hook} left {name} unset: the model is built on the meta device, where its "
+                             f"constructor's values do not exist; set it there (e.g. module.reset_parameters()), or "
+                             f"remove the hook to build the model by its constructor")
+
+
+def _full_size_copy(module: nn.Module, built_as: type) -> nn.Module:
+    """`module` as the class it was built as (before sync-BN and FSDP replaced it), with its settings and empty
+    full-size CPU tensors of its own, and no children: what its hook is given."""
+    full = object.__new__(built_as)
     full.__dict__.update(module.__dict__)
     full.__dict__["_parameters"] = {key: None if p is None else nn.Parameter(_empty(p), p.requires_grad)
                                     for key, p in module._parameters.items()}
@@ -149,17 +186,3 @@ def _full_size_copy(module: nn.Module) -> nn.Module:
 
 def _empty(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype)  # a DTensor's shape is the whole tensor's
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
-
-
-def _slice(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `full`, as `target` (a DTensor shard, or a whole tensor) holds it."""
-    if not hasattr(target, "device_mesh"):
-        return full
-    # A DTensor exists, so its module is loaded (importing it costs runs that do not shard ~1 s).
-    distribute_tensor = sys.modules["torch.distributed.tensor"].distribute_tensor
-    # src_data_rank=None: every rank computed the same `full`, so each keeps its slice without communicating.
-    return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()

@@ -3,13 +3,10 @@
 - `set_backend_flags`: TF32 matmuls/convolutions (`trainer.tf32`) and cuDNN's algorithm choice
   (`trainer.deterministic`: reproducible algorithms; otherwise cudnn.benchmark picks the fastest).
 - `with_memory_format`: `trainer.channels_last` puts the weights and every input batch in NHWC.
-- `reuse_host_memory`: `trainer.reuse_host_memory` keeps freed host memory in the process for the next step.
 """
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from typing import Any
 
 import torch
@@ -23,30 +20,6 @@ def set_backend_flags(device: torch.device, tf32: bool, deterministic: bool) -> 
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
-
-
-# glibc's malloc: allocations from this size up get their own mapping, unmapped when freed (32 MB: the largest
-# glibc accepts); free memory above this much at the heap's top goes back to the OS.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
-MMAP_THRESHOLD, TRIM_THRESHOLD = 32 << 20, 256 << 20
-
-
-def reuse_host_memory(enabled: bool) -> bool:
-    """Keep freed host memory in the process for reuse (`trainer.reuse_host_memory`); returns whether it now is.
-
-    By default glibc often hands freed buffers of a few MB (a batch, an activation, its gradient on the CPU) back
-    to the OS, and the kernel must zero fresh pages for the next step's. A CPU run of the CNN on 16x16 images
-    took 45-80 page faults per training sample that way, 1-2 with this, and trained 1.10x as many samples/s
-    (benchmarks/DATA_PIPELINE.md). With mallopt's fixed thresholds the process keeps up to TRIM_THRESHOLD of
-    freed memory and reuses it (torch's CPU launcher, torch.backends.xeon.run_cpu, sets jemalloc up alike).
-    Set once per process, inherited by DataLoader workers forked afterwards; a no-op without glibc (macOS,
-    Windows, musl), and `false` leaves the allocator as it is."""
-    if not enabled or not sys.platform.startswith("linux"):
-        return False
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own symbols: its C library's
-    if mallopt is None:
-        return False
-    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
 
 
 def with_memory_format(model: nn.Module, channels_last: bool) -> nn.Module:

@@ -17,7 +17,7 @@ from src.data.splits import DataSplits
 from src.loop.task import Task
 
 
-def build_task(task_cfg: DictConfig, splits: DataSplits, choices: Mapping[str, str], monitor: str,
+def build_task(task_cfg: DictConfig, splits: DataSplits, choices: Mapping[str, str], monitor: str | None,
                extra_splits: Sequence[str] = (), hints: Mapping[str, str] | None = None) -> Task:
     """The task `task_cfg` names, refusing a dataset it does not fit and a metric it does not compute, with one
     line naming both sides and what to choose instead; its inputs and target bound to the dataset's fields.
@@ -28,6 +28,8 @@ def build_task(task_cfg: DictConfig, splits: DataSplits, choices: Mapping[str, s
     dataset_name = f"dataset={choices['dataset']}" if choices.get("dataset") else "the dataset"
     check_fit(task, splits.info, task_name, choices.get("dataset") or "this dataset")
     bind_to_dataset(task, splits, dataset_name)
+    if monitor is None:  # trainer.monitor=null: no best.pt
+        return task
     metric_splits = ("val", *extra_splits, "train")
     metrics = [f"{split}/{name}" for split in metric_splits for name in task.metric_names]
     split, _, name = monitor.partition("/")
@@ -68,8 +70,12 @@ def _first_sample(dataset: Any) -> Any:
 
 
 def model_fields(task: Task, info: Mapping[str, Any]) -> dict[str, Any]:
-    """What `${data:FIELD}` gives a model YAML: the dataset's info, and the output width the task needs."""
-    return {**info, "num_outputs": task.num_outputs(info)}
+    """What `${data:FIELD}` gives a model YAML: the dataset's info, and the output width the task needs (if it
+    names one: a method of several models may not)."""
+    try:
+        return {**info, "num_outputs": task.num_outputs(info)}
+    except NotImplementedError:
+        return dict(info)
 
 
 def build_model(model_cfg: Any, task: Task | None = None) -> nn.Module:

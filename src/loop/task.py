@@ -1,6 +1,13 @@
-"""The task contract: what the loop asks of a task. Concrete tasks live in src/components/tasks.py.
+"""The task contract: what the loop asks of a task. Concrete tasks live in src/components/tasks.py; a fork's own
+method (a GAN, a distillation, a contrastive loss) is a task too, with its own step (src/recipes/).
 
-The loop asks a task five things:
+A task's training step is `train_step(step)`: by default supervised learning, written with the primitives of
+src/loop/step.py; a method overrides it. Its evaluation is `evaluate(val)`: by default each val batch's
+`val_step` sums (src/loop/evaluation.py). The models it trains are the config's (`model`, or a mapping of
+named models: `models` names those it needs, `output_model` the one eval.py, export and EMA take by default),
+its frozen auxiliary models `aux` (a teacher: the config's `aux`).
+
+The supervised step asks a task five things:
 - `split(batch)`: the model's inputs (positional and keyword) and the target, picked out of a
   batch of any structure (tuple, list or dict of tensors) by the binding `bind()` made of the task's
   `inputs` and `target` and the dataset's named fields;
@@ -23,14 +30,46 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
+from torch import nn
 
 from src.common.errors import UsageError
 
+if TYPE_CHECKING:  # annotations only: the loop's modules, which import this one
+    from src.loop.evaluation import Evaluation
+    from src.loop.step import StepContext
+
 Key = Union[int, str]  # a position in a tuple sample, or a field name (a key of a dict sample)
 Shapes = dict[str, tuple[int, ...]]
+
+
+class Batch(tuple):
+    """A batch as the task sees it: the model's inputs (`args`, `kwargs`), the `target`, and the whole batch as the
+    loader gave it (`fields`: every field, those that are neither input nor target too). Unpacks as
+    `args, kwargs, target = batch`."""
+
+    def __new__(cls, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, fields: Any = None) -> "Batch":
+        batch = super().__new__(cls, (args, kwargs, target))
+        batch.fields = fields
+        return batch
+
+    @property
+    def args(self) -> tuple[Any, ...]:
+        return self[0]
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return self[1]
+
+    @property
+    def target(self) -> Any:
+        return self[2]
+
+    @property
+    def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return self[0], self[1]
 
 
 @dataclass(frozen=True)
@@ -45,12 +84,13 @@ class Binding:
     positions: dict[str, int] = field(default_factory=dict)
     dataset: str = "the dataset"  # where the fields come from, for messages: `dataset=two_input_synthetic`
 
-    def split(self, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    def split(self, batch: Any) -> Batch:
         if self.positions and not isinstance(batch, Mapping) and len(batch) != len(self.positions):
             raise UsageError(f"{self.dataset} names {len(self.positions)} fields ({', '.join(self.positions)}) but "
                              f"its samples have {len(batch)} parts: name one field per part in DataSplits(fields=...)")
-        return (tuple(self._pick(batch, key) for key in self.args),
-                {name: self._pick(batch, key) for name, key in self.kwargs.items()}, self._pick(batch, self.target))
+        return Batch(tuple(self._pick(batch, key) for key in self.args),
+                     {name: self._pick(batch, key) for name, key in self.kwargs.items()}, self._pick(batch, self.target),
+                     batch)
 
     def _pick(self, batch: Any, key: Key) -> Any:
         if isinstance(key, str) and not isinstance(batch, Mapping):
@@ -81,7 +121,10 @@ class Task:
     """
 
     metric_names: tuple[str, ...] = ("loss",)  # what compute() returns (besides "count")
-    monitor = "val/loss"  # the default monitored metric and mode, unless the YAML names others
+    models: tuple[str, ...] = ("model",)  # the trained models the task's step uses, by name
+    output_model = "model"  # the model eval.py, export, init_from's plain files and EMA take by default
+    aux_models: tuple[str, ...] = ()  # the frozen auxiliary models it needs (the config's `aux`), in `self.aux`
+    monitor: str | None = "val/loss"  # the default monitored metric and mode, unless the YAML names others
     mode = "min"
     unit = "samples"  # what count() counts: samples | tokens | pixels (log lines, metrics.json, throughput)
     # What check_output compares with and names: the output width num_outputs() gave for the run's dataset
@@ -99,6 +142,7 @@ class Task:
         self.monitor = monitor or type(self).monitor
         self.mode = mode or type(self).mode
         self.binding: Binding | None = None
+        self.aux: dict[str, nn.Module] = {}  # the run's frozen auxiliary models, by name (set when the run builds)
 
     # -- batches --------------------------------------------------------------------------------
 
@@ -110,9 +154,9 @@ class Task:
         self.binding = bind(self.inputs, self.target, fields, target, sample, dataset)
         return self.binding
 
-    def split(self, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
-        """(positional inputs, keyword inputs, target) of `batch`. A task no dataset was bound to binds
-        to the structure of the first batch it splits."""
+    def split(self, batch: Any) -> Batch:
+        """The model's inputs and the target of `batch`. A task no dataset was bound to binds to the structure of
+        the first batch it splits."""
         binding = self.binding if self.binding is not None else self.bind(None, None, batch)
         return binding.split(batch)
 
@@ -176,6 +220,55 @@ class Task:
         """Metrics from the sums over all ranks (float64 CPU tensors): `loss` (per unit) and `metric_names`,
         plus tables (tensors, e.g. `confusion`) the reporter shows as they are."""
         return {"loss": ratio(sums["loss"], sums["count"])}
+
+
+    # -- the step and the evaluation: supervised by default; a method overrides them -----------------------------
+
+    def train_step(self, step: StepContext) -> None:
+        """One training step: forward and backward each of the step's micro-batches, each micro-batch's loss
+        summed over its units and divided by the step's global count, then the model's update. A fork's method
+        overrides this, with the same primitives (src/loop/step.py)."""
+        model = step.models[self.output_model]
+        batches = [self.split(batch) for batch in step.batches]
+        # Counted from the targets before the first forward: the counts' all-reduce overlaps it.
+        divisor = step.divisor([self.count(batch.target) for batch in batches])
+        for micro, batch in step.accumulate(batches, [self.output_model]):
+            with step.autocast():
+                outputs = model(*batch.args, **batch.kwargs)
+            if step.first and micro.index == 0:  # a wrong output shape is one line, before any update
+                self.check_output(outputs, batch.target)
+            loss_sum = self.train_loss(outputs, batch)
+            step.backward(loss_sum, divisor)
+            step.add_sums(self.batch_sums(outputs, batch.target, loss_sum, divisor.counts[micro.index]))
+        step.inputs = batches[0].inputs
+        step.optimizer_step(self.output_model)
+
+    @property
+    def feeds_batches(self) -> bool:
+        """Whether the output model is called with each batch's inputs (the built-in step): then its `forward` is
+        checked against them before any work (src/loop/setup.py)."""
+        return type(self).train_step is Task.train_step
+
+    def train_loss(self, outputs: Any, batch: Batch) -> torch.Tensor:
+        """The loss a training micro-step back-propagates, summed over its units: `loss(outputs, target)`. Override
+        it to use the whole batch or the auxiliary models (a teacher's logits); evaluation reports `loss`."""
+        return self.loss(outputs, batch.target)
+
+    def evaluate(self, val: Evaluation) -> None:
+        """Add every batch of the val split to the sums (`val_step`). Override to evaluate otherwise (a kNN
+        accuracy over embeddings of the train split, a generator's samples)."""
+        for index, (batch, _) in enumerate(val.batches()):
+            val.add_sums(self.val_step(batch, val, first=index == 0))
+
+    def val_step(self, batch: Any, val: Evaluation, first: bool = False) -> dict[str, Any]:
+        """One val batch's sums: the output model's loss, the task's sums and its val-only sums."""
+        split = self.split(batch)
+        with val.autocast():
+            outputs = val.models[self.output_model](*split.args, **split.kwargs)
+        if first:
+            self.check_output(outputs, split.target)
+        return self.batch_sums(outputs, split.target, self.loss(outputs, split.target), self.count(split.target),
+                               val=True)
 
 
 def ratio(total: torch.Tensor, count: torch.Tensor) -> float:

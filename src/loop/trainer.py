@@ -1,42 +1,43 @@
 """The training loop: epochs of optimizer steps, evaluation, checkpoints and reports.
 
-The loop only sees its settings (`TrainerConfig`) and the parts the run built (`TrainParts`: model,
-optimizer, scheduler, data, checkpoint store, reporter, callbacks); it does not know how they were
+The loop only sees its settings (`TrainerConfig`) and the parts the run built (`TrainParts`: the models,
+their optimizers and schedules, data, checkpoint store, reporter, callbacks); it does not know how they were
 configured or launched, nor which add-ons the run has: it tells its callbacks (src/loop/callback.py) what it
 does at a few named points. Its story, in `fit`: for each epoch, train its steps (`train_one_epoch`, one
-optimizer step of `grad_accum` micro-batches at a time: `_train_step`), evaluate, record, checkpoint,
-report; stop, with a checkpoint, after `max_steps`, on preemption, or when a callback ends the run.
+training step of `grad_accum` micro-batches at a time: the task's `train_step`, src/loop/step.py), evaluate
+(the task's `evaluate`), record, checkpoint, report; stop, with a checkpoint, after `max_steps`, on
+preemption, or when a callback ends the run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ContextManager, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from src.checkpoint.store import Store
+from src.checkpoint.states import ModelState, Named, OptimizerState
+from src.checkpoint.store import Checkpoint, Store
+from src.common.errors import UsageError
 from src.common.seeding import seed_generators, step_seed
 from src.config.schema import TrainerConfig
 from src.data.batches import to_device
 from src.data.loaders import Data
 from src.loop import records
 from src.loop.callback import Callbacks, Run, Step
-from src.loop.counting import StepDivisor
 from src.loop.evaluation import evaluate, metrics_of
 from src.loop.metrics import MetricSums
-from src.loop.precision import autocast, autocast_dtype
+from src.loop.precision import autocast_dtype
+from src.loop.step import StepContext
 from src.loop.stopping import StopReason, StopRule
 from src.loop.task import Task
-from src.parallel import fsdp
 from src.parallel.distributed import Runtime
+from src.reports.images import image_grid
 from src.reports.reporting import Reporter
 
 log = logging.getLogger(__name__)
@@ -83,16 +84,24 @@ class TrainParts:
 
     runtime: Runtime
     task: Task
-    module: nn.Module  # unwrapped: evaluated and saved
-    train_model: nn.Module  # DDP and/or compiled wrapper of `module`
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    modules: dict[str, nn.Module]  # each trained model by name, unwrapped: evaluated and saved (sharded: dist=fsdp)
+    train_models: dict[str, nn.Module]  # the same, as the step calls them: DDP's and/or torch.compile's wrappers
+    optimizers: dict[str, torch.optim.Optimizer]  # each model's, by its name
+    schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]  # each optimizer's, by its name
     data: Data
     store: Store  # where checkpoints go, in the run's format (src/checkpoint/)
     reporter: Reporter
     callbacks: Callbacks = field(default_factory=Callbacks)  # the run's add-ons, in config order
     seed: int = 0  # the run's `seed`: the loop derives per-rank step seeds (dropout) from it
     saved_config: dict[str, Any] = field(default_factory=dict)  # the resolved run config, saved in checkpoints
+
+    @classmethod
+    def one_model(cls, runtime: Runtime, task: Task, module: nn.Module, train_model: nn.Module,
+                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, data: Data,
+                  store: Store, reporter: Reporter, callbacks: Callbacks | None = None, **rest: Any) -> TrainParts:
+        """The parts of a run of one model (named `model`), e.g. in a test."""
+        return cls(runtime, task, {"model": module}, {"model": train_model}, {"model": optimizer}, {"model": scheduler},
+                   data, store, reporter, callbacks or Callbacks(), **rest)
 
 
 class LogWindow:
@@ -111,36 +120,50 @@ class Trainer:
         self.config = config
         self.parts = parts
         device = parts.runtime.device
-        self.ddp = _find_ddp(parts.train_model)
-        self.fsdp = fsdp.find(parts.train_model)  # the sharded root under dist=fsdp (src/parallel/fsdp.py)
         self.amp_dtype = autocast_dtype(config.precision)
         # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
         self.stopping = StopRule(config.max_steps, device, config.log_every_steps)  # armed while fit() runs
         self.epoch_metrics = MetricSums(parts.task.sum_shapes(parts.data.splits.info), device)
-        self.output_checked = False  # the task checks the model's output once, on the first batch
+        self.step = StepContext(parts.train_models, parts.modules, parts.optimizers, parts.task.aux, self.scaler,
+                                self.epoch_metrics, device, self.amp_dtype, parts.runtime.env.rank,
+                                parts.runtime.world_size, parts.data.train_sampler.micro_batch_size, parts.seed,
+                                config.grad_clip, parts.callbacks.before_optimizer_step)
 
     def stateful(self, state: TrainState) -> dict[str, Any]:
         """The parts a checkpoint saves and a resume restores, by name (src/checkpoint/store.py)."""
         parts = self.parts
-        return {"model": parts.module, "optimizer": parts.optimizer, "scheduler": parts.scheduler,
-                "scaler": self.scaler, "loop": state, "callbacks": parts.callbacks, "config": parts.saved_config}
+        return {"models": Named({name: ModelState(module, name) for name, module in parts.modules.items()}, "model"),
+                "optimizers": Named({name: OptimizerState(parts.modules[name], optimizer)
+                                     for name, optimizer in parts.optimizers.items()}, "optimizer"),
+                "schedulers": Named(parts.schedulers, "schedule"), "scaler": self.scaler, "loop": state,
+                "callbacks": parts.callbacks, "config": parts.saved_config, "output_model": parts.task.output_model}
 
     # -- the run -----------------------------------------------------------------------
 
-    def fit(self, state: TrainState, resumed: bool = False) -> StopReason:
-        """Train from `state` (updated in place; `resumed` from a checkpoint) to `config.epochs`, evaluating and
-        checkpointing every epoch. Stops early, with a checkpoint to resume from, after `config.max_steps`
-        optimizer steps or when the process is asked to terminate (SIGTERM: preemption); or, after an epoch's
-        checkpoint, when a callback ends the run (a run resumed after that trains no more). Returns why it
-        stopped."""
+    def restore(self, state: TrainState, checkpoint: Checkpoint) -> None:
+        """Every part but the callbacks' from `checkpoint` (the models and optimizers into this run's, sharded or
+        not; `state` in place): a checkpoint that does not fit is refused here, before the run writes anything.
+        `fit` gives the callbacks theirs once they hold the run's parts."""
+        checkpoint.restore({name: part for name, part in self.stateful(state).items() if name != "callbacks"})
+        log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", checkpoint.path, state.epoch,
+                 state.step, state.step_in_epoch, state.epoch + 1)
+
+    def fit(self, state: TrainState, checkpoint: Checkpoint | None = None) -> StopReason:
+        """Train from `state` (updated in place; restored from `checkpoint` if given, see `restore`) to
+        `config.epochs`, evaluating and checkpointing every epoch. Stops early, with a checkpoint to resume from,
+        after `config.max_steps` training steps or when the process is asked to terminate (SIGTERM: preemption);
+        or, after an epoch's checkpoint, when a callback ends the run (a run resumed after that trains no more).
+        Returns why it stopped."""
         if state.stopped is not None:
             log.info("%s after epoch %d: nothing more to train", state.stopped.ended_by, state.stopped.epoch)
             return StopReason.STOPPED
-        run = Run(self.config, self.parts, state, resumed, self.evaluate)
+        run = Run(self.config, self.parts, state, checkpoint is not None, self.evaluate)
         callbacks = self.parts.callbacks
         try:
             callbacks.run_start(run)
+            if checkpoint is not None:  # the callbacks' state, once they hold the run's parts
+                checkpoint.restore({"callbacks": callbacks})
             with self.stopping:
                 reason = self._epochs(run)
             self.parts.store.wait()  # the last checkpoint written (trainer.async_checkpoint), or its failure raised
@@ -183,13 +206,12 @@ class Trainer:
         progress.close()
         return self._epoch_train_metrics(restored)
 
-    def evaluate(self, module: nn.Module | None = None, desc: str = "val") -> dict[str, Any]:
-        """The task's metrics (and val tables) of `module` (default: the model) over the whole val split,
-        each sample counted once."""
+    def evaluate(self, desc: str = "val") -> dict[str, Any]:
+        """The task's metrics (and val tables) of the models as they are now over the whole val split, each sample
+        counted once (`desc` names the pass: its progress bar, its images' tags)."""
         parts = self.parts
-        module = parts.module if module is None else module
-        return evaluate(module, parts.reporter.track(parts.data.val_loader, desc), parts.task, parts.data.splits.info,
-                        parts.runtime.device, self.amp_dtype, lockstep=fsdp.is_sharded(module))
+        return evaluate(parts.task, parts.modules, parts.data.loader, parts.data.splits.info, parts.runtime.device,
+                        self.amp_dtype, parts.seed, lambda batches, split: parts.reporter.track(batches, desc))
 
     def summary(self, state: TrainState, num_val_samples: int) -> dict[str, Any]:
         """The run so far, as written to metrics.json: the last epoch's metrics and the history, the
@@ -197,7 +219,8 @@ class Trainer:
         summary = records.run_summary(state.history, num_val_samples, self.parts.runtime.world_size,
                                       self.parts.data.train_sampler.global_batch_size,
                                       state.train_samples / state.train_seconds, self.parts.task.unit)
-        summary["frozen_parameters"] = sum(p.numel() for p in self.parts.module.parameters() if not p.requires_grad)
+        summary["frozen_parameters"] = sum(p.numel() for module in self.parts.modules.values()
+                                           for p in module.parameters() if not p.requires_grad)
         if state.stopped is not None:
             summary.update(stop_reason=state.stopped.reason, stopped_at_epoch=state.stopped.epoch)
         return summary
@@ -209,7 +232,8 @@ class Trainer:
         them), and start the epoch's sums: from zero, or those a step checkpoint saved. Returns those
         restored sums."""
         self.parts.data.train_sampler.set_epoch(epoch, start_step=state.step_in_epoch)
-        self.parts.train_model.train()
+        for model in self.parts.train_models.values():
+            model.train()
         self.epoch_metrics.reset()
         restored = state.epoch_totals  # the sums of a resumed epoch's first steps
         if restored is not None and self.parts.runtime.is_main_process:
@@ -244,6 +268,7 @@ class Trainer:
         state, parts = run.state, self.parts
         train_seconds = time.perf_counter() - started
         val = self.evaluate()
+        images = val.pop("images", {})  # a task's samples (a GAN's), shown as grids
         extra = parts.callbacks.validation(run, val)  # e.g. val_ema/*
         state.epoch = epoch + 1
         state.train_samples += train["timed_count"]
@@ -251,12 +276,14 @@ class Trainer:
         record = records.epoch_record(state.epoch, state.step, train, val, self._lr(),
                                       time.perf_counter() - started, train_seconds, extra, parts.task.unit)
         state.history.append(record)
-        is_best = self._improves(state, record[self.config.monitor])
+        is_best = self.config.monitor is not None and self._improves(state, record[self.config.monitor])
         stop = parts.callbacks.epoch_end(run, record)  # the same on every rank
         if stop is not None:
             state.stopped = Stopped(stop.reason, state.epoch, stop.ended_by)
             log.info("%s", stop.message)
         parts.reporter.scalars(records.epoch_scalars(record, parts.task.unit), record["step"])
+        for tag, batch in images.items():
+            parts.reporter.image(f"val/{tag}", image_grid(batch), record["step"])
         log.info("%s", records.epoch_line(record, self.config.epochs, val["count"], parts.task.unit))
         self._checkpoint(run, is_best)
         # After the checkpoint: metrics.json never reports an epoch a restart would lose.
@@ -266,59 +293,30 @@ class Trainer:
     # -- a step ------------------------------------------------------------------------
 
     def _train_step(self, micro_batches: list[Any], state: TrainState) -> None:
-        """One optimizer step: forward and backward each of its `grad_accum` micro-batches (taken from the
-        loader first), each micro-step's summed loss divided by the step's global count of the task's units
-        (src/loop/counting.py), then the optimizer step; the callbacks see the step's summed loss."""
-        parts, device = self.parts, self.parts.runtime.device
-        # Seeded per optimizer step (differently per rank): dropout draws the same after a resume at any step,
-        # and independently across ranks. (Augmentation draws per sample, in the loader: src/data/.)
-        seed_generators(step_seed(parts.seed, parts.runtime.env.rank, state.step), device)
-        batches = [parts.task.split(to_device(batch, device)) for batch in micro_batches]
-        # Counted from the targets before the first forward: the counts' all-reduce overlaps it.
-        divisor = StepDivisor([parts.task.count(target) for _, _, target in batches], parts.runtime.world_size)
-        step_loss: torch.Tensor | None = None
-        for index, (args, kwargs, target) in enumerate(batches):
-            loss_sum = self._forward_backward(args, kwargs, target, divisor, index, sync=index == len(batches) - 1)
-            step_loss = loss_sum if step_loss is None else step_loss + loss_sum
-        inputs = batches[0][:2]
-        self._optimizer_step()
+        """One training step: the task's `train_step` over its `grad_accum` micro-batches (src/loop/step.py), then
+        every schedule's step, the fp16 scaler's update and the step's count; the callbacks see its summed loss."""
+        parts, step = self.parts, self.step
+        # Seeded per step (differently per rank): dropout draws the same after a resume at any step, and
+        # independently across ranks. (Augmentation draws per sample, in the loader: src/data/; a step's own
+        # draws per sample too, micro.randn.)
+        seed_generators(step_seed(parts.seed, parts.runtime.env.rank, state.step), parts.runtime.device)
+        step.begin([to_device(batch, parts.runtime.device) for batch in micro_batches], state.step + 1)
+        try:
+            parts.task.train_step(step)
+        except RuntimeError as error:
+            raise _unused_parameters(error) or error
+        if step.first:
+            if not step.updated:
+                raise UsageError(f"{type(parts.task).__name__}.train_step updated no model: call "
+                                 "step.optimizer_step(NAME) for each model it trains")
+            parts.runtime.first_step_taken()  # collectives wait dist.step_timeout_s from now on
+        step.end()
+        self.scaler.update()
+        for scheduler in parts.schedulers.values():
+            scheduler.step()
         state.step += 1
         state.step_in_epoch += 1
-        parts.callbacks.step_end(Step(state.step, step_loss, inputs))  # type: ignore[arg-type]
-
-    def _forward_backward(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, divisor: StepDivisor,
-                          index: int, sync: bool) -> torch.Tensor:
-        """Micro-step `index` of the step: its forward, its loss divided by `divisor`, its backward; returns its
-        summed loss (detached)."""
-        task = self.parts.task
-        # On micro-steps before the last one, DDP must not all-reduce gradients yet, nor FSDP reduce-scatter them.
-        sync_context: ContextManager[Any] = contextlib.nullcontext()
-        if self.ddp is not None and not sync:
-            sync_context = self.ddp.no_sync()
-        elif self.fsdp is not None and not sync:
-            sync_context = fsdp.no_gradient_sync(self.fsdp)
-        with sync_context:
-            with autocast(self.parts.runtime.device, self.amp_dtype):
-                outputs = self.parts.train_model(*args, **kwargs)
-            if not self.output_checked:  # a wrong output shape is one line, before any update
-                task.check_output(outputs, target)
-                self.output_checked = True
-            loss_sum = task.loss(outputs, target)
-            # The sum over the global batch divided by its global count: DDP averages over ranks,
-            # so the gradient is the mean over every unit of the step.
-            self.scaler.scale(divisor(loss_sum)).backward()
-        self.epoch_metrics.add(task.batch_sums(outputs, target, loss_sum, divisor.counts[index]))
-        return loss_sum.detach()
-
-    def _optimizer_step(self) -> None:
-        optimizer = self.parts.optimizer
-        if self.config.grad_clip is not None:
-            self.scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(self.parts.module.parameters(), self.config.grad_clip)
-        self.scaler.step(optimizer)
-        self.scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        self.parts.scheduler.step()
+        parts.callbacks.step_end(Step(state.step, step.loss, step.inputs))
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -340,7 +338,9 @@ class Trainer:
     # -- helpers -----------------------------------------------------------------------
 
     def _lr(self) -> float:
-        return self.parts.optimizer.param_groups[0]["lr"]
+        """The learning rate of the output model's optimizer (its first parameter group)."""
+        optimizers = self.parts.optimizers
+        return optimizers.get(self.parts.task.output_model, next(iter(optimizers.values()))).param_groups[0]["lr"]
 
     def _improves(self, state: TrainState, value: float) -> bool:
         better = state.best is None or (
@@ -369,7 +369,10 @@ def _in_steps(loader: Iterable[Any], accum: int) -> Iterator[list[Any]]:
         yield micro_batches
 
 
-def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:
-    """The DDP wrapper inside `model` (possibly under torch.compile's wrapper), if any."""
-    inner = getattr(model, "_orig_mod", model)
-    return inner if isinstance(inner, DistributedDataParallel) else None
+def _unused_parameters(error: RuntimeError) -> UsageError | None:
+    """DDP's failure when a model's parameters got no gradient in a step, as one line naming the setting."""
+    if "find_unused_parameters" not in str(error):
+        return None
+    return UsageError("a model's parameters got no gradient in a training step, so DDP could not all-reduce them (a "
+                      "layer the forward skips, a loss that ignores an output): set dist.find_unused_parameters=true, "
+                      "or freeze those parameters (trainer.freeze)")

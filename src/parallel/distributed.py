@@ -11,11 +11,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import itertools
 import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,10 @@ def select_backend(requested: str, device: torch.device) -> str:
     return requested
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class Runtime:
     """Everything the rest of the run needs to know about the process group."""
@@ -58,6 +63,8 @@ class Runtime:
     env: DistEnv
     device: torch.device
     backend: str | None  # None when running as a single process
+    # What the loop calls once its first training step is done: collectives wait dist.step_timeout_s from then on.
+    first_step_taken: Callable[[], None] = _nothing
 
     @property
     def is_main_process(self) -> bool:
@@ -76,8 +83,8 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
                   step_timeout_s: float | None = None) -> Iterator[Runtime]:
     """Join the launcher's process group for the duration of the block, then leave it.
 
-    Collectives wait at most `timeout_s` until this process's first optimizer step and
-    `step_timeout_s` after it; a timeout names the ranks that did not arrive (src/parallel/hang.py).
+    Collectives wait at most `timeout_s` until this process's first training step (`Runtime.first_step_taken`)
+    and `step_timeout_s` after it; a timeout names the ranks that did not arrive (src/parallel/hang.py).
     The group is torn down even when training raises, so a sweep can start the next
     job's group in the same process.
     """
@@ -101,8 +108,8 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
         device_id=device if device.type == "cuda" else None,
     )
     try:
-        with hang.diagnosed(store, env.rank, env.world_size, timeout_s, step_timeout_s):
-            yield Runtime(env, device, backend)
+        with hang.diagnosed(store, env.rank, env.world_size, timeout_s, step_timeout_s) as tighten:
+            yield Runtime(env, device, backend, tighten)
     finally:
         dist.destroy_process_group()
 
@@ -147,6 +154,7 @@ def exit_after_a_group(status: int = 0) -> None:
 def prepare_model(
     module: torch.nn.Module, runtime: Runtime, sync_bn: bool, find_unused_parameters: bool,
     sharding: Any = None, param_dtype: torch.dtype | None = None,
+    initialise: Callable[[torch.nn.Module], None] = lambda module: None,
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """Move `module` to this rank's device and wrap it for data-parallel training.
 
@@ -155,24 +163,24 @@ def prepare_model(
     dist.strategy=fsdp), the FSDP2-sharded module both times (src/parallel/fsdp.py; `param_dtype`: its
     compute dtype under mixed precision). A single process gets the plain module both times. A module on the
     meta device (src/loop/initial_weights.py) gets memory only for what this rank holds (its shards, after
-    sharding), left uninitialised.
+    sharding), given its values by `initialise` before any wrapper sees them.
     """
     if runtime.env.is_distributed and sync_bn:
         module = convert_sync_batchnorm(module, runtime.device)
-    on_meta = any(parameter.is_meta for parameter in module.parameters())
-    module = module if on_meta else module.to(runtime.device)
-    if not runtime.env.is_distributed:
-        module = module.to_empty(device=runtime.device) if on_meta else module
-        return module, module
-    if sharding is not None:
+    on_meta = any(tensor.is_meta for tensor in itertools.chain(module.parameters(), module.buffers()))
+    if sharding is not None and runtime.env.is_distributed:
         if sharding.cpu_offload and runtime.device.type != "cuda":  # FSDP2 pins host memory for the copies
             raise UsageError("dist.fsdp.cpu_offload=true moves the shards between host memory and a GPU; this run "
                              "is on the CPU, where they already are: leave it false")
-
-        module = fsdp.shard(module, sharding.wrap, sharding.reshard_after_forward, sharding.cpu_offload, param_dtype,
-                            sharding.min_unit_params)
+        module = fsdp.shard(module if on_meta else module.to(runtime.device), sharding.wrap,
+                            sharding.reshard_after_forward, sharding.cpu_offload, param_dtype, sharding.min_unit_params)
         if on_meta:
             module.to_empty(device=runtime.device)
+        initialise(module)
+        return module, module
+    module = module.to_empty(device=runtime.device) if on_meta else module.to(runtime.device)
+    initialise(module)
+    if not runtime.env.is_distributed:
         return module, module
     train_model = torch.nn.parallel.DistributedDataParallel(
         module,

@@ -7,8 +7,8 @@ these shards) of the optimizer state. A unit's forward all-gathers its parameter
 rank ends with the mean gradient of its own shard, the gradient DDP's all-reduce would give, sliced.
 
 Units: the modules `dist.fsdp.wrap` names by class, else the root's children that hold at least
-`dist.fsdp.min_unit_params` parameters (the children of a lone container child: an MLP's `net`), then the
-root for what is left. Sharding per unit lets a unit's all-gather overlap the previous unit's compute, and
+`dist.fsdp.min_unit_params` parameters (the children of a lone container child: an MLP's `net`; the members of a
+ModuleList or ModuleDict: a transformer's blocks), then the root for what is left. Sharding per unit lets a unit's all-gather overlap the previous unit's compute, and
 bounds the memory of gathered parameters by the largest unit instead of the whole model. Each unit costs
 its own collectives, though (about 1 ms each with gloo on this CPU): a small model, whose children all fall
 below the threshold, is one unit, the root, which FSDP2 keeps gathered from the forward to the backward, so
@@ -17,11 +17,10 @@ the digits CNN's two children as units, 0.92x as one unit).
 
 Everything else is unchanged: the CPU sync-BN (src/parallel/sync_batchnorm.py) replaces BatchNorm before
 sharding and all-reduces the activation statistics as under DDP; the loop's metrics, sampler, seeding
-and NaN guard never see the difference. Whole (unsharded) state dicts, e.g. of a dist=ddp checkpoint, are put
-into a sharded module and its optimizer by parameter name (`load_full_model_state`, `load_full_optimizer_state`).
+and NaN guard never see the difference. A whole (unsharded) state dict, e.g. init_from's, is put into a sharded
+module by parameter name (`load_full_model_state`); checkpoints do the same through src/checkpoint/states.py.
 
-torch.distributed.fsdp and DCP's state-dict helpers take ~0.45 s to import: `shard`, the two loaders and the
-fused-kernel probe import them or DTensor (deferred imports, the only ones here), and only runs that shard call them.
+torch.distributed.fsdp and DTensor are imported where they are used, by runs that shard.
 """
 
 from __future__ import annotations
@@ -55,11 +54,17 @@ def units(module: nn.Module, wrap: Sequence[str], min_unit_params: int = 0) -> l
 
 
 def _candidates(module: nn.Module) -> list[nn.Module]:
-    """The root's children that hold parameters; the children of a lone container child instead."""
+    """The root's children that hold parameters; the children of a lone container child instead; and in place of
+    a list or dict of modules (ModuleList, ModuleDict: no forward of their own, which fully_shard needs) what it
+    holds (a transformer's `blocks`)."""
     holders = [child for child in module.children() if _size(child) > 0]
     if len(holders) == 1 and any(True for _ in holders[0].children()):
         return _candidates(holders[0]) or holders
-    return holders
+    return [unit for child in holders for unit in (_candidates(child) if _is_collection(child) else [child])]
+
+
+def _is_collection(module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
 
 
 def _size(module: nn.Module) -> int:
@@ -156,16 +161,6 @@ def load_full_model_state(module: nn.Module, state: Mapping[str, torch.Tensor], 
     set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
-def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    """A torch optimizer state_dict of the whole model (keyed by parameter position, as a dist=ddp run saves it)
-    into the optimizer of the sharded `module`, by parameter name."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    named = by_name(state, module)
-    named["param_groups"] = this_implementation(named["param_groups"], optimizer)
-    set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))
-
-
 IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how to compute a step, not its state
 
 
@@ -176,11 +171,45 @@ def this_implementation(groups: list[dict[str, Any]], optimizer: torch.optim.Opt
             for group, own in zip(groups, optimizer.param_groups)]
 
 
-def by_name(optimizer_state: Mapping[str, Any], module: nn.Module) -> dict[str, Any]:
-    """A torch optimizer state_dict keyed by parameter position (one built over the trainable parameters in
-    `module.parameters()` order, as train.py builds it) keyed by parameter name instead."""
-    names = [name for name, parameter in module.named_parameters() if parameter.requires_grad]
-    groups = [{**group, "params": [names[index] for index in group["params"]]}
-              for group in optimizer_state["param_groups"]]
-    return {"state": {names[index]: value for index, value in optimizer_state["state"].items()},
-            "param_groups": groups}
+def reshard(model: nn.Module) -> None:
+    """Free the parameters every sharded module of `model` holds gathered (FSDP2 keeps a root's gathered after a
+    forward without gradients), so that its next forward gathers the shards as they are then. No-op unsharded."""
+    for module in model.modules():
+        if is_sharded(module):
+            module.reshard()
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`: a DTensor's local shard (its storage: writing to it writes the DTensor), or
+    the tensor itself."""
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+
+
+def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """`source` into `target`, each whole or sharded: a whole source into a DTensor keeps this rank's slice."""
+    if hasattr(target, "device_mesh") and not hasattr(source, "device_mesh"):
+        source = _slice_of(source, target)
+    if hasattr(source, "device_mesh") and not hasattr(target, "device_mesh"):
+        source = source.full_tensor()
+    local(target).copy_(local(source))
+
+
+def _slice_of(whole: torch.Tensor, target: Any) -> torch.Tensor:
+    """This rank's slice of `whole` as the DTensor `target` holds it: a view where its placements are Shard and
+    Replicate (what fully_shard makes: no copy, and none of the whole tensor on the device), else through
+    `distribute_tensor` (every rank holds the same `whole`, so each keeps its slice without communicating)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    part, coordinate = whole, target.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(target.placements):
+        if isinstance(placement, Shard) and coordinate is not None:
+            chunks = torch.chunk(part, target.device_mesh.size(mesh_dim), dim=placement.dim)  # DTensor's split
+            index = coordinate[mesh_dim]
+            part = chunks[index] if index < len(chunks) else part.narrow(placement.dim, 0, 0)
+        elif not isinstance(placement, Replicate):
+            part = None
+            break
+    if part is not None and part.shape == local(target).shape:
+        return part
+    return distribute_tensor(whole.to(local(target).device), target.device_mesh, target.placements,
+                             src_data_rank=None).to_local()

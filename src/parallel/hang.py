@@ -1,8 +1,8 @@
 """A rank that stops arriving (frozen, hung, swapped out): fail the group soon, and say who it was.
 
 Two timeouts: the group is created with `dist.timeout_s`, long enough for start-up (rendezvous, a dataset
-download behind `main_process_first`, compilation); after this process's first optimizer step the group's
-timeout drops to `dist.step_timeout_s`, which only has to cover the longest gap between two collectives of
+download behind `main_process_first`, compilation); after this process's first training step (the loop says
+when: `Runtime.first_step_taken`) the group's timeout drops to `dist.step_timeout_s`, which only has to cover the longest gap between two collectives of
 a running job (a step, rank 0 writing a checkpoint, an evaluation pass).
 
 When a collective times out, gloo says only "Timed out waiting 10000ms for recv". Every rank that timed
@@ -25,11 +25,9 @@ import socket
 import time
 import traceback
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +45,14 @@ class CollectiveTimeout(RuntimeError):
 
 @contextlib.contextmanager
 def diagnosed(store: dist.Store, rank: int, world_size: int, timeout_s: float,
-              step_timeout_s: float | None) -> Iterator[None]:
-    """Around a process group's life: tighten its timeout after the first optimizer step, and turn a
-    collective's timeout into a CollectiveTimeout naming the ranks that did not arrive."""
+              step_timeout_s: float | None) -> Iterator[Callable[[], None]]:
+    """Around a process group's life: give the function that tightens its timeout (to call after the first
+    training step), and turn a collective's timeout into a CollectiveTimeout naming the ranks that did not
+    arrive."""
     store.set(f"process/{rank}", f"{socket.gethostname()} {os.getpid()}")  # whom to end if it freezes
     timeout = _Timeout("dist.timeout_s", timeout_s)
-    handle = register_optimizer_step_post_hook(lambda *_: timeout.tighten(step_timeout_s, handle))
     try:
-        yield
+        yield lambda: timeout.tighten(step_timeout_s)
     except RuntimeError as error:
         if _PEER_GAVE_UP.search(str(error)):  # a peer timed out first: this rank is no frozen one
             _mark_alive(store, rank)
@@ -66,8 +64,6 @@ def diagnosed(store: dist.Store, rank: int, world_size: int, timeout_s: float,
         message = f"{_collective(error)} timed out after {timeout.seconds:g} s ({timeout.key}): {who}"
         log.error(message)
         raise CollectiveTimeout(message) from error
-    finally:
-        handle.remove()
 
 
 class _Timeout:
@@ -77,10 +73,9 @@ class _Timeout:
         self.key = key
         self.seconds = seconds
 
-    def tighten(self, step_timeout_s: float | None, handle: torch.utils.hooks.RemovableHandle) -> None:
-        """After the first optimizer step: from now on a collective waits at most `step_timeout_s`."""
-        handle.remove()
-        if step_timeout_s is not None:
+    def tighten(self, step_timeout_s: float | None) -> None:
+        """After the first training step: from now on a collective waits at most `step_timeout_s`."""
+        if step_timeout_s is not None and self.key != "dist.step_timeout_s":
             dist.set_timeout(datetime.timedelta(seconds=step_timeout_s))
             self.key, self.seconds = "dist.step_timeout_s", step_timeout_s
 

@@ -24,7 +24,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, MutableMapping
+from typing import Any, Iterator, Mapping, MutableMapping, Sequence
 
 from hydra.types import RunMode
 from omegaconf import OmegaConf
@@ -50,13 +50,31 @@ class RunContext:
     in_sweep: bool  # a job of a multirun (-m)
     overrides: tuple[str, ...]  # the command line's overrides of the config (not Hydra's own)
     choices: Mapping[str, Any]  # the option Hydra chose in each config group
+    # What a worker of this job must be given besides `overrides` to compose the same config: the command line's
+    # config folder flags (--config-dir, ...) and `hydra.searchpath` (a fork's own config folders).
+    composing: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, hydra_cfg: Any) -> "RunContext":
-        """The context of the job `hydra_cfg` (HydraConfig.get()) describes."""
+    def of(cls, hydra_cfg: Any, argv: Sequence[str] = sys.argv) -> "RunContext":
+        """The context of the job `hydra_cfg` (HydraConfig.get()) describes, started with `argv`."""
         run_dir = Path(hydra_cfg.runtime.output_dir)
+        searchpath = tuple(o for o in hydra_cfg.overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath")
         return cls(run_dir, holds_only_hydras_files(run_dir), hydra_cfg.mode == RunMode.MULTIRUN,
-                   tuple(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices))
+                   tuple(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices),
+                   config_flags(argv) + searchpath)
+
+
+CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")  # Hydra's
+
+
+def config_flags(argv: Sequence[str]) -> tuple[str, ...]:
+    """Hydra's flags in `argv` that choose the config's folders and file, each with its value."""
+    flags: list[str] = []
+    for index, arg in enumerate(argv):
+        name = arg.split("=", 1)[0]
+        if name in CONFIG_FLAGS:
+            flags += [arg] if "=" in arg else [arg, *argv[index + 1:index + 2]]
+    return tuple(flags)
 
 
 def run_started_at(environ: MutableMapping[str, str] = os.environ) -> datetime.datetime:

@@ -37,14 +37,16 @@ def launch_workers(
     master_port: int | None = None,
     device: str = "auto",
     backend: str = "auto",
+    composing: Sequence[str] = (),
 ) -> None:
     """Run `script` as one DDP group of `nproc` local workers writing into `run_dir`.
 
     This is torchrun's own machinery (torch.distributed.launcher, as `torchrun --standalone`
     uses it): a c10d rendezvous on `master_port`, or by default on a free port chosen by the
     OS, so back-to-back jobs of a sweep never race for a port, and a failed worker stops the
-    whole group. The workers get this job's overrides, its run dir, and leave `.hydra/` to
-    this process. A port in use, or a device or backend the workers could not get, is refused
+    whole group. The workers get this job's overrides and what composes its config besides them
+    (`composing`: --config-dir, hydra.searchpath), its run dir, and leave `.hydra/` to this process.
+    A port in use, or a device or backend the workers could not get, is refused
     here, before any worker starts. Workers that stop on a usage error (they print its line)
     end this process with the same exit code and no traceback of its own.
     """
@@ -54,7 +56,8 @@ def launch_workers(
     distributed.select_backend(backend, distributed.select_device(device, last_worker))
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers inherit it (launch.die_with_launcher)
     overrides = [o for o in task_overrides if not o.startswith("dist.nproc_per_node=")]
-    worker_args = [script, *overrides, f"hydra.run.dir={quote_override(str(run_dir))}", "hydra.output_subdir=null"]
+    worker_args = [script, *composing, *overrides, f"hydra.run.dir={quote_override(str(run_dir))}",
+                   "hydra.output_subdir=null"]
     try:
         elastic_launch(_standalone_config(nproc, master_port), entrypoint=sys.executable)(*worker_args)
     except ChildFailedError as error:

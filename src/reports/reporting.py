@@ -60,7 +60,7 @@ class _ConsoleHandler(logging.StreamHandler):
 
 
 def log_run_start(
-    run_dir: Path, runtime: Any, module: nn.Module, data: Any, grad_accum: int, config: Mapping[str, Any],
+    run_dir: Path, runtime: Any, modules: Mapping[str, nn.Module], data: Any, grad_accum: int, config: Mapping[str, Any],
     overrides: Sequence[str] = (), print_config: bool = False, unit: str = "samples",
 ) -> None:
     """What is about to run: the command line's overrides, the resolved config as YAML (in every rank's log
@@ -70,16 +70,22 @@ def log_run_start(
     log.info("overrides: %s", " ".join(overrides) or "none (the defaults of conf/config.yaml)")
     log.info("config:\n%s", OmegaConf.to_yaml(config).rstrip(), extra={"console": print_config})
     sampler = data.train_sampler
-    total, trainable = parameter_counts(module)
-    frozen = f", {total - trainable:,} frozen" if total > trainable else ""  # trainer.freeze
+    models = []
+    for name, module in modules.items():
+        total, trainable = parameter_counts(module)
+        frozen = f", {total - trainable:,} frozen" if total > trainable else ""  # trainer.freeze
+        named = "" if list(modules) == ["model"] else f"{name}: "
+        models.append(f"{named}{type(module).__name__} ({total:,} parameters, {trainable:,} trainable{frozen})")
     log.info(
-        "run dir %s | world size %d | device %s | backend %s | task %s (best.pt by %s, %s), metrics per %s | "
-        "model %s (%s parameters, %s trainable%s) | "
+        "run dir %s | world size %d | device %s | backend %s | task %s (%s), metrics per %s | "
+        "model %s | "
         "%d train / %d val samples | global batch %d = %d ranks x %d per rank x %d accum | %d steps/epoch",
         run_dir, runtime.world_size, runtime.device, runtime.backend or "none (single process)",
-        config["task"]["_target_"].rsplit(".", 1)[-1], config["trainer"]["monitor"], config["trainer"]["monitor_mode"],
+        config["task"]["_target_"].rsplit(".", 1)[-1],
+        f"best.pt by {config['trainer']['monitor']}, {config['trainer']['monitor_mode']}"
+        if config["trainer"]["monitor"] else "no best.pt: trainer.monitor=null",
         unit.removesuffix("s"),
-        type(module).__name__, f"{total:,}", f"{trainable:,}", frozen,
+        ", ".join(models),
         len(data.splits.train), len(data.splits.val), sampler.global_batch_size, runtime.world_size,
         sampler.micro_batch_size, grad_accum, sampler.steps_per_epoch,
     )
@@ -91,16 +97,19 @@ def parameter_counts(module: nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in parameters), sum(p.numel() for p in parameters if p.requires_grad)
 
 
-def model_summary(module: nn.Module) -> str:
-    """Markdown (TensorBoard's text tab): a table of parameters per top-level child and in all,
+def model_summary(modules: Mapping[str, nn.Module]) -> str:
+    """Markdown (TensorBoard's text tab): for each model, a table of parameters per top-level child and in all,
     then the module tree."""
-    rows = ["| module | type | parameters |", "|---|---|---:|"]
-    for name, child in module.named_children():
-        rows.append(f"| {name} | {type(child).__name__} | {parameter_counts(child)[0]:,} |")
-    total, trainable = parameter_counts(module)
-    rows.append(f"| **total** | {type(module).__name__} | {total:,} ({trainable:,} trainable) |")
-    tree = "\n".join(f"    {line}" for line in repr(module).splitlines())  # indented: a code block
-    return "\n".join(rows) + "\n\n" + tree
+    parts = []
+    for model, module in modules.items():
+        rows = [f"### {model}\n" if len(modules) > 1 else "", "| module | type | parameters |", "|---|---|---:|"]
+        for name, child in module.named_children():
+            rows.append(f"| {name} | {type(child).__name__} | {parameter_counts(child)[0]:,} |")
+        total, trainable = parameter_counts(module)
+        rows.append(f"| **total** | {type(module).__name__} | {total:,} ({trainable:,} trainable) |")
+        tree = "\n".join(f"    {line}" for line in repr(module).splitlines())  # indented: a code block
+        parts.append("\n".join(row for row in rows if row) + "\n\n" + tree)
+    return "\n\n".join(parts)
 
 
 class Reporter:

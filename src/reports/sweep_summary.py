@@ -53,25 +53,26 @@ def _is_column(name: str) -> bool:
         name.startswith(("val/", "val_ema/", "train/")) and not name.startswith("val/num_"))
 
 
-def metric_columns(rows: list[dict[str, Any]], metric: str) -> list[str]:
+def metric_columns(rows: list[dict[str, Any]], metric: str | None) -> list[str]:
     """The monitored metric, the other val/, val_ema/ (EMA weights) then train/ metrics the jobs' task
     computes, then epoch (and the epoch a pruned job stopped after), and throughput."""
     seen = [name for row in rows for name in row if _is_column(name) and name not in RUN_COLUMNS]
-    ordered = [metric, *(n for split in ("val/", "val_ema/", "train/") for n in seen if n.startswith(split))]
+    ordered = [*([metric] if metric else []), *(n for split in ("val/", "val_ema/", "train/") for n in seen if n.startswith(split))]
     pruned = [PRUNED_COLUMN] if any(PRUNED_COLUMN in row for row in rows) else []
     # The throughput in the jobs' unit: samples_per_s, or tokens_per_s (...) for a task that counts those.
     rates = [name for name in dict.fromkeys(name for row in rows for name in row) if name.endswith("_per_s")]
     return [*dict.fromkeys(ordered), RUN_COLUMNS[0], *pruned, *(rates or RUN_COLUMNS[1:])]
 
 
-def collect(sweep_dir: Path, metric: str, mode: str) -> list[dict[str, Any]]:
-    """Rows of every job under `sweep_dir`: completed jobs best first, then the others."""
+def collect(sweep_dir: Path, metric: str | None, mode: str) -> list[dict[str, Any]]:
+    """Rows of every job under `sweep_dir`: completed jobs best first (by job number without a `metric`), then the
+    others."""
     job_dirs = [p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")]
     rows = [job_row(job_dir) for job_dir in job_dirs]
     sign = -1 if mode == "max" else 1
 
     def order(row: dict[str, Any]) -> tuple:
-        value = row.get(metric)
+        value = row.get(metric) if metric else None
         ranked = row["status"] == "completed" and value is not None
         return (not ranked, sign * value if ranked else 0, row["job"].zfill(8))
 

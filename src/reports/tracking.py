@@ -47,6 +47,7 @@ class Trackers(Callback):
         self._status: tuple[str, str | None] | None = None  # how the run ended, when `close` comes
         self._last_step = 0
         self._open = False
+        self._params: dict[str, Any] | None = None  # the run's hyperparameters, until the trackers' runs open
 
     def state_dict(self) -> dict[str, Any]:
         return {"ids": dict(self.ids)} if self.ids else {}
@@ -55,15 +56,21 @@ class Trackers(Callback):
         self.ids = dict(state.get("ids", {}))
 
     def on_run_start(self, run: Run) -> None:
-        """Open each tracker's run: the one the checkpoint or the run dir names, else a new one with the run's
-        hyperparameters (the keys TensorBoard's HParams shows)."""
+        """The run's hyperparameters (the keys TensorBoard's HParams shows), for the trackers' runs, which open
+        when the first scalars come: by then a resumed run's checkpoint has given its ids (load_state_dict)."""
         if not self.trackers:
             self.enabled = False  # not rank 0, or no tracker but TensorBoard
             return
+        self._params = run_hparams(run.parts.saved_config, self.overrides, self.choices,
+                                   run.parts.data.train_sampler.global_batch_size)
+
+    def _open_runs(self) -> None:
+        """Open each tracker's run: the one the checkpoint or the run dir names, else a new one."""
+        params, self._params = self._params, None
+        if params is None:
+            return
         saved = read_ids_file(self.identity.run_dir)
         known = {**saved.get("ids", {}), **self.ids}
-        params = run_hparams(run.parts.saved_config, self.overrides, self.choices,
-                             run.parts.data.train_sampler.global_batch_size)
         for name, tracker in self.trackers.items():
             run_id = tracker.open(known.get(name), self.identity, params)
             if run_id is not None:
@@ -78,6 +85,7 @@ class Trackers(Callback):
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
         """Send each scalar to each tracker that does not hold its key at `step` yet (the Reporter's)."""
+        self._open_runs()
         if not self._open:
             return
         self._last_step = max(self._last_step, step)
@@ -104,6 +112,7 @@ class Trackers(Callback):
 
     def close(self) -> None:
         """End every tracker's run as the loop ended (the Reporter's, after the final metrics)."""
+        self._open_runs()
         if not self._open:
             return
         status, stop_reason = self._status or ("FAILED", None)

@@ -89,6 +89,9 @@ class OptunaSweeper(Sweeper):
             problems.append("hydra.sweeper.storage is empty: the study needs a database to live in, e.g. the "
                             "default sqlite:///${hydra.sweep.dir}/optuna.db")
         monitor, mode = self.config.trainer.monitor, self.config.trainer.monitor_mode
+        if monitor is None:
+            problems.append("trainer.monitor=null: the study optimises the monitored metric; name one "
+                            "(trainer.monitor=val/NAME)")
         direction = DIRECTIONS[mode]
         if self.direction not in (None, *DIRECTIONS.values()):
             problems.append(f"hydra.sweeper.direction={self.direction} is not one of maximize, minimize (or null)")

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, check, metrics, run, torchrun, train
-from format_1 import rewrite_as_format_1
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytestmark = pytest.mark.slow
@@ -37,7 +36,7 @@ def checkpoint(run_dir: Path, name: str = "last.pt") -> dict:
     """A checkpoint's parts, with the EMA callback's weights as `ema` and its state as `ema_state`."""
     saved = torch.load(run_dir / "checkpoints" / name, map_location="cpu", weights_only=True)
     ema = saved["callbacks"].get("ema", {})
-    return {**saved, **({"ema": ema["weights"], "ema_state": ema} if ema else {})}
+    return {**saved, "model": saved["models"]["model"], **({"ema": ema["weights"], "ema_state": ema} if ema else {})}
 
 
 def without_timing(summary: dict) -> dict:
@@ -72,20 +71,13 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return workdir / "run"
 
 
-@pytest.mark.parametrize("layout", ["today's", "format 1"])
-def test_a_run_stopped_mid_epoch_resumes_to_bitwise_the_same_ema(tmp_path: Path, straight: Path, layout: str):
-    """Also from checkpoints written before the parts were named (format 1: `ema`, the loop's fields at the top
-    level; tests/fixtures/format_1.py writes them), which src/checkpoint/store.py upgrades on read."""
+def test_a_run_stopped_mid_epoch_resumes_to_bitwise_the_same_ema(tmp_path: Path, straight: Path):
     first = check(train([*TWO_EPOCHS_EMA, "trainer.checkpoint_every_steps=5", "trainer.max_steps=27",
                          "hydra.run.dir=run"], tmp_path))
     assert "stopped at step 27 with a checkpoint" in first.stdout
     stopped = checkpoint(tmp_path / "run")
     loop = stopped["loop"]
     assert (loop["epoch"], loop["step"], loop["step_in_epoch"]) == (1, 27, 5) and "ema" in stopped
-    if layout == "format 1":
-        rewrite_as_format_1(tmp_path / "run" / "checkpoints")
-        assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["ema"].keys() == \
-            stopped["ema"].keys()
     check(train([*TWO_EPOCHS_EMA, "resume=auto", "hydra.run.dir=run"], tmp_path))
     resumed, reference = checkpoint(tmp_path / "run"), checkpoint(straight)
     for key in ("ema", "model"):
@@ -125,3 +117,67 @@ def test_eval_of_the_ema_weights_reproduces_val_ema(straight: Path, tmp_path: Pa
     (tmp_path / "model").mkdir()
     model = evaluate([f"checkpoint={straight / 'checkpoints' / 'last.pt'}"], tmp_path / "model")
     assert model["weights"] == "model" and model["val/loss"] == pytest.approx(summary["val/loss"], abs=1e-6)
+
+
+# -- under dist=fsdp: the average sharded like the parameters ----------------------------------------------------
+
+SAME_KERNELS = ["optimizer.fused=null", "+optimizer.foreach=true"]  # fused SGD takes no shards (test_fsdp_cli.py)
+FSDP = ["dist=fsdp", "dist.fsdp.min_unit_params=0"]
+# 29 steps an epoch at batch 48 (divides by 1, 2 and 3 ranks); a stop at step 27, mid-epoch 1 (test_fsdp_cli.py's
+# TWO_EPOCHS, with EMA).
+FSDP_EMA = ["model=cnn", "optimizer=sgd", "optimizer.lr=0.05", "scheduler=constant", "trainer.epochs=2",
+            "dataset.batch_size=48", "trainer.checkpoint_every_steps=5", "callbacks.ema.decay=0.9",
+            "trainer.monitor=val_ema/acc", "trainer.progress=false", *FSDP]
+
+
+def sharded(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The model's and the EMA's whole weights in a run's newest sharded checkpoint."""
+    from src import checkpoint as checkpoints
+
+    saved = checkpoints.read(run_dir / "checkpoints" / "last")
+    return {"model": saved.model_weights(), "ema": saved.model_weights(weights="ema")}
+
+
+@pytest.fixture(scope="module")
+def fsdp_straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    workdir = tmp_path_factory.mktemp("fsdp_ema")
+    check(torchrun(2, [*FSDP_EMA, "hydra.run.dir=straight"], workdir))
+    check(torchrun(2, [*FSDP_EMA, "trainer.max_steps=27", "hydra.run.dir=stopped"], workdir))
+    return workdir
+
+
+def test_fsdp_keeps_the_ema_ddp_keeps(tmp_path: Path):
+    check(torchrun(2, [*CNN_EMA, *SAME_KERNELS, "hydra.run.dir=ddp"], tmp_path))
+    check(torchrun(2, [*CNN_EMA, *FSDP, "hydra.run.dir=fsdp"], tmp_path))
+    ddp, fsdp = checkpoint(tmp_path / "ddp"), sharded(tmp_path / "fsdp")
+    assert (tmp_path / "fsdp" / "checkpoints" / "last").is_file()  # a sharded checkpoint: every rank's shards
+    assert max_diff(ddp["ema"], fsdp["ema"]) <= 1e-5 and max_diff(ddp["model"], fsdp["model"]) <= 1e-5
+    assert max_diff(fsdp["ema"], fsdp["model"]) > 1e-3  # an average, not a copy of the weights
+    assert metrics(tmp_path / "fsdp")["val_ema/acc"] == pytest.approx(metrics(tmp_path / "ddp")["val_ema/acc"],
+                                                                      abs=1 / 360)
+
+
+@pytest.mark.parametrize("processes", [2, 1, 3])
+def test_a_sharded_ema_resumes_bitwise_on_its_world_size_and_reshards_to_others(fsdp_straight: Path, processes: int):
+    import shutil
+
+    run_dir = fsdp_straight / f"resumed_on_{processes}"
+    shutil.copytree(fsdp_straight / "stopped", run_dir)
+    launch = train if processes == 1 else lambda args, cwd: torchrun(processes, args, cwd)
+    check(launch([*FSDP_EMA, "resume=auto", f"hydra.run.dir={run_dir}"], fsdp_straight))
+    resumed, straight = sharded(run_dir), sharded(fsdp_straight / "straight")
+    assert metrics(run_dir)["world_size"] == processes
+    if processes == 2:
+        assert max_diff(resumed["ema"], straight["ema"]) == 0 and max_diff(resumed["model"], straight["model"]) == 0
+        assert without_timing(metrics(run_dir)) == without_timing(metrics(fsdp_straight / "straight"))
+    else:  # as the model reshards: within 1e-5 (test_fsdp_cli.py)
+        assert max_diff(resumed["ema"], straight["ema"]) <= 1e-5 and max_diff(resumed["model"], straight["model"]) <= 1e-5
+
+
+def test_eval_of_a_sharded_checkpoint_s_ema_weights_reproduces_val_ema(fsdp_straight: Path, tmp_path: Path):
+    summary = metrics(fsdp_straight / "straight")
+    evaluated = evaluate([f"checkpoint={fsdp_straight / 'straight' / 'checkpoints' / 'last'}", "weights=ema"],
+                         tmp_path)
+    assert evaluated["weights"] == "ema" and evaluated["num_samples"] == 360
+    assert evaluated["val/acc"] == summary["val_ema/acc"]
+    assert evaluated["val/loss"] == pytest.approx(summary["val_ema/loss"], abs=1e-6)

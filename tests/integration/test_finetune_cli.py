@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import check, metrics, torchrun, train, weights
-from format_1 import rewrite_as_format_1
 
 pytestmark = pytest.mark.slow
 
@@ -130,9 +129,6 @@ def test_early_stopping_ends_every_rank_at_the_same_epoch_for_good(tmp_path: Pat
         assert "epoch 4/10" not in text
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["loop"]
     assert (saved["epoch"], saved["stopped"]["reason"], saved["stopped"]["epoch"]) == (3, "early_stopped", 3)
-    if processes == 2:  # as if written before the parts were named (format 1: `early_stopped_at`)
-        rewrite_as_format_1(run_dir / "checkpoints")
-        assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["early_stopped_at"] == 3
     files = {p: p.read_bytes() for p in [run_dir / "metrics.json", run_dir / "checkpoints" / "last.pt"]}
 
     launch([*PLATEAU, "resume=auto", "hydra.run.dir=run"])

@@ -20,7 +20,6 @@ import pytest
 import torch
 from conftest import REPO, TRAIN, check, metrics, run, torchrun, weights
 from faults import TORCHRUN, descendants, wait_until
-from format_1 import rewrite_as_format_1
 from lazy_runs import LazyRuns
 
 from src import checkpoint
@@ -41,32 +40,29 @@ SAME_KERNELS = ["optimizer.fused=null", "+optimizer.foreach=true"]
 # The default optimizer, AdamW, whose fused kernel takes sharded parameters: the same kernel on both sides.
 ADAMW = ["model=cnn", "trainer.epochs=1", "dataset.batch_size=64"]
 # Two epochs of 29 steps with a step checkpoint every 5: a stop at step 27 is mid-epoch 1 (step 27 of 29),
-# and 48 divides by 1, 2 and 3 ranks. These runs start from the constructor's weights (today's build-whole path,
-# trainer.init_weights=constructor), as the resumed-elsewhere checks were measured with: from seed 0's by-name
-# weights, resumed on 3 ranks, train/loss follows the straight run within 1e-7 for 3 steps, then one step
-# (31) turns that into 3.6e-5 (resumed on 1 process: step 53, 1.4e-6 to 6.9e-5), ending 2.1e-3 apart. A jump in
-# one step, not a steady growth (most likely rounding moved a value across a ReLU's kink, and that step's
-# gradient took the other branch). These runs test resharding, not initialisation (test_fsdp_large_cli.py).
+# and 48 divides by 1, 2 and 3 ranks. These runs start from the CNN's constructor weights (its init_module replays
+# them: src/components/models.py LayerDefaults), as the resumed-elsewhere checks were measured with: from seed 0's
+# by-name weights (an earlier scheme), resumed on 3 ranks, train/loss followed the straight run within 1e-7 for 3
+# steps, then one step (31) turned that into 3.6e-5, ending 2.1e-3 apart: a jump in one step (most likely
+# rounding moved a value across a ReLU's kink). These runs test resharding, not initialisation
+# (test_initial_weights_cli.py).
 # The digits CNN (151k parameters) is one unit by default (dist.fsdp.min_unit_params): PER_UNIT shards its
 # two children as units of their own, the layout with the most collectives, which most runs below use; the
 # bf16 run keeps the default layout (the root, plus BatchNorm units in fp32).
 PER_UNIT = ["dist=fsdp", "dist.fsdp.min_unit_params=0"]
-TWO_EPOCHS = ["trainer.init_weights=constructor", "model=cnn", "optimizer=sgd", "optimizer.lr=0.05",
+TWO_EPOCHS = ["model=cnn", "optimizer=sgd", "optimizer.lr=0.05",
               "scheduler=constant", "trainer.epochs=2", "dataset.batch_size=48", "trainer.checkpoint_every_steps=5",
               *PER_UNIT]
 STOPPED = [*TWO_EPOCHS, "trainer.max_steps=27"]
 TIMING_KEYS = {"epoch_time_s", "samples_per_s"}
 
-# dist=fsdp initialises each module from (seed, its name), dist=ddp by default from its constructor: the ddp
-# runs compared with fsdp ones start from the fsdp runs' weights (src/loop/initial_weights.py).
-BY_NAME = "trainer.init_weights=by_name"
 RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
-    "ddp cnn": (2, [*CNN, BY_NAME]),
+    "ddp cnn": (2, [*CNN]),
     "fsdp cnn": (2, [*CNN, *PER_UNIT]),
-    "ddp adamw": (2, [*ADAMW, BY_NAME]),
+    "ddp adamw": (2, [*ADAMW]),
     "fsdp adamw": (2, [*ADAMW, *PER_UNIT]),
-    "ddp mlp": (2, [*MLP, *SAME_KERNELS, BY_NAME]),
-    "ddp cnn bf16": (2, [*CNN, "trainer.precision=bf16", BY_NAME]),
+    "ddp mlp": (2, [*MLP, *SAME_KERNELS]),
+    "ddp cnn bf16": (2, [*CNN, "trainer.precision=bf16"]),
     "fsdp cnn bf16": (2, [*CNN, "trainer.precision=bf16", "dist=fsdp"]),
     "fsdp mlp": (2, [*MLP, *PER_UNIT]),
     "straight": (2, TWO_EPOCHS),
@@ -79,14 +75,11 @@ RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
 class Runs(LazyRuns):
     """The runs of RUNS, launched on first use; and copies of them resumed on other world sizes."""
 
-    def resumed(self, name: str, processes: int, extra: tuple[str, ...] = (), format_1: bool = False) -> Path:
-        """A copy of run `name`'s dir (its checkpoints rewritten in format 1's layout if asked: tests/fixtures/
-        format_1.py), continued with `resume=auto` on `processes` ranks."""
+    def resumed(self, name: str, processes: int, extra: tuple[str, ...] = ()) -> Path:
+        """A copy of run `name`'s dir, continued with `resume=auto` on `processes` ranks."""
         suffix = "".join(f"_{override.replace('=', '-').replace('+', '')}" for override in extra)
-        run_dir = self.root / f"{name.replace(' ', '_')}_resumed_on_{processes}{suffix}{'_format_1' * format_1}"
+        run_dir = self.root / f"{name.replace(' ', '_')}_resumed_on_{processes}{suffix}"
         shutil.copytree(self(name), run_dir)
-        if format_1:
-            assert rewrite_as_format_1(run_dir / "checkpoints")
         self.launch(processes, [*TWO_EPOCHS, *extra, "resume=auto", f"hydra.run.dir={run_dir}"])
         return run_dir
 
@@ -191,13 +184,6 @@ def test_stopped_on_2_ranks_and_resumed_on_2_ends_bitwise_equal(runs: Runs):
     assert (stopped / "last").read_text() == "step_000000027"
     assert sorted(path.name for path in stopped.iterdir()) == ["last", "step_000000025", "step_000000027"]
     resumed = runs.resumed("stopped on 2", 2)
-    assert "after epoch 0, step 27 (27 steps into epoch 1)" in (resumed / "train.log").read_text()
-    assert_bitwise_equal(resumed, runs("straight"))
-
-
-def test_a_sharded_checkpoint_written_before_the_parts_were_named_resumes_bitwise(runs: Runs):
-    """Format 1's state.pt (the loop's fields at the top level; src/checkpoint/store.py upgrades it on read)."""
-    resumed = runs.resumed("stopped on 2", 2, format_1=True)
     assert "after epoch 0, step 27 (27 steps into epoch 1)" in (resumed / "train.log").read_text()
     assert_bitwise_equal(resumed, runs("straight"))
 
@@ -341,7 +327,7 @@ def test_the_export_loads_into_the_plain_model_with_the_runs_val_metrics(runs: R
 
     splits = build_splits(OmegaConf.create(config["dataset"]))
     loader = make_val_loader(splits, 48, 0, 1, torch.device("cpu"), 0, 0)
-    val = evaluate(model, loader, Classification(), splits.info, torch.device("cpu"))
+    val = evaluate(Classification(), {"model": model}, lambda split: (loader, 0), splits.info, torch.device("cpu"))
     best = max(metrics(straight)["history"], key=lambda record: record["val/acc"])
     assert val["acc"] == best["val/acc"] and val["count"] == 360
     assert val["loss"] == pytest.approx(best["val/loss"], abs=1e-6)

@@ -1,7 +1,7 @@
-"""dist=fsdp for models that do not fit, through the real command line: the model is built on the meta device
-and each rank initialises only its shards, from the seed and each module's name (trainer.init_weights=by_name,
-dist=fsdp's default), to the very weights a dist=ddp run with that setting starts from, on any world size; a
-default dist=ddp or one-process run starts from its constructor's weights, as before.
+"""dist=fsdp for models that do not fit, through the real command line: init_from's whole weights go into the shards
+of a model built on the meta device; a model over one process's memory limit trains sharded, and one whose
+backbone is frozen fits only when built on the meta device. Where the initial weights come from, on any world size
+and strategy: test_initial_weights_cli.py.
 
 Initial weights are read from a checkpoint after one SGD step at lr=0 (the step changes no parameter; only
 BatchNorm's running statistics, which see each rank's batches, and are left out of the comparison).
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAIN, check, torchrun, weights
+from conftest import REPO, TRAIN, check, torchrun, weights
 from faults import TORCHRUN
 from lazy_runs import LazyRuns
 
@@ -28,13 +28,7 @@ pytestmark = pytest.mark.slow
 FIRST_STEP = ["model=cnn", "optimizer=sgd", "optimizer.lr=0", "scheduler=constant", "trainer.max_steps=1",
               "dataset.batch_size=48", "trainer.progress=false", "trainer.limit_val_batches=1"]
 FSDP = ["dist=fsdp", "dist.fsdp.min_unit_params=0"]  # the CNN's two children sharded as units of their own
-RUNS: dict[str, tuple[int, list[str]]] = {
-    "default on 1": (1, FIRST_STEP),
-    "ddp by_name on 2": (2, [*FIRST_STEP, "trainer.init_weights=by_name"]),
-    "fsdp on 1": (1, [*FIRST_STEP, *FSDP]),
-    "fsdp on 2": (2, [*FIRST_STEP, *FSDP]),
-    "fsdp on 3": (3, [*FIRST_STEP, *FSDP]),
-}
+RUNS: dict[str, tuple[int, list[str]]] = {"ddp on 2": (2, FIRST_STEP)}
 
 
 @pytest.fixture(scope="module")
@@ -49,37 +43,15 @@ def parameters(run_dir: Path) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in saved.items() if "running_" not in name and "num_batches" not in name}
 
 
-@pytest.mark.parametrize("name", ["fsdp on 1", "fsdp on 2", "fsdp on 3"])
-def test_fsdp_builds_on_meta_and_starts_from_the_by_name_ddp_run_s_weights_on_any_world_size(runs: LazyRuns,
-                                                                                           name: str):
-    ddp, fsdp = parameters(runs("ddp by_name on 2")), parameters(runs(name))
-    assert len(ddp) == 10 and ddp.keys() == fsdp.keys()
-    assert all(torch.equal(ddp[key], fsdp[key]) for key in ddp)
-    log = (runs(name) / "train.log").read_text()
-    assert "the model is built on the meta device; each rank allocates only its shards" in log
-    assert "the model is built on the meta device" not in (runs("ddp by_name on 2") / "train.log").read_text()
-
-
-def test_a_default_run_starts_from_its_constructor_s_weights_as_before(runs: LazyRuns):
-    """trainer.init_weights=auto is `constructor` outside dist=fsdp: `torch.manual_seed(seed); Model(...)`, bit for
-    bit; not the by-name weights, which differ."""
-    from src.components.models import SimpleCNN
-
-    torch.manual_seed(0)
-    constructed = dict(SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10).named_parameters())
-    default, by_name = parameters(runs("default on 1")), parameters(runs("ddp by_name on 2"))
-    assert default.keys() == constructed.keys() == by_name.keys()
-    assert all(torch.equal(default[key], constructed[key]) for key in default)
-    assert not any(torch.equal(default[key], by_name[key]) for key in default if default[key].dim() > 1)
-
-
 def test_init_from_loads_a_ddp_checkpoint_into_the_shards_of_a_model_built_on_meta(runs: LazyRuns, tmp_path: Path):
     """Seed 1 would draw other weights: every parameter is the file's (the ddp run's, seed 0)."""
-    source = runs("ddp by_name on 2") / "checkpoints" / "last.pt"
+    source = runs("ddp on 2") / "checkpoints" / "last.pt"
     check(torchrun(2, [*FIRST_STEP, *FSDP, "seed=1", f"init_from={source}", "hydra.run.dir=run"], tmp_path))
-    loaded, ddp = parameters(tmp_path / "run"), parameters(runs("ddp by_name on 2"))
+    loaded, ddp = parameters(tmp_path / "run"), parameters(runs("ddp on 2"))
     assert loaded.keys() == ddp.keys() and all(torch.equal(loaded[key], ddp[key]) for key in ddp)
-    assert "init_from: loaded 16 of the model's 16 tensors" in (tmp_path / "run" / "train.log").read_text()
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "init_from: loaded 16 of the model's 16 tensors" in log
+    assert "the model is built on the meta device; its init_module gives it its weights, each rank its shards" in log
 
 # -- a model over one process's memory limit ----------------------------------------------------------------------
 
@@ -97,11 +69,20 @@ def data_limit() -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (DATA_LIMIT, resource.RLIM_INFINITY))
 
 
-def limited_torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def limited_torchrun(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """2 ranks of train.py under torchrun, torchrun and its workers under the data limit."""
     return subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=2", TRAIN, *args], cwd=cwd, timeout=300,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                          capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                           preexec_fn=data_limit)
+
+
+HOOKLESS = """
+from src.components.models import MLP
+
+
+class HooklessMLP(MLP):
+    init_module = None  # no initialisation hook: built by its constructor, whole on every rank
+"""
 
 
 def test_a_model_over_the_memory_limit_trains_sharded_and_ddp_stops_with_one_line(tmp_path: Path):
@@ -125,9 +106,9 @@ def test_a_model_over_the_memory_limit_trains_sharded_and_ddp_stops_with_one_lin
 # ways); even plain SGD's 8P/W plus units stays near it on 2 ranks. Start-up dominates when the training state
 # is small: a model whose backbone is frozen (trainer.freeze, linear probing) trains only its head. This MLP of
 # 30 hidden layers of 3,072 (274M parameters, 1.09 GB of fp32 weights) with every hidden layer frozen, under
-# the same limit: built on meta (trainer.init_weights=by_name, dist=fsdp's default), a rank holds half the
-# weights and one gathered layer at a time (trained within 1,680 MiB, measured); built whole
-# (trainer.init_weights=constructor) every rank holds all of them at start-up (it failed under 1,880 MiB).
+# the same limit: built on meta (the MLP declares init_module), a rank holds half the weights and one gathered
+# layer at a time (trained within 1,680 MiB, measured); built whole (the same MLP without the hook, a fork's
+# module) every rank holds all of them at start-up (it failed under 1,880 MiB).
 FROZEN = ["model=mlp", f"model.hidden_sizes=[{','.join(['3072'] * 30)}]", "dist=fsdp", "optimizer.fused=null",
           "trainer.freeze=[" + ",".join(f"net.{3 * layer + 1}." for layer in range(30)) + "]",
           "dataset.batch_size=48", "trainer.max_steps=1", "trainer.progress=false", "trainer.save_checkpoints=false"]
@@ -138,15 +119,16 @@ def test_a_frozen_model_that_fits_only_sharded_trains_built_on_meta_and_stops_wi
     on_meta = limited_torchrun([*FROZEN, "hydra.run.dir=meta"], tmp_path)
     assert on_meta.returncode == 0, on_meta.stderr[-3000:]
     assert "stopped at step 1" in on_meta.stdout
-    assert "the model is built on the meta device" in (tmp_path / "meta" / "train.log").read_text()
-    whole = limited_torchrun([*FROZEN, "trainer.init_weights=constructor", "hydra.run.dir=whole"], tmp_path)
+    assert "the model is built on the meta device; its init_module" in (tmp_path / "meta" / "train.log").read_text()
+    (tmp_path / "hookless.py").write_text(HOOKLESS)
+    whole = limited_torchrun([*FROZEN, "model._target_=hookless.HooklessMLP", "hydra.run.dir=whole"], tmp_path,
+                             env={"PYTHONPATH": f"{tmp_path}:{REPO}"})
     errors = [line for line in whole.stderr.splitlines() if line.startswith("error:")]
     assert whole.returncode != 0 and errors  # the model's constructor ran out, inside hydra's instantiate
     assert "DefaultCPUAllocator" not in whole.stderr and "InstantiationException" not in whole.stderr
     for line in errors:
         assert re.fullmatch(r"error: out of memory on rank [01] \(tried to allocate \d+ bytes\) under dist=fsdp, "
                             r"limits: data \(ulimit -d\) 1,800 MiB: the model's training state does not fit one "
-                            r"process: use trainer.init_weights=by_name \(built on the meta device, each rank "
-                            r"allocates only its shards\)", line), line
+                            r"process: use more ranks \(torchrun --nproc_per_node=N\)", line), line
     log = (tmp_path / "whole" / "train.log").read_text()
-    assert "trainer.init_weights=constructor: the model is built whole on every rank, then sharded" in log
+    assert "dist=fsdp: the model (HooklessMLP) is built whole on every rank, then sharded" in log

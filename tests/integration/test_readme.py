@@ -98,6 +98,7 @@ EXERCISED_BY = {
     "python train.py dataset=arrow dataset.root=data/images-arrow model=resnet18 dataset.num_workers=8":
         "test_data_cli.py::test_arrow_on_two_ranks_stopped_and_resumed_trains_bitwise_the_image_folder_run",
     "python benchmarks/fsdp_memory.py": "test_readme.py::test_the_fsdp_benchmarks_write_their_tables",
+    "python benchmarks/fsdp_memory.py --shapes": "test_readme.py::test_the_fsdp_benchmarks_write_their_tables",
     "python benchmarks/fsdp_speed.py": "test_readme.py::test_the_fsdp_benchmarks_write_their_tables",
     "python train.py logger=mlflow logger.mlflow.tracking_uri=http://127.0.0.1:5000":
         "test_trackers_cli.py::test_a_killed_rank_restarted_by_torchrun_is_one_run_with_each_step_once",
@@ -106,6 +107,14 @@ EXERCISED_BY = {
     "python train.py logger=csv":
         "test_trackers_cli.py::test_a_killed_rank_restarted_by_torchrun_is_one_run_with_each_step_once",
     "python benchmarks/checkpoint_stall.py": "test_readme.py::test_the_checkpoint_stall_benchmark_writes_its_table",
+    "python train.py experiment=gan_digits": "test_recipes_cli.py::test_gan_stopped_mid_epoch_resumes_bitwise",
+    "torchrun --nproc_per_node=2 train.py experiment=gan_digits dist=fsdp":
+        "test_recipes_cli.py::test_gan_under_fsdp_trains_bitwise_what_ddp_trains",
+    "python train.py experiment=digits_cnn hydra.run.dir=outputs/teacher":
+        "test_recipes_cli.py::test_gan_with_a_judge_reports_its_confidence_on_samples_and_on_noise",
+    "python train.py experiment=distill_digits aux.teacher.path=outputs/teacher/checkpoints/best.pt":
+        "test_recipes_cli.py::test_distill_keeps_the_teacher_out_of_the_checkpoint_and_resumes_bitwise",
+    "python train.py experiment=simclr_digits": "test_recipes_cli.py::test_simclr_stopped_mid_epoch_resumes_bitwise",
 }
 
 
@@ -232,6 +241,14 @@ def test_the_fsdp_benchmarks_write_their_tables(tmp_path: Path):
     assert set(rows) == {"ddp", "fsdp (default: one unit)", "fsdp, a unit per child", "fsdp, AdamW's foreach kernels"}
     for samples_per_s, ratio in rows.values():
         assert samples_per_s > 0 and abs(ratio - samples_per_s / rows["ddp"][0]) < 0.01
+    shapes = tmp_path / "shapes.md"  # the frozen MLP's host memory by layer shape, two small shapes
+    check(run([sys.executable, str(REPO / "benchmarks" / "fsdp_memory.py"), "--shapes", "2x256", "1x512",
+               "--output", str(shapes)], tmp_path))
+    rows = [line.split("|")[1:-1] for line in shapes.read_text().splitlines() if line.startswith(("| 2x256", "| 1x512"))]
+    assert [row[0].strip() for row in rows] == ["2x256", "1x512"]
+    assert [row[1].strip() for row in rows] == ["0.1M", "0.3M"]  # the digits MLP: 64 inputs, 10 outputs
+    for row in rows:  # a peak per rank, with and without the allocator setting
+        assert all(len(cell.split("/")) == 2 for cell in row[4:6])
 
 
 def test_the_checkpoint_stall_benchmark_writes_its_table(tmp_path: Path):

@@ -18,7 +18,6 @@ from src import checkpoint
 from src.callbacks.early_stopping import EarlyStopping, early_stop_due, epochs_without_improvement
 from src.callbacks.optuna_pruning import OptunaPruning
 from src.checkpoint.file_store import FileStore
-from src.checkpoint.store import upgrade
 from src.components.tasks import Classification
 from src.config.schema import TrainerConfig
 from src.data.loaders import Data, GlobalBatchSampler, TensorBatchLoader
@@ -77,7 +76,7 @@ def plateau_trainer(tmp_path: Path, patience: int | None, epochs: int = 6, judge
     config = TrainerConfig(epochs=epochs, monitor="val/loss", monitor_mode="min")
     callbacks = Callbacks({"early_stopping": EarlyStopping(patience=patience, min_delta=0.0),
                            **({} if judge is None else {"judge": judge})})
-    return Trainer(config, TrainParts(Runtime(DistEnv(), torch.device("cpu"), backend=None), Classification(), model,
+    return Trainer(config, TrainParts.one_model(Runtime(DistEnv(), torch.device("cpu"), backend=None), Classification(), model,
                                       model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
                                       data, FileStore(tmp_path / "checkpoints", True),
                                       Reporter(tmp_path, True, tensorboard=False), callbacks))
@@ -122,17 +121,6 @@ def test_without_patience_or_on_the_last_epoch_the_run_completes(tmp_path: Path)
     state = TrainState()  # patience runs out exactly at the last epoch: the run completed all the same
     assert plateau_trainer(tmp_path / "last", patience=2, epochs=3).fit(state) is StopReason.COMPLETED
     assert state.stopped is None
-
-
-def test_a_checkpoint_without_the_early_stop_key_resumes():
-    old = {"epoch": 2, "step": 6, "history": [{"epoch": 1}, {"epoch": 2}]}
-    state = TrainState()
-    state.load_state_dict(upgrade(old)["loop"])
-    assert state.stopped is None and state.epoch == 2
-    state.load_state_dict(upgrade({**old, "early_stopped_at": 2})["loop"])  # a format-1 run early stopping ended
-    assert state.stopped == Stopped("early_stopped", 2, "early stopping had ended this run")
-    state.load_state_dict(upgrade({**old, "pruned_at": 2})["loop"])
-    assert state.stopped == Stopped("pruned", 2, "the sweep's pruner had ended this trial")
 
 
 class Judge(Callback):

@@ -70,7 +70,7 @@ def test_the_update_averages_parameters_and_copies_buffers():
     for name, _ in model.named_buffers():  # running_mean, running_var, num_batches_tracked: copied
         assert torch.equal(ema_state[name], live_state[name]), name
     assert int(ema_state["1.num_batches_tracked"]) == 3
-    assert not any(p.requires_grad for p in ema.module.parameters()) and not ema.module.training
+    assert not any(average.requires_grad for average in ema.average.values())
 
 
 def test_warmup_ramps_the_decay_linearly():
@@ -87,7 +87,7 @@ def test_the_update_never_reads_a_value_on_the_host():
     ema = EmaWeights(model, decay=0.99, warmup_steps=3)
     for step in (1, 2, 3, 4):
         ema.update(step)
-    assert all(p.is_meta for p in ema.module.parameters())
+    assert all(average.is_meta for average in ema.average.values())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to see host syncs")
@@ -120,7 +120,7 @@ def tiny_parts(tmp_path: Path, model: nn.Module, grad_accum: int = 1, callbacks:
     data = Data(splits=splits, train_sampler=sampler, train_loader=TensorBatchLoader(dataset, sampler, cpu),
                 val_loader=TensorBatchLoader(dataset, [list(range(SAMPLES))], cpu), num_val_samples=SAMPLES)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return TrainParts(Runtime(DistEnv(), cpu, backend=None), Classification(), model, model, optimizer,
+    return TrainParts.one_model(Runtime(DistEnv(), cpu, backend=None), Classification(), model, model, optimizer,
                       torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
                       FileStore(tmp_path / "checkpoints", True), Reporter(tmp_path, True, tensorboard=False),
                       callbacks or Callbacks())
@@ -138,10 +138,13 @@ def ema_of(trainer: Trainer) -> EmaWeights:
 
 
 def resumed(trainer: Trainer, path: Path) -> TrainState:
-    """`trainer` continued from the checkpoint `path` (every part restored, as train.py does), its EMA built."""
+    """`trainer` continued from the checkpoint `path` (every part restored, as Trainer.fit does: the callbacks'
+    state after on_run_start built the EMA from the restored model)."""
     state = TrainState()
-    checkpoint.read(path).restore(trainer.stateful(state))
+    saved = checkpoint.read(path)
+    saved.restore({name: part for name, part in trainer.stateful(state).items() if name != "callbacks"})
     trainer.parts.callbacks.run_start(trainer_run(trainer, state))
+    saved.restore({"callbacks": trainer.parts.callbacks})
     return state
 
 
@@ -167,7 +170,7 @@ def test_the_loop_updates_once_per_optimizer_step_and_validates_the_ema_every_ep
     summary = json.loads((tmp_path / "metrics.json").read_text())
     assert summary["val_ema/acc"] == state.history[-1]["val_ema/acc"]
     saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["callbacks"]["ema"]
-    model_state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["model"]
+    model_state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["models"]["model"]
     assert saved["best_weights"] == "ema" and saved["weights"].keys() == model_state.keys()
     for name, tensor in ema_of(trainer).state_dict().items():
         assert torch.equal(saved["weights"][name], tensor), name
@@ -183,7 +186,7 @@ def test_a_resumed_trainer_takes_the_checkpoints_ema(tmp_path: Path):
     for name, tensor in ema_of(second).state_dict().items():
         assert torch.equal(tensor, payload["callbacks"]["ema"]["weights"][name]), name
         if "weight" in name:
-            assert not torch.equal(tensor, payload["model"][name]), name  # not merely the model's weights
+            assert not torch.equal(tensor, payload["models"]["model"][name]), name  # not merely the model's weights
 
 
 def test_a_checkpoint_without_ema_resumes_with_the_ema_starting_from_its_model(tmp_path: Path):
@@ -199,7 +202,7 @@ def test_a_checkpoint_without_ema_resumes_with_the_ema_starting_from_its_model(t
     state = resumed(again, last)
     assert state.step == 6
     for name, tensor in ema_of(again).state_dict().items():
-        assert torch.equal(tensor, payload["model"][name]), name
+        assert torch.equal(tensor, payload["models"]["model"][name]), name
 
 
 # -- reports ----------------------------------------------------------------------------------------

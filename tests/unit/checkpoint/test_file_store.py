@@ -10,6 +10,7 @@ import torch
 
 from src import checkpoint
 from src.checkpoint import layout, writing
+from src.checkpoint.states import ModelState, Named
 from src.checkpoint.file_store import FileStore
 from src.checkpoint.store import FORMAT
 from src.common import files
@@ -96,9 +97,10 @@ def test_missing_checkpoint_names_the_path(tmp_path: Path):
 
 def test_model_mismatch_names_the_file(tmp_path: Path):
     saver = FileStore(tmp_path, is_main_process=True)
-    saver.save({"model": {"weight": torch.zeros(5, 2)}}, step=1, is_best=False)
+    saver.save({"models": {"model": {"weight": torch.zeros(5, 2)}}}, step=1, is_best=False)
     with pytest.raises(UsageError, match=f"checkpoint {tmp_path / 'last.pt'} does not fit this model"):
-        checkpoint.read(tmp_path / "last.pt").load_model(torch.nn.Linear(2, 3))
+        checkpoint.read(tmp_path / "last.pt").restore({"models": Named({"model": ModelState(torch.nn.Linear(2, 3))},
+                                                                       "model")})
 
 
 def test_resume_decisions(tmp_path: Path):

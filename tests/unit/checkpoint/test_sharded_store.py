@@ -13,9 +13,9 @@ from torch import nn
 from src import checkpoint
 from src.checkpoint import layout
 from src.checkpoint.sharded_store import ShardedStore
+from src.checkpoint.states import ModelState, Named, OptimizerState
 from src.checkpoint.store import FORMAT
 from src.common.errors import UsageError
-from src.parallel import fsdp
 
 
 def trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -27,10 +27,22 @@ def trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
+def parts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Named]:
+    return {"models": Named({"model": ModelState(model)}, "model"),
+            "optimizers": Named({"model": OptimizerState(model, optimizer)}, "optimizer")}
+
+
 def save(checkpointer: ShardedStore, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
          is_best: bool) -> None:
-    checkpointer.save({"model": model, "optimizer": optimizer, "scheduler": {}, "loop": {"step": step, "epoch": 0},
-                       "config": {}}, step, is_best=is_best)
+    checkpointer.save({**parts(model, optimizer), "scheduler": {}, "loop": {"step": step, "epoch": 0}, "config": {}},
+                      step, is_best=is_best)
+
+
+def tensors_in(state) -> list:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else []
+    return [tensor for value in values for tensor in tensors_in(value)]
 
 
 @pytest.fixture
@@ -50,8 +62,10 @@ def test_a_save_is_a_directory_named_by_step_and_last_and_best_name_directories(
     assert sorted(path.name for path in (directory / "step_000000015").iterdir()) == [
         ".metadata", "__0_0.distcp", "state.pt"]
     state = torch.load(directory / "step_000000015" / "state.pt", weights_only=True)
-    assert state["format"] == FORMAT and state["loop"]["step"] == 15 and "model" not in state
-    assert set(state["optimizer"]) == {"param_groups"}  # the optimizer's tensors are in the shards
+    assert state["format"] == FORMAT and state["loop"]["step"] == 15
+    assert tensors_in(state) == []  # every tensor is in the shards: the model's and the optimizer's
+    assert set(state["models"]["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert set(state["optimizers"]["model"]) == {"state", "param_groups"}
 
 
 def test_resume_auto_takes_last_and_falls_back_past_an_incomplete_directory(saved: ShardedStore):
@@ -68,7 +82,7 @@ def test_resume_auto_takes_last_and_falls_back_past_an_incomplete_directory(save
 def test_restore_reads_the_model_and_optimizer_into_a_fresh_pair(saved: ShardedStore):
     model, optimizer = trained(0)
     fresh_model, fresh_optimizer = trained(1)
-    checkpoint.read(saved.directory / "last").restore({"model": fresh_model, "optimizer": fresh_optimizer})
+    checkpoint.read(saved.directory / "last").restore(parts(fresh_model, fresh_optimizer))
     for ours, theirs in zip(fresh_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(ours, theirs)
         assert torch.equal(fresh_optimizer.state[ours]["momentum_buffer"], optimizer.state[theirs]["momentum_buffer"])
@@ -76,9 +90,9 @@ def test_restore_reads_the_model_and_optimizer_into_a_fresh_pair(saved: ShardedS
     assert all(torch.equal(whole[name], tensor) for name, tensor in model.state_dict().items())
 
 
-def test_a_ddp_optimizer_state_is_put_to_parameter_names():
+def test_an_optimizer_state_is_keyed_by_parameter_name():
     model, optimizer = trained(0)
-    by_name = fsdp.by_name(optimizer.state_dict(), model)
+    by_name = OptimizerState(model, optimizer).state_dict()
     assert list(by_name["state"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert by_name["param_groups"][0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
 
@@ -88,5 +102,5 @@ def test_init_from_gathers_a_sharded_checkpoint_into_whole_weights(saved: Sharde
 
     model, _ = trained(0)
     fresh, _ = trained(1)
-    init_from.load_initial_weights(fresh, saved.directory / "best", strict=True)
+    init_from.load_initial_weights({"model": fresh}, "model", saved.directory / "best", strict=True)
     assert all(torch.equal(tensor, model.state_dict()[name]) for name, tensor in fresh.state_dict().items())

@@ -51,15 +51,14 @@ def test_other_runtime_errors_pass_through():
 
 
 def test_an_out_of_memory_a_model_constructor_raised_inside_hydra_s_instantiate_is_one_line_too():
-    """trainer.init_weights=constructor under dist=fsdp builds the whole model, through hydra's instantiate,
-    which wraps what the constructor raised."""
+    """A model without an initialisation hook is built whole under dist=fsdp, through hydra's instantiate, which
+    wraps what the constructor raised."""
     from hydra.errors import InstantiationException
 
     allocator = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 37748736 bytes.")
     with pytest.raises(errors.UsageError, match=r"^out of memory on rank \d+ \(tried to allocate 37748736 bytes\) "
-                                                r"under dist=fsdp, .*: use trainer.init_weights=by_name \(built on "
-                                                r"the meta device, each rank allocates only its shards\)$"):
-        with errors.out_of_memory_is_one_line("fsdp", "constructor"):
+                                                r"under dist=fsdp, .*: use more ranks \(torchrun --nproc_per_node=N\)$"):
+        with errors.out_of_memory_is_one_line("fsdp"):
             try:
                 raise allocator
             except RuntimeError as error:

@@ -6,7 +6,12 @@ import torch.nn.functional as F
 
 from src.common.seeding import seed_everything, step_seed
 from src.components.tasks import Classification, Regression
-from src.loop.evaluation import evaluate
+from src.loop.evaluation import evaluate as evaluate_task
+
+
+def evaluate(model, batches, task, info, device):
+    """The task's evaluation of a run of one model over `batches` (the val split's, from sample 0)."""
+    return evaluate_task(task, {"model": model}, lambda split: (batches, 0), info, device)
 
 
 def test_evaluate_matches_a_direct_computation_and_restores_train_mode():

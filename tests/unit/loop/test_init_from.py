@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from src.checkpoint.store import FORMAT, FORMAT_1
+from src.checkpoint.store import FORMAT
 from src.common.errors import UsageError
-from src.loop.init_from import freeze, load_initial_weights, load_on_every_rank, match, read_weights, strip_prefixes
+from src.loop import init_from
+from src.loop.init_from import match, strip_prefixes
 
 HAS_SAFETENSORS = importlib.util.find_spec("safetensors") is not None
 
@@ -38,19 +39,33 @@ def trained_net(classes: int = 10) -> Net:
     return net
 
 
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The weights init_from reads from `path` for a run of one model."""
+    return init_from.read_weights(path, ["model"], "model")["model"]
+
+
+def load_initial_weights(module: nn.Module, path: Path, strict: bool) -> init_from.Match:
+    return init_from.load_initial_weights({"model": module}, "model", path, strict)["model"]
+
+
+def load_on_every_rank(module: nn.Module, path: Path, strict: bool) -> None:
+    init_from.load_on_every_rank({"model": module}, "model", path, strict)
+
+
+def freeze(module: nn.Module, prefixes: list[str]) -> int:
+    return init_from.freeze({"model": module}, prefixes)
+
+
 def save(tmp_path: Path, payload, name: str = "weights.pt") -> Path:
     path = tmp_path / name
     torch.save(payload, path)
     return path
 
 
-@pytest.mark.parametrize("layout", [
-    {"format": FORMAT, "optimizer": {}, "loop": {"step": 7}},
-    {"format": FORMAT_1, "optimizer": {}, "step": 7},  # written before the parts were named
-])
-def test_a_checkpoint_of_this_template_gives_its_model_weights_only(tmp_path: Path, layout: dict):
+def test_a_checkpoint_of_this_template_gives_its_model_weights_only(tmp_path: Path):
     source = trained_net()
-    path = save(tmp_path, {**layout, "model": source.state_dict()})
+    path = save(tmp_path, {"format": FORMAT, "optimizers": {"model": {}}, "loop": {"step": 7},
+                           "models": {"model": source.state_dict()}})
     weights = read_weights(path)
     assert set(weights) == set(source.state_dict())
     torch.manual_seed(2)

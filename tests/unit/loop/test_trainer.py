@@ -18,7 +18,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 from src.checkpoint.file_store import FileStore
-from src.checkpoint.store import upgrade
 from src.components.tasks import Classification
 from src.config.schema import TrainerConfig
 from src.data.loaders import Data, GlobalBatchSampler, TensorBatchLoader
@@ -69,10 +68,10 @@ def test_gradients_are_all_reduced_on_the_last_micro_step_only(one_rank_group, t
     # aot_eager: dynamo and autograd tracing as with inductor, without building C++ kernels.
     train_model = torch.compile(ddp, backend="aot_eager") if compiled else ddp
     trainer = Trainer(TrainerConfig(epochs=1, grad_accum=grad_accum),
-                      TrainParts(runtime, Classification(), model, train_model, optimizer,
+                      TrainParts.one_model(runtime, Classification(), model, train_model, optimizer,
                                  torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), tiny_data(grad_accum),
                                  FileStore(tmp_path / "checkpoints", False), Reporter(tmp_path, False)))
-    assert trainer.ddp is ddp
+    assert trainer.step._gradient_syncs["model"].__self__ is ddp  # the DDP inside torch.compile's wrapper
     state = TrainState()
     trainer.train_one_epoch(0, Run(trainer.config, trainer.parts, state, False, trainer.evaluate))
     assert len(micro_steps) == STEPS * grad_accum and state.step == STEPS
@@ -96,7 +95,8 @@ class WithTop2(Classification):
         return {**super().compute(sums), "top2": float(sums["top2"]) / float(sums["count"])}
 
 
-def test_an_added_metric_is_reported_for_train_and_val(tmp_path: Path):
+def one_process_trainer(tmp_path: Path, task, monitor: str = "val/loss", mode: str = "min") -> Trainer:  # noqa: ANN001
+    """A one-process trainer of a Linear(4, 3) over `tiny_data`, validated on its samples, saving no checkpoint."""
     model = nn.Linear(4, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = tiny_data(grad_accum=1)
@@ -104,11 +104,15 @@ def test_an_added_metric_is_reported_for_train_and_val(tmp_path: Path):
                 val_loader=TensorBatchLoader(data.splits.val, [list(range(GLOBAL_BATCH * STEPS))], torch.device("cpu")),
                 num_val_samples=GLOBAL_BATCH * STEPS)
     runtime = Runtime(DistEnv(), torch.device("cpu"), backend=None)
-    trainer = Trainer(TrainerConfig(epochs=1, save_checkpoints=False, monitor="val/top2", monitor_mode="max"),
-                      TrainParts(runtime, WithTop2(), model, model, optimizer,
-                                 torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
-                                 FileStore(tmp_path / "checkpoints", True),
-                                 Reporter(tmp_path, True, tensorboard=False)))
+    return Trainer(TrainerConfig(epochs=1, save_checkpoints=False, monitor=monitor, monitor_mode=mode),
+                   TrainParts.one_model(runtime, task, model, model, optimizer,
+                                        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
+                                        FileStore(tmp_path / "checkpoints", True),
+                                        Reporter(tmp_path, True, tensorboard=False)))
+
+
+def test_an_added_metric_is_reported_for_train_and_val(tmp_path: Path):
+    trainer = one_process_trainer(tmp_path, WithTop2(), monitor="val/top2", mode="max")
     state = TrainState()
     trainer.fit(state)
     record = state.history[-1]
@@ -118,12 +122,11 @@ def test_an_added_metric_is_reported_for_train_and_val(tmp_path: Path):
     assert summary["val/top2"] == record["val/top2"]
 
 
-def test_a_checkpoint_of_an_earlier_version_still_gives_its_state():
-    """Checkpoints saved before the stop reason existed hold `stopped_early` among the state's keys."""
-    old = {"model": {}, "optimizer": {}, "epoch": 1, "step": 25, "best": 0.5, "train_samples": 1600,
-           "train_seconds": 2.0, "history": [{"epoch": 1}], "step_in_epoch": 3, "epoch_totals": None,
-           "stopped_early": False}
+def test_a_loop_state_loads_the_fields_it_knows_and_keeps_defaults_for_the_others():
+    """A field the state does not have (`stopped_early`) is ignored; one the saved state lacks keeps its default."""
+    old = {"epoch": 1, "step": 25, "best": 0.5, "train_samples": 1600, "train_seconds": 2.0,
+           "history": [{"epoch": 1}], "step_in_epoch": 3, "epoch_totals": None, "stopped_early": False}
     state = TrainState()
-    state.load_state_dict(upgrade(old)["loop"])
+    state.load_state_dict(old)
     assert (state.epoch, state.step, state.step_in_epoch, state.best) == (1, 25, 3, 0.5)
     assert "stopped_early" not in vars(state) and state.stopped is None

@@ -20,6 +20,20 @@ def test_auto_units_look_inside_a_lone_container_child():
     assert fsdp.units(model, []) == [layer for layer in model.net if isinstance(layer, nn.Linear)]
 
 
+def test_auto_units_are_the_members_of_a_module_list_or_dict_which_fully_shard_cannot_take():
+    class Blocks(nn.Module):  # a transformer's layout: an embedding, a ModuleList of blocks, a head
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.blocks = nn.ModuleList(nn.ModuleDict({"fc": nn.Linear(8, 8), "proj": nn.Linear(8, 8)})
+                                        for _ in range(2))
+            self.head = nn.Linear(8, 2)
+
+    model = Blocks()
+    assert fsdp.units(model, []) == [model.embed, model.blocks[0]["fc"], model.blocks[0]["proj"],
+                                     model.blocks[1]["fc"], model.blocks[1]["proj"], model.head]
+
+
 def test_auto_units_smaller_than_min_unit_params_stay_with_the_root():
     cnn = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
     sizes = [sum(p.numel() for p in child.parameters()) for child in (cnn.features, cnn.classifier)]

@@ -105,7 +105,7 @@ def test_a_training_epoch_bar_ends_at_its_steps_also_when_resumed(terminal, monk
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reporter = Reporter(tmp_path, is_main_process=True, tensorboard=False, progress=True)
     trainer = Trainer(TrainerConfig(epochs=1),
-                      TrainParts(Runtime(DistEnv(), cpu, backend=None), Classification(), model, model, optimizer,
+                      TrainParts.one_model(Runtime(DistEnv(), cpu, backend=None), Classification(), model, model, optimizer,
                                  torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
                                  FileStore(tmp_path / "checkpoints", False), reporter))
     state = TrainState(step=step_in_epoch, step_in_epoch=step_in_epoch)

@@ -60,7 +60,7 @@ def test_model_summary_lists_parameters_per_child_and_in_all():
     model.add_module("act", nn.ReLU())
     model.add_module("head", nn.Linear(3, 2))
     model.encoder.requires_grad_(False)
-    text = reporting.model_summary(model)
+    text = reporting.model_summary({"model": model})
     assert "| encoder | Linear | 15 |" in text and "| act | ReLU | 0 |" in text and "| head | Linear | 8 |" in text
     assert "| **total** | Sequential | 23 (8 trainable) |" in text
     assert "    (encoder): Linear(in_features=4, out_features=3, bias=True)" in text
@@ -69,7 +69,7 @@ def test_model_summary_lists_parameters_per_child_and_in_all():
 
 def test_other_ranks_draw_no_images_and_write_no_files(tmp_path: Path):
     reporter = reporting.Reporter(tmp_path, is_main_process=False)
-    reporter.text("model/summary", reporting.model_summary(nn.Linear(2, 2)))
+    reporter.text("model/summary", reporting.model_summary({"model": nn.Linear(2, 2)}))
     reporter.image("inputs/train_batch", torch.zeros(3, 8, 8), step=0)
     reporter.file("confusion_matrix.csv", "a,b\n")
     assert not reporter.shows_images
@@ -79,7 +79,7 @@ def test_other_ranks_draw_no_images_and_write_no_files(tmp_path: Path):
 
 def test_main_process_writes_images_text_and_files(tmp_path: Path):
     reporter = reporting.Reporter(tmp_path, is_main_process=True)
-    reporter.text("model/summary", reporting.model_summary(nn.Linear(4, 2)))
+    reporter.text("model/summary", reporting.model_summary({"model": nn.Linear(4, 2)}))
     image = torch.rand(3, 10, 12, generator=torch.Generator().manual_seed(0))
     reporter.image("val/some_image", image, step=7)
     reporter.file("table.csv", "true\\predicted,0,1\n")
@@ -103,7 +103,7 @@ def test_run_start_logs_the_resolved_config_then_one_summary_line(tmp_path: Path
               "task": {"_target_": "src.components.tasks.Binary"},
               "trainer": {"epochs": 3, "monitor": "val/f1", "monitor_mode": "max"}}
     with caplog.at_level(logging.INFO, logger="train"):
-        reporting.log_run_start(tmp_path, runtime, nn.Linear(4, 2), data, 2, config, ["trainer.epochs=3"])
+        reporting.log_run_start(tmp_path, runtime, {"model": nn.Linear(4, 2)}, data, 2, config, ["trainer.epochs=3"])
     overrides_record, config_record, summary_record = caplog.records
     assert overrides_record.getMessage() == "overrides: trainer.epochs=3"
     assert config_record.console is False  # the log files only (print_config=true: the console too)

@@ -50,10 +50,13 @@ def fake_run(stopped=None) -> SimpleNamespace:
 
 
 def opened(tmp_path: Path, tracker: Tracker, checkpoint: dict | None = None) -> Trackers:
+    """As the loop drives it: the run's start, a resumed run's checkpoint state, then the first scalars, which
+    open the trackers' runs."""
     trackers = Trackers({"t": tracker}, RunIdentity(str(tmp_path), tmp_path))
+    trackers.on_run_start(fake_run())
     if checkpoint is not None:
         trackers.load_state_dict(checkpoint)
-    trackers.on_run_start(fake_run())
+    trackers.log({}, 0)
     return trackers
 
 

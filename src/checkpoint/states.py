@@ -1,0 +1,159 @@
+"""The run's models and optimizers as checkpoint parts: states keyed by parameter name, whole or sharded.
+
+A checkpoint stores what each part's `state_dict()` returns and gives it back to `load_state_dict()`
+(src/checkpoint/store.py). A model and its optimizer need a little more than torch's own methods, so that
+any checkpoint resumes on any world size and strategy:
+
+- `ModelState`: the unwrapped module's state_dict (no `module.` or `_orig_mod.` prefixes); under dist=fsdp
+  its parameters are DTensors, this rank's shards. It loads a whole state_dict (a dist=ddp `.pt`) into a
+  sharded module, each rank keeping its slices, and a sharded one into a plain module.
+- `OptimizerState`: the optimizer's state keyed by parameter name (torch keys it by position), so that a
+  dist=ddp and a dist=fsdp run read each other's, and the sharded reader can reshard it.
+- `Named`: several parts of one kind by name (the run's models, optimizers, schedulers).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from src.common.errors import UsageError
+from src.parallel import fsdp
+
+log = logging.getLogger(__name__)
+
+
+def is_dtensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and hasattr(value, "device_mesh")
+
+
+class ModelState:
+    """A trained model's weights as a checkpoint part; `name` and `source` only word errors."""
+
+    def __init__(self, module: nn.Module, name: str = "model") -> None:
+        self.module = module
+        self.name = name
+        self.source = "the checkpoint"  # what errors name: `checkpoint PATH`, set by the reader
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        if fsdp.is_sharded(self.module):
+            return get_model_state_dict(self.module)
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """`state` into the module: whole or sharded tensors, into a plain or a sharded module. Keys or shapes
+        that differ are one line naming the file, a few keys of each kind and what to do."""
+        try:
+            if fsdp.is_sharded(self.module):
+                whole = not any(is_dtensor(tensor) for tensor in state.values())
+                set_model_state_dict(self.module, dict(state), options=StateDictOptions(full_state_dict=whole))
+            else:
+                self.module.load_state_dict(state)
+        except (RuntimeError, KeyError, ValueError) as error:
+            which = "this model" if self.name == "model" else f"model {self.name!r}"
+            raise UsageError(f"{self.source} does not fit {which} ({_mismatch(error)}); use the model and dataset "
+                             "configs it was saved with") from None
+
+
+def _mismatch(error: BaseException) -> str:
+    """torch's words for the keys and shapes that differ, cut to a few of each kind."""
+    lines = [line.strip().rstrip(". ") for line in str(error).strip().splitlines() if line.strip()]
+    problems = [_first_keys(line) for line in (lines[1:] or lines)]
+    more = f"; and {len(problems) - 2} more" if len(problems) > 2 else ""
+    return "; ".join(problems[:2]) + more
+
+
+def _first_keys(problem: str, shown: int = 3) -> str:
+    """`Unexpected key(s) in state_dict: "a", "b", ...` cut to its first `shown` keys."""
+    keys = [part for index, part in enumerate(problem.split('"')) if index % 2]
+    if len(keys) <= shown:
+        return problem
+    return f"{problem.split(':')[0]}: {', '.join(keys[:shown])} and {len(keys) - shown} more"
+
+
+class OptimizerState:
+    """An optimizer over a trained model's parameters as a checkpoint part, keyed by parameter name."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module = module
+        self.optimizer = optimizer
+
+    @property
+    def sharded(self) -> bool:
+        return fsdp.is_sharded(self.module)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.sharded and self.optimizer.state:  # torch's helper would step an optimizer without state
+            return get_optimizer_state_dict(self.module, self.optimizer)
+        names = self._names()
+        groups = [{**group, "params": [names[id(p)] for p in group["params"]]} for group in self.optimizer.param_groups]
+        return {"state": {names[id(p)]: value for p, value in self.optimizer.state.items()}, "param_groups": groups}
+
+    def load_targets(self) -> dict[str, Any]:
+        """What the sharded reader reads this part's tensors into: every state tensor, sharded like its parameter.
+        torch's helper makes them by stepping an optimizer that has none (lr 0, zero gradients); the loaded
+        values replace them, and `load_state_dict` drops those of parameters the checkpoint holds no state for."""
+        return get_optimizer_state_dict(self.module, self.optimizer) if self.sharded else self.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        groups = fsdp.this_implementation(state["param_groups"], self.optimizer)
+        if self.sharded:
+            whole = not any(is_dtensor(value) for values in state["state"].values() for value in values.values())
+            set_optimizer_state_dict(self.module, self.optimizer, {"state": dict(state["state"]), "param_groups": groups},
+                                     options=StateDictOptions(full_state_dict=whole))
+            saved = set(state["state"])
+            names = self._names()
+            for parameter in [p for p in self.optimizer.state if names[id(p)] not in saved]:
+                del self.optimizer.state[parameter]  # made up by torch's helper: this parameter had no state
+            return
+        live = [self._group_names(group) for group in self.optimizer.param_groups]
+        positions = {name: index for index, name in enumerate(name for names in live for name in names)}
+        unknown = [name for name in state["state"] if name not in positions]
+        if unknown or len(groups) != len(live):
+            raise UsageError(f"the checkpoint's optimizer state does not fit this run's optimizer (parameters "
+                             f"{', '.join(unknown[:3]) or 'none'} unknown; {len(groups)} parameter groups saved, "
+                             f"{len(live)} here): resume with the model and optimizer configs it was saved with")
+        self.optimizer.load_state_dict({
+            "state": {positions[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [positions[name] for name in names]}
+                             for group, names in zip(groups, live)]})
+
+    def _names(self) -> dict[int, str]:
+        """Parameter name by id: the module's names, which a plain and a sharded module share."""
+        return {id(parameter): name for name, parameter in self.module.named_parameters()}
+
+    def _group_names(self, group: Mapping[str, Any]) -> list[str]:
+        names = self._names()
+        return [names[id(parameter)] for parameter in group["params"]]
+
+
+class Named:
+    """Several parts of one kind by name (models, optimizers, schedulers): their states under their names.
+    A resumed run must find every part it has in the checkpoint (`what` words the error), and ignores others."""
+
+    def __init__(self, parts: Mapping[str, Any], what: str) -> None:
+        self.parts = dict(parts)
+        self.what = what
+        self.source = "the checkpoint"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: part.state_dict() for name, part in self.parts.items()}
+
+    def load_state_dict(self, states: Mapping[str, Any]) -> None:
+        missing = [name for name in self.parts if name not in states]
+        if missing:
+            raise UsageError(f"{self.source} holds no {self.what} {', '.join(map(repr, missing))} (it holds "
+                             f"{', '.join(map(repr, states)) or 'none'}): resume with the models it was saved with")
+        for name, part in self.parts.items():
+            part.load_state_dict(states[name])

@@ -1,0 +1,187 @@
+"""dist=fsdp starts from the weights the model's own code gives, as dist=ddp does, on any world size, through the
+real command line (src/loop/initial_weights.py):
+
+- models that declare no initialisation hook (a zero-initialised head; nanoGPT's `self.apply(self._init_weights)`
+  with a per-name rescale): their constructor's weights, `torch.manual_seed(seed); Model()` bit for bit, under
+  ddp and fsdp alike, with one log line under fsdp saying what to add to build on the meta device;
+- models that declare one (a per-name rule in `init_module(module, name)`, a model-level `init_weights()`, and the
+  built-in models): built on the meta device under both strategies, to the same weights on 1, 2 and 3 ranks.
+
+The fork's models are a module of its own (PYTHONPATH), named by `model._target_`. Initial weights are read from a
+checkpoint after one SGD step at lr=0 (the step changes no parameter; BatchNorm's running statistics, which see
+each rank's batches, are left out).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import check, torchrun, train
+
+from src import checkpoint
+
+pytestmark = pytest.mark.slow
+
+FORK = '''
+import math
+import torch
+from torch import nn
+
+
+class ZeroHead(nn.Module):
+    def __init__(self, in_features, num_outputs):
+        super().__init__()
+        self.body = nn.Linear(in_features, 32)
+        self.head = nn.Linear(32, num_outputs)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x.flatten(1))))
+
+
+class NanoStyle(nn.Module):
+    def __init__(self, in_features, num_outputs, layers=2):
+        super().__init__()
+        self.embed = nn.Linear(in_features, 16)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"c_fc": nn.Linear(16, 64), "c_proj": nn.Linear(64, 16)})
+                                    for _ in range(layers))
+        self.head = nn.Linear(16, num_outputs)
+        self.apply(self._init_weights)
+        for name, parameter in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * layers))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            nn.init.zeros_(module.bias)
+
+    def forward(self, x):
+        x = self.embed(x.flatten(1))
+        for block in self.blocks:
+            x = x + block["c_proj"](torch.relu(block["c_fc"](x)))
+        return self.head(x)
+
+
+class PerName(NanoStyle):
+    """The same model, initialised by a hook: built on the meta device."""
+
+    def __init__(self, in_features, num_outputs, layers=2):
+        nn.Module.__init__(self)
+        self.layers = layers
+        self.embed = nn.Linear(in_features, 16)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"c_fc": nn.Linear(16, 64), "c_proj": nn.Linear(64, 16)})
+                                    for _ in range(layers))
+        self.head = nn.Linear(16, num_outputs)
+
+    def init_module(self, module, name):
+        std = 0.02 / math.sqrt(2 * self.layers) if name.endswith("c_proj") else 0.02
+        nn.init.normal_(module.weight, std=std)
+        nn.init.zeros_(module.bias)
+
+
+class WholeInit(ZeroHead):
+    """torchtitan's way: one init_weights() for the model."""
+
+    def __init__(self, in_features, num_outputs):
+        nn.Module.__init__(self)
+        self.body = nn.Linear(in_features, 32)
+        self.head = nn.Linear(32, num_outputs)
+
+    def init_weights(self):
+        nn.init.trunc_normal_(self.body.weight, std=0.5)
+        nn.init.zeros_(self.body.bias)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+'''
+FIRST_STEP = ["optimizer=sgd", "optimizer.lr=0", "scheduler=constant", "trainer.max_steps=1", "dataset.batch_size=48",
+              "trainer.progress=false", "trainer.limit_val_batches=1"]
+FSDP = ["dist=fsdp", "dist.fsdp.min_unit_params=0"]  # every child that holds parameters sharded as a unit
+
+
+def fork_model(name: str) -> list[str]:
+    return ["model=mlp", f"model._target_=forkmodels.{name}", "~model.hidden_sizes", "~model.dropout"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("initial_weights")
+    (root / "forkmodels.py").write_text(FORK)
+    return root
+
+
+def started(workdir: Path, processes: int, args: list[str], name: str) -> dict[str, torch.Tensor]:
+    """The parameters a run of `args` on `processes` ranks starts from (no buffers)."""
+    env = {"PYTHONPATH": str(workdir)}
+    full = [*FIRST_STEP, *args, f"hydra.run.dir={name}"]
+    check(train(full, workdir, env=env) if processes == 1 else torchrun(processes, full, workdir, env=env))
+    path = workdir / name / "checkpoints"
+    saved = checkpoint.read(path / "last.pt" if (path / "last.pt").exists() else path / "last").model_weights()
+    return {key: value for key, value in saved.items() if "running_" not in key and "num_batches" not in key}
+
+
+def constructed(workdir: Path, name: str) -> dict[str, torch.Tensor]:
+    sys.path.insert(0, str(workdir))
+    try:
+        import forkmodels
+    finally:
+        sys.path.remove(str(workdir))
+    torch.manual_seed(0)
+    return dict(getattr(forkmodels, name)(in_features=64, num_outputs=10).named_parameters())
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
+@pytest.mark.parametrize("model", ["ZeroHead", "NanoStyle"])
+def test_a_model_without_a_hook_starts_from_its_constructor_s_weights_under_ddp_and_fsdp(workdir: Path, model: str):
+    ddp = started(workdir, 2, fork_model(model), f"{model}_ddp")
+    fsdp = started(workdir, 3, [*fork_model(model), *FSDP], f"{model}_fsdp")
+    assert_same(ddp, constructed(workdir, model))
+    assert_same(fsdp, ddp)
+    if model == "ZeroHead":
+        assert ddp["head.weight"].abs().sum() == 0 and ddp["head.bias"].abs().sum() == 0
+    else:
+        assert ddp["blocks.0.c_proj.weight"].std().item() == pytest.approx(0.01, rel=0.2)
+    log = (workdir / f"{model}_fsdp" / "train.log").read_text()
+    assert (f"dist=fsdp: the model ({model}) is built whole on every rank, then sharded: it declares no "
+            "init_module(module, name) or init_weights(); give it one to build it on the meta device") in log
+
+
+@pytest.mark.parametrize("model", ["PerName", "WholeInit"])
+def test_a_model_with_a_hook_is_built_on_meta_to_the_same_weights_on_any_world_size(workdir: Path, model: str):
+    one = started(workdir, 1, fork_model(model), f"{model}_one")
+    ddp = started(workdir, 2, fork_model(model), f"{model}_ddp")
+    fsdp = started(workdir, 3, [*fork_model(model), *FSDP], f"{model}_fsdp")
+    assert_same(one, ddp)
+    assert_same(fsdp, ddp)
+    if model == "PerName":
+        assert ddp["blocks.1.c_proj.weight"].std().item() == pytest.approx(0.01, rel=0.2)
+        assert ddp["blocks.1.c_fc.weight"].std().item() == pytest.approx(0.02, rel=0.2)
+    else:
+        assert ddp["head.weight"].abs().sum() == 0 and ddp["body.weight"].std().item() == pytest.approx(0.5, rel=0.1)
+    hook = "init_module" if model == "PerName" else "init_weights"
+    for run in (f"{model}_ddp", f"{model}_fsdp"):
+        assert f"the model is built on the meta device; its {hook} gives it its weights" in (
+            workdir / run / "train.log").read_text()
+
+
+def test_the_built_in_models_start_from_their_constructor_s_weights_on_one_two_and_three_ranks_of_either_strategy(workdir: Path):
+    cnn = ["model=cnn"]
+    one = started(workdir, 1, cnn, "cnn_one")
+    assert_same(started(workdir, 2, cnn, "cnn_ddp"), one)
+    assert_same(started(workdir, 2, [*cnn, *FSDP], "cnn_fsdp_2"), one)
+    assert_same(started(workdir, 3, [*cnn, *FSDP], "cnn_fsdp_3"), one)
+    from src.components.models import SimpleCNN
+
+    torch.manual_seed(0)  # built on meta, the CNN starts from its constructor's weights, as every run did before
+    assert_same(one, dict(SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10).named_parameters()))
+    fan_in = one["classifier.5.weight"].shape[1]  # torch's Linear: uniform within 1/sqrt(fan_in)
+    assert one["classifier.5.weight"].abs().max().item() <= 1 / math.sqrt(fan_in)

@@ -1,14 +1,15 @@
-"""Evaluate a checkpoint of train.py on the val split, on one process or as a DDP group.
+"""Evaluate a checkpoint of train.py on the test split (or the val split), on one process or as a DDP group.
 
     python eval.py checkpoint=outputs/DATE/TIME/checkpoints/best.pt
-    torchrun --nproc_per_node=2 eval.py checkpoint=PATH    # the val split sharded over 2 workers
+    python eval.py checkpoint=PATH split=val               # the val split (default: test where there is one)
+    torchrun --nproc_per_node=2 eval.py checkpoint=PATH    # the split sharded over 2 workers
     python eval.py checkpoint=PATH dataset.root=/data       # the checkpoint's dataset, one key changed
     python eval.py --help                                   # options (conf/eval.yaml)
 
 The story of an evaluation: read the checkpoint, join the process group, build the
-val split and the saved model, evaluate, report. The model comes from the config saved
+split and the saved models, evaluate, report. The models come from the config saved
 in the checkpoint, so naming the file is enough; the metrics are exact on any number of
-processes (every val sample counted once) and land in this run's own dir.
+processes (every sample counted once) and land in this run's own dir.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ ConfigStore.instance().store(group="dataset", name=FROM_CHECKPOINT, node=OmegaCo
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
 def main(cfg: DictConfig) -> float:
-    """Hydra's entry point; returns the val value of the checkpoint's monitored metric."""
+    """Hydra's entry point; returns the checkpoint's monitored metric on the split evaluated (NaN if none)."""
     hydra_errors.config_composed()  # from here on, errors are the run's (Hydra reports them as usual)
     ranks.adopt_cluster_env()  # submitit / SLURM tasks become torchrun-style workers
     context = RunContext.of(HydraConfig.get())
@@ -69,9 +70,9 @@ def main(cfg: DictConfig) -> float:
 
 
 def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> float:
-    """Evaluate `cfg.checkpoint` on this rank's shard of the val split with the task it was trained
-    on; every rank returns the val value of its monitored metric over all of the split.
-    `dataset_choice` is the `dataset` option Hydra composed."""
+    """Evaluate `cfg.checkpoint` on this rank's shard of the split (`cfg.split`) with the task it was trained on;
+    every rank returns the value of its monitored metric over all of the split. `dataset_choice` is the `dataset`
+    option Hydra composed."""
     lazy.load_all()
     heap.resume_collection()  # start-up's objects are frozen; what the evaluation builds is collected as usual
     saved_checkpoint = read_checkpoint(cfg)
@@ -85,15 +86,16 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
         raise UsageError(f"{path} was saved before tasks existed (no task in its config): train it again")
     with building.errors_named("task", saved.task):
         task = instantiate(saved.task)
-    monitored = f"val/{saved.trainer.monitor.split('/', 1)[1]}"  # val/<name>: what this split can measure
 
     with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
         reporting.setup_logging(run_dir, runtime.env.rank, name="eval")
         task.aux = models.build_aux(saved.get("aux"), task, runtime.device,
                                     trusted_targets.trusted(cfg.trusted_targets, cfg))
-        val = evaluate_saved_model(saved_checkpoint, task, dataset_cfg, dataset_choice, runtime, amp_dtype,
-                                   cfg.weights)
-        return report(val, path, saved_checkpoint.loop["epoch"], runtime, run_dir, cfg.weights, task.unit)[monitored]
+        split, metrics = evaluate_saved_model(saved_checkpoint, task, dataset_cfg, dataset_choice, runtime, amp_dtype,
+                                              cfg.weights, cfg.split)
+        result = report(metrics, split, path, saved_checkpoint.loop["epoch"], runtime, run_dir, cfg.weights, task.unit)
+        monitor = saved.trainer.monitor  # <split>/<name>: what this split can measure
+        return result.get(f"{split}/{monitor.split('/', 1)[1]}", float("nan")) if monitor else float("nan")
 
 
 def read_checkpoint(cfg: DictConfig) -> Any:
@@ -112,15 +114,18 @@ def read_checkpoint(cfg: DictConfig) -> Any:
 
 
 def evaluate_saved_model(saved_checkpoint, task, dataset_cfg, dataset_choice, runtime, amp_dtype,  # noqa: ANN001
-                         weights: str = "model") -> dict:
-    """The checkpoint's model with its `weights` (model or ema), on the val split of `dataset_cfg` (which must
-    fit it): this rank's shard, the metrics over all ranks."""
+                         weights: str = "model", split: str | None = None) -> tuple[str, dict]:
+    """The checkpoint's models with its `weights` (model or ema), on `split` of `dataset_cfg` (which must fit them;
+    None: test where it has one, else val): the split evaluated, and the metrics over all ranks of its shards."""
     saved = OmegaConf.create(saved_checkpoint.config)
     path = saved_checkpoint.path
     with building.errors_named("dataset", dataset_cfg, passed_elsewhere=loaders.LOADER_KEYS):
         splits = loaders.build_splits(dataset_cfg)
     setup.check_fit(task, splits.info, saved.task._target_, f"{dataset_choice} ({dataset_cfg._target_})")
     setup.bind_to_dataset(task, splits, f"dataset={dataset_choice}")  # the task's inputs and target, by field
+    split = split or ("test" if splits.test is not None else "val")
+    if getattr(splits, split) is None:
+        raise UsageError(f"dataset={dataset_choice} has no {split} split: evaluate split=val")
     data_fields.check_same(saved_checkpoint.config.get("data_fields"), setup.model_fields(task, splits.info),
                            f"checkpoint {path}", f"dataset={dataset_choice}")
     # The plain modules, not DDP: evaluation syncs no gradients, only the metric sums. Their configs were
@@ -135,20 +140,20 @@ def evaluate_saved_model(saved_checkpoint, task, dataset_cfg, dataset_choice, ru
     loader = functools.partial(loaders.make_eval_loader, global_batch_size=val_batch, rank=runtime.env.rank,
                                world_size=runtime.world_size, device=runtime.device,
                                num_workers=dataset_cfg.num_workers, seed=saved.seed)
-    return evaluation.evaluate(task, modules, lambda split: loader(getattr(splits, split)), splits.info,
-                               runtime.device, amp_dtype, saved.seed)
+    return split, evaluation.evaluate(task, modules, lambda name: loader(getattr(splits, name)), splits.info,
+                                      runtime.device, amp_dtype, saved.seed, split=split)
 
 
-def report(val: dict, path: Path, epoch: int, runtime, run_dir: Path,  # noqa: ANN001 - Runtime
+def report(evaluated: dict, split: str, path: Path, epoch: int, runtime, run_dir: Path,  # noqa: ANN001 - Runtime
            weights: str = "model", unit: str = "samples") -> dict:
-    """Write the val metrics to this evaluation's metrics.json and the log; returns what was written. The count
+    """Write the split's metrics to this evaluation's metrics.json and the log; returns what was written. The count
     is named by the task's `unit`: num_samples, num_tokens, ..."""
-    metrics = {f"val/{name}": value for name, value in val.items() if isinstance(value, float)}
-    result = {**metrics, f"num_{unit}": val["count"], "world_size": runtime.world_size,
+    metrics = {f"{split}/{name}": value for name, value in evaluated.items() if isinstance(value, float)}
+    result = {**metrics, f"num_{unit}": evaluated["count"], "split": split, "world_size": runtime.world_size,
               "checkpoint": str(path.resolve()), "epoch": epoch, "weights": weights}
     reporting.Reporter(run_dir, runtime.is_main_process, tensorboard=False).write_metrics(result)
     log.info("%s  num_%s=%d  world_size=%d  checkpoint %s (epoch %d, %s weights)  run dir: %s",
-             "  ".join(f"{k}={v:.6f}" for k, v in metrics.items()), unit, val["count"], runtime.world_size, path,
+             "  ".join(f"{k}={v:.6f}" for k, v in metrics.items()), unit, evaluated["count"], runtime.world_size, path,
              epoch, weights, run_dir)
     return result
 

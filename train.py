@@ -210,7 +210,7 @@ def report_final(loop, state, context: RunContext) -> float:  # noqa: ANN001 - T
     """The finished run's hparams and final metrics; returns the monitored one."""
     parts = loop.parts
     summary = loop.summary(state, parts.data.num_val_samples)
-    final = {k: v for k, v in summary.items() if "/" in k and not k.startswith("val/num_")}
+    final = {k: v for k, v in summary.items() if "/" in k and "/num_" not in k}
     hparams = run_hparams(parts.saved_config, context.overrides, context.choices,
                           parts.data.train_sampler.global_batch_size)
     parts.reporter.hparams(hparams, final)

@@ -45,7 +45,7 @@ from src.parallel import fsdp
 
 log = logging.getLogger(__name__)
 
-SPLIT = "val_ema"  # the record's prefix of the EMA weights' val metrics
+SPLIT, TEST_SPLIT = "val_ema", "test_ema"  # the prefixes of the EMA weights' val and test metrics
 
 
 class EmaWeights:
@@ -143,6 +143,10 @@ class EMA(Callback):
     def on_validation(self, run: Run, val: Mapping[str, Any]) -> dict[str, float]:
         with self.weights.applied():  # type: ignore[union-attr]
             return metric_values(SPLIT, run.evaluate(SPLIT))
+
+    def on_test(self, run: Run, test: Mapping[str, Any]) -> dict[str, float]:
+        with self.weights.applied():  # type: ignore[union-attr]
+            return metric_values(TEST_SPLIT, run.evaluate(TEST_SPLIT, split="test"))
 
     def state_dict(self) -> dict[str, Any]:
         # `best_weights`: the weights trainer.monitor judges, so best.pt's winner (eval.py weights=...).

@@ -41,7 +41,16 @@ def resolve(path: Path) -> Path:
 
 def latest(directory: Path) -> Path | None:
     """The newest checkpoint: `last.pt` or `last` (the later written, if a run switched dist)."""
-    found = [path for path in (directory / LAST_FILE, directory / "last") if path.is_file()]
+    return _later(directory / LAST_FILE, directory / "last")
+
+
+def best(directory: Path) -> Path | None:
+    """The best checkpoint: `best.pt` or `best` (the later written, if a run switched dist)."""
+    return _later(directory / BEST_FILE, directory / "best")
+
+
+def _later(*paths: Path) -> Path | None:
+    found = [path for path in paths if path.is_file()]
     return max(found, key=lambda path: path.stat().st_mtime_ns, default=None)
 
 

@@ -192,6 +192,9 @@ class Store:
     def latest(self) -> Path | None:
         return layout.latest(self.directory)
 
+    def best(self) -> Path | None:
+        return layout.best(self.directory)
+
     def newest_first(self) -> list[Path]:
         return layout.newest_first(self.directory)
 

@@ -1,8 +1,8 @@
-"""Dataset builders: each returns the train and val splits plus what it provides to models and tasks.
+"""Dataset builders: each returns the train, val and test splits plus what it provides to models and tasks.
 
 A builder is a plain function named by a YAML file's `_target_` (e.g. `conf/dataset/digits.yaml`
 has `_target_: src.components.datasets.digits`), so adding a dataset means one function here and one YAML.
-Every builder returns a `DataSplits`: two datasets whose items are tuples (or dicts) of tensors, and
+Every builder returns a `DataSplits`: datasets whose items are tuples (or dicts) of tensors, and
 `info`, a free-form dict of what the data looks like (`num_classes`, `in_channels`, `image_size`,
 `num_features`, `num_targets`, ...). Model YAMLs take the fields they need as `${data:FIELD}`;
 tasks check the fields they need (`num_classes` for classification, `num_targets` for regression).
@@ -12,8 +12,10 @@ model's inputs and its target by name: image datasets give `(image, label)` item
 `breast_cancer` gives `(features, label)`, `diabetes` `(features, target)`; `two_input_synthetic` gives
 `(rgb, mask, target)`; `python_docs` gives `(tokens, next_tokens)` (padded byte sequences).
 `digits`, `breast_cancer`, `diabetes` (bundled with scikit-learn), `python_docs` (shipped with Python) and the
-synthetic ones need no
-files, so they run anywhere. The others read the standard on-disk formats and fail with a
+synthetic ones need no files, so they run anywhere; they split three ways (`val_size`, `test_size`), the synthetic
+ones draw a test split of their own. Datasets with an official test set (mnist, fashion_mnist, cifar10; an image
+folder with a test/ folder, an Arrow dataset with a test split) keep it as test and hold out `val_size` samples of
+the training set as val, the same share of each class, fixed by `split_seed`. The others read the standard on-disk formats and fail with a
 `DatasetNotFoundError` naming the folder and the files to put there. torchvision is imported inside
 the builders, and scikit-learn's bundled files are read without importing it, so that importing
 this module (and `python train.py --help`) stays fast.
@@ -21,12 +23,13 @@ this module (and `python train.py --help`) stays fast.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, Subset, TensorDataset
 
 from src.data.image_tensors import ImageTensorDataset
 from src.data.splits import IMAGE_FIELDS, DatasetNotFoundError, DataSplits, image_info
@@ -49,24 +52,22 @@ FASHION_MNIST_MEAN_STD = ((0.2860,), (0.3530,))
 CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 
 
-def digits(val_size: int = 360, split_seed: int = 0) -> DataSplits:
-    """scikit-learn's 8x8 handwritten digits (1797 images, 10 classes), split into train and val.
+def digits(val_size: int = 180, test_size: int = 180, split_seed: int = 0) -> DataSplits:
+    """scikit-learn's 8x8 handwritten digits (1797 images, 10 classes), split into train, val and test.
 
-    The first `val_size` samples of a permutation drawn from `split_seed` form the val split.
-    Pixels are scaled to [0, 1], then normalised with the train split's mean and std.
+    Of a permutation drawn from `split_seed`, the first `val_size` samples form the val split, the next
+    `test_size` the test split, the rest (1,437 by default) train. Pixels are scaled to [0, 1], then normalised
+    with the train split's mean and std.
     """
     table = _bundled_digits_table()
     images = torch.tensor(table[:, :-1], dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
     labels = torch.tensor(table[:, -1], dtype=torch.int64)
-    train_index, val_index = _split_indices(len(labels), val_size, split_seed, "digits")
+    train_index, val_index, test_index = _split_indices(len(labels), (val_size, test_size), split_seed, "digits")
     train_images = images[train_index]
     mean, std = train_images.mean(), train_images.std()
-    return DataSplits(
-        train=TensorDataset((train_images - mean) / std, labels[train_index]),
-        val=TensorDataset((images[val_index] - mean) / std, labels[val_index]),
-        info=image_info(10, 1, 8, 8),
-        **IMAGE_FIELDS,
-    )
+    split = lambda index: TensorDataset((images[index] - mean) / std, labels[index])  # noqa: E731
+    return DataSplits(train=split(train_index), val=split(val_index), test=split(test_index),
+                      info=image_info(10, 1, 8, 8), **IMAGE_FIELDS)
 
 
 def _bundled_digits_table() -> "np.ndarray":
@@ -93,25 +94,25 @@ def _bundled_file(name: str) -> Path:
     return Path(spec.submodule_search_locations[0]) / "datasets" / "data" / name
 
 
-def breast_cancer(val_size: int = 114, split_seed: int = 0) -> DataSplits:
+def breast_cancer(val_size: int = 57, test_size: int = 57, split_seed: int = 0) -> DataSplits:
     """scikit-learn's bundled Wisconsin breast cancer table: 569 samples of 30 features, label 0
     (malignant) or 1 (benign), as in `sklearn.datasets.load_breast_cancer`.
 
     Items are `(float32 features (30,), int64 label)`; the features are standardised with the train
-    split's per-feature mean and std (val statistics never leak into training).
+    split's per-feature mean and std (val and test statistics never leak into training).
     """
     import numpy as np
 
     table = np.loadtxt(_bundled_file("breast_cancer.csv"), delimiter=",", skiprows=1)  # row 1: counts, names
     features = torch.tensor(table[:, :-1], dtype=torch.float32)
     labels = torch.tensor(table[:, -1], dtype=torch.int64)
-    (train_x, train_y), (val_x, val_y) = _standardised_split(features, labels, val_size, split_seed, "breast_cancer")
-    return DataSplits(train=TensorDataset(train_x, train_y), val=TensorDataset(val_x, val_y),
+    train, val, test = _standardised_split(features, labels, (val_size, test_size), split_seed, "breast_cancer")
+    return DataSplits(train=TensorDataset(*train), val=TensorDataset(*val), test=TensorDataset(*test),
                       info={"num_classes": 2, "num_features": features.shape[1]}, fields=("features", "label"),
                       target="label")
 
 
-def diabetes(val_size: int = 88, split_seed: int = 0) -> DataSplits:
+def diabetes(val_size: int = 44, test_size: int = 44, split_seed: int = 0) -> DataSplits:
     """scikit-learn's bundled diabetes table: 442 patients, 10 features (age, sex, BMI, blood
     pressure, six blood serum measurements), target: disease progression one year later.
 
@@ -127,38 +128,59 @@ def diabetes(val_size: int = 88, split_seed: int = 0) -> DataSplits:
         features = torch.tensor(np.loadtxt(file), dtype=torch.float32)
     with gzip.open(_bundled_file("diabetes_target.csv.gz"), "rt") as file:
         target = torch.tensor(np.loadtxt(file), dtype=torch.float32).view(-1, 1)
-    (train_x, train_t), (val_x, val_t) = _standardised_split(features, target, val_size, split_seed, "diabetes")
+    (train_x, train_t), *held = _standardised_split(features, target, (val_size, test_size), split_seed, "diabetes")
     mean, std = train_t.mean(), train_t.std()
+    val, test = (TensorDataset(x, (t - mean) / std) for x, t in held)
     return DataSplits(
-        train=TensorDataset(train_x, (train_t - mean) / std), val=TensorDataset(val_x, (val_t - mean) / std),
+        train=TensorDataset(train_x, (train_t - mean) / std), val=val, test=test,
         info={"num_features": features.shape[1], "num_targets": 1, "target_mean": mean.item(),
               "target_std": std.item()},
         fields=("features", "target"), target="target",
     )
 
 
-def _split_indices(count: int, val_size: int, split_seed: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, val) sample indices: the first `val_size` of a permutation drawn from `split_seed` are val."""
-    if not 0 < val_size < count:
-        raise ValueError(f"{name}: val_size must be between 1 and {count - 1}, got {val_size}")
+def _split_indices(count: int, sizes: Sequence[int], split_seed: int, name: str) -> list[torch.Tensor]:
+    """[train, val, test] sample indices: of a permutation drawn from `split_seed`, val takes the first sizes[0],
+    test the next sizes[1], train the rest (fixed by `split_seed` alone: not by the run's seed or world size)."""
+    if any(size < 1 for size in sizes) or sum(sizes) >= count:
+        raise ValueError(f"{name}: val_size and test_size must each be at least 1 and leave samples to train on "
+                         f"({count} in all), got {', '.join(map(str, sizes))}")
     order = torch.randperm(count, generator=torch.Generator().manual_seed(split_seed))
-    return order[val_size:], order[:val_size]
+    bounds = [0, *itertools.accumulate(sizes)]
+    return [order[bounds[-1]:], *(order[start:stop] for start, stop in zip(bounds, bounds[1:]))]
 
 
 def _standardised_split(
-    features: torch.Tensor, targets: torch.Tensor, val_size: int, split_seed: int, name: str
-) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """((train features, targets), (val features, targets)): the first `val_size` samples of a
-    permutation drawn from `split_seed` are val; features are standardised per column with the
-    train split's mean and std."""
-    train_index, val_index = _split_indices(len(targets), val_size, split_seed, name)
+    features: torch.Tensor, targets: torch.Tensor, sizes: Sequence[int], split_seed: int, name: str
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(features, targets) of train, val, test] as `_split_indices` splits them; features standardised per column
+    with the train split's mean and std."""
+    train_index, *held = _split_indices(len(targets), sizes, split_seed, name)
     mean, std = features[train_index].mean(dim=0), features[train_index].std(dim=0).clamp(min=1e-12)
-    standardise = lambda index: (features[index] - mean) / std  # noqa: E731 - a one-line helper
-    return (standardise(train_index), targets[train_index]), (standardise(val_index), targets[val_index])
+    return [((features[index] - mean) / std, targets[index]) for index in (train_index, *held)]
+
+
+def stratified_holdout(labels: torch.Tensor, size: int, split_seed: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept, held out) sample indices, each sorted: `size` samples held out with each class in the share it has
+    (largest remainders), chosen at random within each class from `split_seed` alone."""
+    count = len(labels)
+    if not 0 < size < count:
+        raise ValueError(f"{name}: val_size must be between 1 and {count - 1}, got {size}")
+    generator = torch.Generator().manual_seed(split_seed)
+    classes, counts = labels.unique(return_counts=True)
+    shares = counts.double() * size / count
+    taken = shares.floor().long()
+    taken[(shares - taken).argsort(descending=True, stable=True)[: size - int(taken.sum())]] += 1
+    held = torch.cat([members[torch.randperm(len(members), generator=generator)[:number]]
+                      for label, number in zip(classes.tolist(), taken.tolist())
+                      for members in [(labels == label).nonzero().flatten()]]).sort().values
+    kept = torch.ones(count, dtype=torch.bool)
+    kept[held] = False
+    return kept.nonzero().flatten(), held
 
 
 def two_input_synthetic(
-    num_train: int = 1200, num_val: int = 240, image_size: Sequence[int] = (16, 16), seed: int = 0
+    num_train: int = 1200, num_val: int = 240, image_size: Sequence[int] = (16, 16), seed: int = 0, num_test: int = 240
 ) -> DataSplits:
     """RGB images and masks with a real target from a fixed, learnable function: a two-input problem
     that runs anywhere (the shape of `model(rgb_images, masks)` regression).
@@ -166,22 +188,34 @@ def two_input_synthetic(
     Images are smooth random colour fields (4x upsampled noise); a mask is a random rectangle
     covering 1/16 to 1/2 of the image. The target is the mean, over the mask's pixels, of a fixed
     random colour projection of the image, scaled to unit variance on the train split: the model must
-    use both inputs. Items are `(float32 rgb (3, H, W), float32 mask (1, H, W), float32 target (1,))`.
+    use both inputs. Items are `(float32 rgb (3, H, W), float32 mask (1, H, W), float32 target (1,))`. The test
+    split's `num_test` samples are drawn after all the others.
     """
     height, width = (int(x) for x in image_size)
     generator = torch.Generator().manual_seed(seed)
-    count = num_train + num_val
+    rgb, masks = _colour_fields(num_train + num_val, height, width, generator)
+    colour = torch.randn(3, generator=generator)
+    test_rgb, test_masks = _colour_fields(num_test, height, width, generator)
+
+    def target(rgb: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        projected = (rgb * colour.view(1, 3, 1, 1)).sum(dim=1, keepdim=True)
+        return ((projected * masks).sum(dim=(1, 2, 3)) / masks.sum(dim=(1, 2, 3))).view(-1, 1)
+
+    values = target(rgb, masks)
+    scale = values[:num_train].std()
+    values, test_values = values / scale, target(test_rgb, test_masks) / scale
+    return DataSplits(train=TensorDataset(rgb[:num_train], masks[:num_train], values[:num_train]),
+                      val=TensorDataset(rgb[num_train:], masks[num_train:], values[num_train:]),
+                      test=TensorDataset(test_rgb, test_masks, test_values),
+                      info={"in_channels": 3, "image_size": [height, width], "num_targets": 1},
+                      fields=("rgb", "mask", "target"), target="target")
+
+
+def _colour_fields(count: int, height: int, width: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` smooth random colour fields (4x upsampled noise) and a random rectangle mask for each."""
     coarse = torch.randn(count, 3, max(1, height // 4), max(1, width // 4), generator=generator)
     rgb = torch.nn.functional.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)
-    masks = _random_rectangles(count, height, width, generator)
-    colour = torch.randn(3, generator=generator)
-    projected = (rgb * colour.view(1, 3, 1, 1)).sum(dim=1, keepdim=True)
-    target = ((projected * masks).sum(dim=(1, 2, 3)) / masks.sum(dim=(1, 2, 3))).view(-1, 1)
-    target = target / target[:num_train].std()
-    train = TensorDataset(rgb[:num_train], masks[:num_train], target[:num_train])
-    val = TensorDataset(rgb[num_train:], masks[num_train:], target[num_train:])
-    return DataSplits(train=train, val=val, info={"in_channels": 3, "image_size": [height, width], "num_targets": 1},
-                      fields=("rgb", "mask", "target"), target="target")
+    return rgb, _random_rectangles(count, height, width, generator)
 
 
 def _random_rectangles(count: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
@@ -199,15 +233,15 @@ def _random_rectangles(count: int, height: int, width: int, generator: torch.Gen
 PAD_TARGET = -100  # the target of a padding position: task=causal_lm's ignore_index (torch's default)
 
 
-def python_docs(max_length: int = 64, val_size: int = 256, split_seed: int = 0) -> DataSplits:
+def python_docs(max_length: int = 64, val_size: int = 128, test_size: int = 128, split_seed: int = 0) -> DataSplits:
     """CPython's own documentation (`pydoc_data.topics`, shipped with Python: no download), one paragraph a
     document, as byte-level token sequences for next-token prediction (task=causal_lm).
 
     A sample is `(tokens, next_tokens)`, int64 (max_length,) each: the paragraph's first `max_length` bytes of
     UTF-8 and the bytes one position further on. A shorter paragraph is padded at the end: tokens with 0 (NUL,
     which the text never holds), next_tokens with PAD_TARGET, which the task ignores; so a batch holds
-    1 to max_length tokens per document, and batches (and ranks) hold different numbers of tokens. The first
-    `val_size` documents of a permutation drawn from `split_seed` are val.
+    1 to max_length tokens per document, and batches (and ranks) hold different numbers of tokens. Of a
+    permutation drawn from `split_seed`, the first `val_size` documents are val, the next `test_size` test.
     """
     import re
     from pydoc_data.topics import topics
@@ -220,13 +254,10 @@ def python_docs(max_length: int = 64, val_size: int = 256, split_seed: int = 0) 
     for row, document in enumerate(documents):
         ids = torch.frombuffer(bytearray(document), dtype=torch.uint8).long()
         tokens[row, : len(ids) - 1], next_tokens[row, : len(ids) - 1] = ids[:-1], ids[1:]
-    train_index, val_index = _split_indices(len(documents), val_size, split_seed, "python_docs")
-    return DataSplits(
-        train=TensorDataset(tokens[train_index], next_tokens[train_index]),
-        val=TensorDataset(tokens[val_index], next_tokens[val_index]),
-        info={"vocab_size": 256, "max_length": max_length},
-        fields=("tokens", "next_tokens"), target="next_tokens",
-    )
+    train, val, test = (TensorDataset(tokens[index], next_tokens[index]) for index in
+                        _split_indices(len(documents), (val_size, test_size), split_seed, "python_docs"))
+    return DataSplits(train=train, val=val, test=test, info={"vocab_size": 256, "max_length": max_length},
+                      fields=("tokens", "next_tokens"), target="next_tokens")
 
 
 def synthetic(
@@ -236,42 +267,48 @@ def synthetic(
     channels: int = 1,
     image_size: Sequence[int] = (28, 28),
     seed: int = 0,
+    num_test: int = 1024,
 ) -> DataSplits:
     """Random N(0, 1) images with learnable labels, for benchmarks and smoke tests.
 
     The label of an image is the argmax of a fixed random linear projection of its pixels,
-    so a model can fit it; everything is drawn from `seed`.
+    so a model can fit it; everything is drawn from `seed`, the test split's `num_test` images last.
     """
     height, width = (int(x) for x in image_size)
     generator = torch.Generator().manual_seed(seed)
     images = torch.randn(num_train + num_val, channels, height, width, generator=generator)
     projection = torch.randn(channels * height * width, num_classes, generator=generator)
-    labels = (images.flatten(1) @ projection).argmax(dim=1)
+    test = torch.randn(num_test, channels, height, width, generator=generator)
+    label = lambda images: (images.flatten(1) @ projection).argmax(dim=1)  # noqa: E731
+    labels = label(images)
     return DataSplits(
         train=TensorDataset(images[:num_train], labels[:num_train]),
         val=TensorDataset(images[num_train:], labels[num_train:]),
+        test=TensorDataset(test, label(test)),
         info=image_info(num_classes, channels, height, width),
         **IMAGE_FIELDS,
     )
 
 
-def mnist(root: str, download: bool = True, in_memory: bool = True) -> DataSplits:
-    """MNIST from `<root>/MNIST/raw/` (idx files, uncompressed); the official test set is val.
+def mnist(root: str, download: bool = True, in_memory: bool = True, val_size: int = 5000,
+          split_seed: int = 0) -> DataSplits:
+    """MNIST from `<root>/MNIST/raw/` (idx files, uncompressed): the official test set is test, `val_size` images
+    of the official training set (each class in its share, fixed by `split_seed`) are val, the rest train.
 
     `in_memory`: the splits as uint8 tensors, batched on the training device (`src/data/image_tensors.py`);
     otherwise torchvision datasets that DataLoader workers read sample by sample.
     """
     from torchvision.datasets import MNIST
 
-    return _mnist_format(MNIST, root, download, MNIST_MEAN_STD, in_memory)
+    return _mnist_format(MNIST, root, download, MNIST_MEAN_STD, in_memory, val_size, split_seed)
 
 
-def fashion_mnist(root: str, download: bool = True, in_memory: bool = True) -> DataSplits:
-    """Fashion-MNIST from `<root>/FashionMNIST/raw/` (idx files, uncompressed); test set is val.
-    `in_memory` as for `mnist`."""
+def fashion_mnist(root: str, download: bool = True, in_memory: bool = True, val_size: int = 5000,
+                  split_seed: int = 0) -> DataSplits:
+    """Fashion-MNIST from `<root>/FashionMNIST/raw/` (idx files, uncompressed), split as `mnist` splits."""
     from torchvision.datasets import FashionMNIST
 
-    return _mnist_format(FashionMNIST, root, download, FASHION_MNIST_MEAN_STD, in_memory)
+    return _mnist_format(FashionMNIST, root, download, FASHION_MNIST_MEAN_STD, in_memory, val_size, split_seed)
 
 
 def _mnist_format(
@@ -280,31 +317,33 @@ def _mnist_format(
     download: bool,
     mean_std: tuple[tuple[float, ...], tuple[float, ...]],
     in_memory: bool,
+    val_size: int,
+    split_seed: int,
 ) -> DataSplits:
     """MNIST-format 28x28 grayscale splits read by `dataset_class` (MNIST or one of its subclasses)."""
     from torchvision import transforms
 
     folder = Path(root) / dataset_class.__name__ / "raw"
     _ensure_files(dataset_class.__name__, folder, MNIST_FILES, download, lambda: dataset_class(root, download=True))
-    if in_memory:
-        train, val = (dataset_class(root, train=is_train) for is_train in (True, False))
-        # torchvision has already read the idx files into uint8 N x 28 x 28 tensors.
-        train, val = (ImageTensorDataset(split.data.unsqueeze(1), split.targets, *mean_std) for split in (train, val))
+    official, test = (dataset_class(root, train=is_train) for is_train in (True, False))
+    kept, held = stratified_holdout(official.targets, val_size, split_seed, dataset_class.__name__)
+    if in_memory:  # torchvision has already read the idx files into uint8 N x 28 x 28 tensors
+        train, val, test = (ImageTensorDataset(data.unsqueeze(1), targets, *mean_std) for data, targets in (
+            (official.data[kept], official.targets[kept]), (official.data[held], official.targets[held]),
+            (test.data, test.targets)))
     else:
         transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(*mean_std)])
-        train, val = (dataset_class(root, train=is_train, transform=transform) for is_train in (True, False))
-    return DataSplits(
-        train=train,
-        val=val,
-        info=image_info(10, 1, 28, 28),
-        **IMAGE_FIELDS,
-    )
+        official, test = (dataset_class(root, train=is_train, transform=transform) for is_train in (True, False))
+        train, val = Subset(official, kept.tolist()), Subset(official, held.tolist())
+    return DataSplits(train=train, val=val, test=test, info=image_info(10, 1, 28, 28), **IMAGE_FIELDS)
 
 
 def cifar10(
-    root: str, download: bool = True, augment: bool = True, verify_checksums: bool = True, in_memory: bool = True
+    root: str, download: bool = True, augment: bool = True, verify_checksums: bool = True, in_memory: bool = True,
+    val_size: int = 5000, split_seed: int = 0,
 ) -> DataSplits:
-    """CIFAR-10 from the python pickle batches in `<root>/cifar-10-batches-py/`; test_batch is val.
+    """CIFAR-10 from the python pickle batches in `<root>/cifar-10-batches-py/`: test_batch is test, `val_size`
+    images of the training batches (each class in its share, fixed by `split_seed`) are val, the rest train.
 
     With `verify_checksums` (the default) every file must match torchvision's md5 sums of the
     official release; set it to false to accept other files in the same format. `augment`: random
@@ -322,26 +361,28 @@ def cifar10(
         dataset_class = CIFAR10
     else:
         from src.data.cifar10_files import CIFAR10WithoutMD5 as dataset_class
+    official, test = dataset_class(root, train=True), dataset_class(root, train=False)
+    kept, held = stratified_holdout(torch.tensor(official.targets), val_size, split_seed, "cifar10")
     if in_memory:
-        train = _cifar10_tensors(dataset_class(root, train=True), augment)
-        val = _cifar10_tensors(dataset_class(root, train=False), augment=False)
+        train = _cifar10_tensors(official, augment, kept)
+        val, test = _cifar10_tensors(official, False, held), _cifar10_tensors(test, augment=False)
     else:
         to_tensor = [transforms.ToTensor(), transforms.Normalize(*CIFAR10_MEAN_STD)]
         augmentation = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
-        train = dataset_class(root, train=True, transform=transforms.Compose(augmentation + to_tensor))
-        val = dataset_class(root, train=False, transform=transforms.Compose(to_tensor))
-    return DataSplits(
-        train=train,
-        val=val,
-        info=image_info(10, 3, 32, 32),
-        **IMAGE_FIELDS,
-    )
+        train = Subset(dataset_class(root, train=True, transform=transforms.Compose(augmentation + to_tensor)),
+                       kept.tolist())
+        val = Subset(dataset_class(root, train=True, transform=transforms.Compose(to_tensor)), held.tolist())
+        test = dataset_class(root, train=False, transform=transforms.Compose(to_tensor))
+    return DataSplits(train=train, val=val, test=test, info=image_info(10, 3, 32, 32), **IMAGE_FIELDS)
 
 
-def _cifar10_tensors(split: Dataset, augment: bool) -> ImageTensorDataset:
-    """A torchvision CIFAR10 split (its pickles already read into a uint8 N x H x W x C array) as tensors."""
-    images = torch.from_numpy(split.data).permute(0, 3, 1, 2).contiguous()
-    return ImageTensorDataset(images, torch.tensor(split.targets), *CIFAR10_MEAN_STD, 4 if augment else 0, augment)
+def _cifar10_tensors(split: Dataset, augment: bool, index: torch.Tensor | None = None) -> ImageTensorDataset:
+    """A torchvision CIFAR10 split (its pickles already read into a uint8 N x H x W x C array) as tensors (the
+    samples at `index` only, if given)."""
+    images, labels = torch.from_numpy(split.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(split.targets)
+    if index is not None:
+        images, labels = images[index], labels[index]
+    return ImageTensorDataset(images, labels, *CIFAR10_MEAN_STD, 4 if augment else 0, augment)
 
 
 def _verify_cifar10_checksums(folder: Path) -> None:
@@ -366,25 +407,46 @@ def image_folder(
     augment: bool = True,
     crop_scale: Sequence[float] | None = None,
     color_jitter: float = 0.0,
+    val_size: int | None = None,
+    split_seed: int = 0,
 ) -> DataSplits:
-    """Images in class folders: `<root>/train/<class>/*.png` and `<root>/val/<class>/*.png`.
+    """Images in class folders: `<root>/train/<class>/*.png`, `<root>/val/<class>/...` and `<root>/test/<class>/...`.
 
-    Any format PIL reads (png, jpg, ...) works. Images are resized to `image_size` (H, W) and
-    converted to `channels` (1: grayscale, 3: RGB); training images are augmented as `image_transforms`
-    says. Both splits must have the same class folders; labels follow their sorted names.
+    train/ is required. val/ is the val split; with `val_size` set, those images of train/ are instead (each class
+    in its share, fixed by `split_seed`). test/, where there is one, is the test split. Any format PIL reads
+    (png, jpg, ...) works. Images are resized to `image_size` (H, W) and converted to `channels` (1: grayscale,
+    3: RGB); training images are augmented as `image_transforms` says. Every split must have the same class folders;
+    labels follow their sorted names.
     """
     train_transform, val_transform = image_transforms(image_size, channels, augment, crop_scale, color_jitter)
-    train = _class_folders(Path(root) / "train", train_transform)
-    val = _class_folders(Path(root) / "val", val_transform)
-    if train.classes != val.classes:
-        raise ValueError(
-            f"image_folder: class folders differ between {root}/train and {root}/val: "
-            f"only in train {sorted(set(train.classes) - set(val.classes))}, "
-            f"only in val {sorted(set(val.classes) - set(train.classes))}"
-        )
+    folder = Path(root)
+    train = _class_folders(folder / "train", train_transform)
+    if val_size is None:
+        val = _class_folders(folder / "val", val_transform, "or set dataset.val_size=N to hold out N of train/'s")
+    else:
+        kept, held = stratified_holdout(torch.tensor(train.targets), val_size, split_seed, "image_folder")
+        train, val = (Subset(_class_folders(folder / "train", transform), index.tolist())
+                      for transform, index in ((train_transform, kept), (val_transform, held)))
+    test = _class_folders(folder / "test", val_transform) if (folder / "test").is_dir() else None
+    classes = _same_classes(root, {"train": _classes_of(train), "val": _classes_of(val),
+                                   **({"test": test.classes} if test is not None else {})})
     height, width = (int(x) for x in image_size)
-    return DataSplits(train=train, val=val, info=image_info(len(train.classes), channels, height, width),
+    return DataSplits(train=train, val=val, test=test, info=image_info(len(classes), channels, height, width),
                       **IMAGE_FIELDS)
+
+
+def _classes_of(split: Dataset) -> list[str]:
+    return (split.dataset if isinstance(split, Subset) else split).classes
+
+
+def _same_classes(root: str, classes: dict[str, list[str]]) -> list[str]:
+    """The class names every split has, or one line naming the folders that differ."""
+    first = classes["train"]
+    for name, found in classes.items():
+        if found != first:
+            raise ValueError(f"image_folder: class folders differ between {root}/train and {root}/{name}: only in "
+                             f"train {sorted(set(first) - set(found))}, only in {name} {sorted(set(found) - set(first))}")
+    return first
 
 
 def image_transforms(
@@ -427,6 +489,9 @@ def arrow(
     augment: bool = True,
     crop_scale: Sequence[float] | None = None,
     color_jitter: float = 0.0,
+    test_split: str = "test",
+    val_size: int | None = None,
+    split_seed: int = 0,
 ) -> DataSplits:
     """Data larger than RAM: a dataset in the Arrow layout of Hugging Face `datasets`' save_to_disk (what
     `python -m src.data.convert` writes), memory-mapped and read by index (src/data/arrow_files.py).
@@ -434,30 +499,45 @@ def arrow(
     A sample is the tuple of `columns` (None: all, in order); image columns are decoded and transformed
     as `image_folder` does (`image_transforms`), so a converted image folder trains the same model.
     `target` is the column the task predicts: a ClassLabel gives `num_classes` (its names), other
-    integers max + 1, floats `num_targets` (1).
+    integers max + 1, floats `num_targets` (1). The `test_split`, where the dataset has one, is the test split;
+    with `val_size` set, that many rows of the train split are val instead of `val_split` (each class in its share
+    where the target is a class, fixed by `split_seed`).
     """
-    from src.data.arrow_files import ArrowSamples, check_columns, open_splits, target_info
+    from src.data.arrow_files import ArrowSamples, check_columns, column, listed_splits, open_splits, target_info
 
-    train, val = open_splits(Path(root), [train_split, val_split])
+    held_out = val_size is not None
+    names_of = [train_split, *([] if held_out else [val_split]),
+                *([test_split] if test_split in listed_splits(Path(root)) else [])]
+    splits = dict(zip(names_of, open_splits(Path(root), names_of)))
+    train = splits[train_split]
     names = list(train.columns if columns is None else columns)
-    for split in (train, val):
+    for split in splits.values():
         check_columns(split, names, "dataset.columns")
         check_columns(split, [target], "dataset.target")
     train_transform, val_transform = image_transforms(image_size, channels, augment, crop_scale, color_jitter)
-    info = target_info((train, val), target)
+    info = target_info(list(splits.values()), target)
     if train.image_columns & set(names):
         height, width = (int(x) for x in image_size)
         info.update(in_channels=channels, image_size=[height, width], num_features=channels * height * width)
-    return DataSplits(train=ArrowSamples(train, names, train_transform), val=ArrowSamples(val, names, val_transform),
-                      info=info, fields=tuple(names), target=target)
+    samples = {name: ArrowSamples(split, names, train_transform if name == train_split else val_transform)
+               for name, split in splits.items()}
+    if held_out:  # val_size rows of the train split, each class in its share where the target is a class
+        labels = torch.tensor(column(train, target)) if "num_classes" in info else torch.zeros(len(train))
+        indices = stratified_holdout(labels, val_size, split_seed, "arrow")
+        samples[train_split], samples[val_split] = (Subset(ArrowSamples(train, names, transform), index.tolist())
+                                                    for transform, index in zip((train_transform, val_transform),
+                                                                                indices))
+    return DataSplits(train=samples[train_split], val=samples[val_split], test=samples.get(test_split), info=info,
+                      fields=tuple(names), target=target)
 
 
-def _class_folders(folder: Path, transform: Callable) -> ImageFolder:
+def _class_folders(folder: Path, transform: Callable, otherwise: str = "") -> ImageFolder:
     """torchvision ImageFolder on `folder`, with a one-line error if it is missing or empty."""
     from torchvision.datasets import ImageFolder
 
     if not folder.is_dir():
-        raise DatasetNotFoundError(f"image folder {folder} not found: put images in {folder}/<class_name>/")
+        raise DatasetNotFoundError(f"image folder {folder} not found: put images in {folder}/<class_name>/"
+                                   + (f", {otherwise}" if otherwise else ""))
     try:
         return ImageFolder(str(folder), transform=transform)
     except FileNotFoundError as error:

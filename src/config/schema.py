@@ -147,6 +147,9 @@ class TrainerConfig:
     # method with no metric that means "better", e.g. a GAN without a judge)
     monitor_mode: str = setting("${task.mode}", one_of("max", "min"))  # max | min: whether a larger or a
     # smaller monitor value is better; default: the task's
+    test: bool = True  # when training ends (its last epoch, trainer.max_steps, or a callback's stop; not a
+    # preemption), evaluate the chosen weights (best.pt's, or the last ones when nothing is monitored; EMA's too) once
+    # on the dataset's test split: test/* in metrics.json, the log, TensorBoard and the trackers. false: no test
     checkpoint_every_steps: int | None = setting(None, at_least(1, or_null=True))  # also checkpoint mid-epoch
     # every N optimizer steps (null: at epoch ends only); resume goes on from that very step with the same
     # remaining data
@@ -299,6 +302,8 @@ class EvalSchema:
     dataset: Any
     weights: str = setting("model", one_of("model", "ema"))  # which weights of the checkpoint to evaluate:
     # model | ema (its EMA weights: a run with callbacks.ema.decay set)
+    split: str | None = setting(None, one_of("val", "test", or_null=True))  # the split evaluated: val | test;
+    # null: test where the dataset has one, else val
     trainer: EvalTrainerConfig = field(default_factory=EvalTrainerConfig)
     dist: EvalDistConfig = field(default_factory=EvalDistConfig)
 

@@ -179,12 +179,22 @@ class ArrowSamples(Dataset):
         return tuple(sample)
 
 
-def open_splits(root: Path, names: Sequence[str]) -> list[ArrowSplit]:
-    """The splits `names` of the dataset saved in `root`, with one-line errors for what is missing."""
+def listed_splits(root: Path) -> list[str]:
+    """The names of the splits of the dataset saved in `root`."""
     if not root.is_dir():
         raise DatasetNotFoundError(f"dataset folder {root} not found: give dataset.root the folder that "
                                    "python -m src.data.convert (or datasets' save_to_disk) wrote")
-    listed = _read_json(root / "dataset_dict.json", f"{root} is not a dataset saved by save_to_disk")["splits"]
+    return _read_json(root / "dataset_dict.json", f"{root} is not a dataset saved by save_to_disk")["splits"]
+
+
+def column(split: ArrowSplit, name: str) -> list[Any]:
+    """Every row's value of column `name` (numbers: a label column), in row order."""
+    return [value for batch in split.record_batches() for value in batch.column(name).to_pylist()]
+
+
+def open_splits(root: Path, names: Sequence[str]) -> list[ArrowSplit]:
+    """The splits `names` of the dataset saved in `root`, with one-line errors for what is missing."""
+    listed = listed_splits(root)
     for name in names:
         if name not in listed:
             raise UsageError(f"{root} has no split {name!r} (its splits: {', '.join(listed)}); "

@@ -222,12 +222,12 @@ class Data:
     _eval_loaders: dict[str, tuple[Iterable[Any], int]] = dataclasses.field(default_factory=dict, repr=False)
 
     def loader(self, split: str) -> tuple[Iterable[Any], int]:
-        """This rank's evaluation loader of `split` (val, train) and the index of its first sample in the split."""
+        """This rank's evaluation loader of `split` (val, test, train) and the index of its first sample in it."""
         if split == "val":
             return self.val_loader, self.val_start
         if split not in self._eval_loaders:
-            if self.eval_loader is None:
-                raise ValueError(f"this run's data has no evaluation loader of the {split} split")
+            if self.eval_loader is None or getattr(self.splits, split) is None:
+                raise ValueError(f"this run's data has no evaluation loader of a {split} split")
             self._eval_loaders[split] = self.eval_loader(getattr(self.splits, split))
         return self._eval_loaders[split]
 

@@ -1,4 +1,5 @@
-"""What every dataset builder returns: the train and val splits, what the data provides, and what its samples hold."""
+"""What every dataset builder returns: the train, val and (optional) test splits, what the data provides, and what
+its samples hold."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ from src.common.errors import UsageError
 
 @dataclass(frozen=True)
 class DataSplits:
-    """A dataset's train and val splits, what it provides (`info`: shapes, class count, ...) and the names
-    of its samples' parts, so that a task can bind the model's inputs and its target by name.
+    """A dataset's splits, what it provides (`info`: shapes, class count, ...) and the names of its samples' parts,
+    so that a task can bind the model's inputs and its target by name.
+
+    `train` trains; `val` makes every choice (best.pt, early stopping, a sweep's ranking and its objective);
+    `test` (None: the dataset has none) is evaluated once, when training ends, with the chosen weights: the numbers
+    to report, read by nothing that chooses.
 
     `fields`: the names of a sample's parts, in order for tuple samples, the keys for dict samples; None:
     unnamed (tuple positions, the last is the target). `target`: the field the task learns to predict
@@ -27,6 +32,7 @@ class DataSplits:
     info: Mapping[str, Any]
     fields: tuple[str, ...] | None = None
     target: str | None = None
+    test: Dataset | None = None
 
     def __post_init__(self) -> None:
         if self.fields is not None:

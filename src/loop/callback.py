@@ -18,6 +18,8 @@ names none of them. Every hook is called on every rank, in the config's order:
     on_log(step, scalars)          at log steps, with the window's all-reduced train scalars; returns more
     on_validation(run, val)        after the epoch's val pass, with its metrics (and tables, e.g. the
                                    confusion matrix); returns more metrics for the epoch's record
+    on_test(run, test)             once, when training ends, after the chosen weights' test pass, with its metrics;
+                                   returns more metrics (e.g. test_ema/*)
     on_epoch_end(run, record)      with the epoch's final record (and the history in `run.state`); returns a
                                    `Stop` to end the run after this epoch, agreed by every rank (`agreed`)
     on_checkpoint(run)             before a checkpoint is written; raise to refuse it
@@ -91,8 +93,8 @@ class Run:
     parts: TrainParts
     state: TrainState
     resumed: bool  # the run continues from a checkpoint
-    evaluate: Callable[..., dict[str, Any]]  # evaluate(desc): the models' metrics, as they are now, on the whole val
-    # split (the task's evaluation; EMA puts its weights in first)
+    evaluate: Callable[..., dict[str, Any]]  # evaluate(desc, split="val"): the models' metrics, as they are now, on
+    # the whole split (the task's evaluation; EMA puts its weights in first)
 
 
 class Callback:
@@ -117,6 +119,8 @@ class Callback:
 
     def on_validation(self, run: Run, val: Mapping[str, Any]) -> Mapping[str, float] | None: ...
 
+    def on_test(self, run: Run, test: Mapping[str, Any]) -> Mapping[str, float] | None: ...
+
     def on_epoch_end(self, run: Run, record: Mapping[str, float]) -> Stop | None: ...
 
     def on_checkpoint(self, run: Run) -> None: ...
@@ -135,7 +139,8 @@ class Callback:
         return None
 
 
-HOOKS = ("on_run_start", "on_before_optimizer_step", "on_step_end", "on_log", "on_validation", "on_epoch_end", "on_checkpoint", "on_run_end",
+HOOKS = ("on_run_start", "on_before_optimizer_step", "on_step_end", "on_log", "on_validation", "on_test",
+         "on_epoch_end", "on_checkpoint", "on_run_end",
          "on_exception")
 
 
@@ -195,6 +200,12 @@ class Callbacks:
         extra: dict[str, float] = {}
         for callback in self._by_hook["on_validation"]:
             extra.update(callback.on_validation(run, val) or {})
+        return extra
+
+    def test(self, run: Run, test: Mapping[str, Any]) -> dict[str, float]:
+        extra: dict[str, float] = {}
+        for callback in self._by_hook["on_test"]:
+            extra.update(callback.on_test(run, test) or {})
         return extra
 
     def epoch_end(self, run: Run, record: Mapping[str, float]) -> Stop | None:

@@ -4,8 +4,9 @@ A task's `evaluate(val)` (src/loop/task.py) adds sums to an `Evaluation`; the su
 all-reduce and the task computes its metrics from them. The default adds each val batch's `val_step` sums; a method
 evaluates as it needs with the same primitives:
 
-    val.batches(split)        this rank's shard of a split ("val"; "train": the training samples without
-                              augmentation), each sample once: (batch, samples), `samples` keying per-sample draws
+    val.batches(split)        this rank's shard of a split (default: the one evaluated, `val.split`: val, or test at
+                              the end; "train": the training samples without augmentation), each sample once:
+                              (batch, samples), `samples` keying per-sample draws
     val.models / val.aux      the trained models (unwrapped, in eval mode) and the auxiliary ones, by name
     val.autocast()            trainer.precision's mixed precision
     val.add_sums(sums)        a batch's sums (device tensors, by the names of the task's sum_shapes and
@@ -46,16 +47,18 @@ class Evaluation:
 
     def __init__(self, models: Mapping[str, nn.Module], aux: Mapping[str, nn.Module],
                  loaders: Callable[[str], tuple[Iterable[Any], int]], sums: MetricSums, device: torch.device,
-                 amp_dtype: torch.dtype | None, seed: int, track: Callable[[Iterable[Any], str], Iterable[Any]]) -> None:
-        self.models, self.aux, self.loaders, self.sums = dict(models), dict(aux), loaders, sums
+                 amp_dtype: torch.dtype | None, seed: int, track: Callable[[Iterable[Any], str], Iterable[Any]],
+                 split: str = "val") -> None:
+        self.models, self.aux, self.loaders, self.sums, self.split = dict(models), dict(aux), loaders, sums, split
         self.device, self.amp_dtype, self.seed, self.track = device, amp_dtype, seed, track
         self.lockstep = any(fsdp.is_sharded(model) for model in self.models.values())
         self.images: dict[str, torch.Tensor] = {}
 
-    def batches(self, split: str = "val") -> Iterator[tuple[Any, Samples]]:
-        """This rank's batches of `split`, on the device, with the samples they hold. Under dist=fsdp every rank
-        runs as many forwards (a sharded model gathers its parameters in each): a rank with fewer batches goes
-        on with empty ones, which add nothing to the sums."""
+    def batches(self, split: str | None = None) -> Iterator[tuple[Any, Samples]]:
+        """This rank's batches of `split` (default: the split evaluated), on the device, with the samples they hold.
+        Under dist=fsdp every rank runs as many forwards (a sharded model gathers its parameters in each): a rank
+        with fewer batches goes on with empty ones, which add nothing to the sums."""
+        split = split or self.split
         loader, first_index = self.loaders(split)
         batches = _in_lockstep(loader, self.device) if self.lockstep else loader
         position = first_index
@@ -103,13 +106,14 @@ class Evaluation:
 
 def evaluate(task: Task, models: Mapping[str, nn.Module], loaders: Callable[[str], tuple[Iterable[Any], int]],
              info: Mapping[str, Any], device: torch.device, amp_dtype: torch.dtype | None = None, seed: int = 0,
-             track: Callable[[Iterable[Any], str], Iterable[Any]] = lambda batches, _: batches) -> dict[str, Any]:
-    """The task's metrics of `models` (and its val tables, e.g. `confusion`, and `images`), summed over all ranks,
-    with `count` (the task's units: samples, tokens, ...). Pass the unwrapped models: evaluation needs no gradient
+             track: Callable[[Iterable[Any], str], Iterable[Any]] = lambda batches, _: batches,
+             split: str = "val") -> dict[str, Any]:
+    """The task's metrics of `models` on `split` (and its val tables, e.g. `confusion`, and `images`), summed over
+    all ranks, with `count` (the task's units: samples, tokens, ...). Pass the unwrapped models: evaluation needs no gradient
     sync, and ranks may run a different number of batches, which DDP's per-forward collectives would not allow.
     A collective: every rank must call it."""
     sums = MetricSums({**task.sum_shapes(info), **task.val_sum_shapes(info)}, device)
-    evaluation = Evaluation(models, task.aux, loaders, sums, device, amp_dtype, seed, track)
+    evaluation = Evaluation(models, task.aux, loaders, sums, device, amp_dtype, seed, track, split)
     modes = {name: model.training for name, model in models.items()}
     for model in models.values():
         model.eval()

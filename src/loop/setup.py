@@ -33,6 +33,10 @@ def build_task(task_cfg: DictConfig, splits: DataSplits, choices: Mapping[str, s
     metric_splits = ("val", *extra_splits, "train")
     metrics = [f"{split}/{name}" for split in metric_splits for name in task.metric_names]
     split, _, name = monitor.partition("/")
+    if split.startswith("test"):
+        raise UsageError(f"trainer.monitor={monitor}: every choice (best.pt, early stopping, a sweep's objective and "
+                         "ranking) is made on val, and test is evaluated once, when training ends, to report: "
+                         f"monitor val/{name}")
     if split in (hints or {}) and f"val/{name}" in metrics:
         raise UsageError(f"trainer.monitor={monitor} needs {hints[split]}, or monitor val/{name}")
     if monitor not in metrics:

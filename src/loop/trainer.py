@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from src.checkpoint import read as checkpoint_read
 from src.checkpoint.states import ModelState, Named, OptimizerState
 from src.checkpoint.store import Checkpoint, Store
 from src.common.errors import UsageError
@@ -65,6 +66,7 @@ class TrainState:
     step_in_epoch: int = 0  # optimizer steps already taken in the unfinished epoch `epoch`
     epoch_totals: dict[str, list[float]] | None = None  # its train metric sums by name, over all ranks
     stopped: Stopped | None = None  # why and after which epoch a callback ended the run
+    test: dict[str, Any] | None = None  # the final test: its step, the weights tested, their test/* metrics
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,6 +127,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
         self.stopping = StopRule(config.max_steps, device, config.log_every_steps)  # armed while fit() runs
         self.epoch_metrics = MetricSums(parts.task.sum_shapes(parts.data.splits.info), device)
+        self._val_count: int | None = None  # the last val pass's units (metrics.json's val/num_<unit>)
         self.step = StepContext(parts.train_models, parts.modules, parts.optimizers, parts.task.aux, self.scaler,
                                 self.epoch_metrics, device, self.amp_dtype, parts.runtime.env.rank,
                                 parts.runtime.world_size, parts.data.train_sampler.micro_batch_size, parts.seed,
@@ -167,6 +170,9 @@ class Trainer:
             with self.stopping:
                 reason = self._epochs(run)
             self.parts.store.wait()  # the last checkpoint written (trainer.async_checkpoint), or its failure raised
+            if reason is not StopReason.PREEMPTED:  # training is over (a preempted run goes on elsewhere)
+                self._final_test(run, reason)
+                self.parts.store.wait()
         except Exception as error:
             self.parts.store.wait_after_failure()  # a background write ends before the group is torn down
             callbacks.exception(run, error)  # a callback may raise a clearer error in its place
@@ -206,12 +212,12 @@ class Trainer:
         progress.close()
         return self._epoch_train_metrics(restored)
 
-    def evaluate(self, desc: str = "val") -> dict[str, Any]:
-        """The task's metrics (and val tables) of the models as they are now over the whole val split, each sample
+    def evaluate(self, desc: str = "val", split: str = "val") -> dict[str, Any]:
+        """The task's metrics (and val tables) of the models as they are now over the whole `split`, each sample
         counted once (`desc` names the pass: its progress bar, its images' tags)."""
         parts = self.parts
         return evaluate(parts.task, parts.modules, parts.data.loader, parts.data.splits.info, parts.runtime.device,
-                        self.amp_dtype, parts.seed, lambda batches, split: parts.reporter.track(batches, desc))
+                        self.amp_dtype, parts.seed, lambda batches, _: parts.reporter.track(batches, desc), split)
 
     def summary(self, state: TrainState, num_val_samples: int) -> dict[str, Any]:
         """The run so far, as written to metrics.json: the last epoch's metrics and the history, the
@@ -223,7 +229,58 @@ class Trainer:
                                            for p in module.parameters() if not p.requires_grad)
         if state.stopped is not None:
             summary.update(stop_reason=state.stopped.reason, stopped_at_epoch=state.stopped.epoch)
+        if state.test is not None:
+            summary.update(state.test["metrics"], tested_weights=state.test["weights"])
         return summary
+
+    # -- the final test ------------------------------------------------------------------
+
+    def _final_test(self, run: Run, reason: StopReason) -> None:
+        """Evaluate the chosen weights once on the test split: best.pt's (its EMA weights too), or the last ones when
+        nothing is monitored; then put the last ones back and checkpoint the result, so a resumed run that has
+        nothing more to train does not test again. Every rank; skipped without a test split or trainer.test."""
+        parts, state = self.parts, run.state
+        if not self.config.test or parts.data.splits.test is None:
+            if self.config.test and state.test is None:
+                log.info("the dataset has no test split: the run ends without a test (a builder's DataSplits(test=...) "
+                         "gives one)")
+            return
+        if state.test is not None and state.test["step"] == state.step:
+            return  # tested already: a resumed run that had nothing more to train
+        chosen, weights = self._chosen_weights(state)
+        if chosen is not None:
+            chosen.restore(self._weights_parts(state))
+        test = self.evaluate("test", split="test")
+        scores = {**records.metric_values("test", test), **parts.callbacks.test(run, test)}
+        state.test = {"step": state.step, "weights": weights,
+                      "metrics": {**scores, f"test/num_{parts.task.unit}": test["count"]}}
+        if chosen is not None:  # the last weights back, before they are saved again
+            checkpoint_read(parts.store.latest()).restore(self._weights_parts(state))
+        log.info("%s (%d %s; weights: %s)", "  ".join(records.format_metrics(scores, split)
+                                                           for split in dict.fromkeys(k.split("/")[0] for k in scores)),
+                 test["count"], parts.task.unit, weights)
+        metrics = state.test["metrics"]
+        parts.reporter.scalars(metrics, state.step)
+        if reason is StopReason.MAX_STEPS:
+            self._save_mid_epoch(run)
+        else:
+            self._checkpoint(run, is_best=False)
+        if state.history:
+            parts.reporter.write_metrics(self.summary(state, self._val_count or parts.data.num_val_samples))
+
+    def _chosen_weights(self, state: TrainState) -> tuple[Checkpoint | None, str]:
+        """The checkpoint of the weights to test, best.pt (or `best`) when a metric is monitored, and what they are;
+        None where they are the last weights, which the model holds."""
+        best = self.parts.store.best()
+        if self.config.monitor is None or best is None:
+            return None, f"the last, of step {state.step}"
+        chosen = checkpoint_read(best)
+        step = chosen.loop.get("step")
+        return (None if step == state.step else chosen), f"{best.name}, of step {step} (best {self.config.monitor})"
+
+    def _weights_parts(self, state: TrainState) -> dict[str, Any]:
+        parts = self.stateful(state)
+        return {"models": parts["models"], "callbacks": parts["callbacks"]}
 
     # -- an epoch ----------------------------------------------------------------------
 
@@ -268,6 +325,7 @@ class Trainer:
         state, parts = run.state, self.parts
         train_seconds = time.perf_counter() - started
         val = self.evaluate()
+        self._val_count = val["count"]
         images = val.pop("images", {})  # a task's samples (a GAN's), shown as grids
         extra = parts.callbacks.validation(run, val)  # e.g. val_ema/*
         state.epoch = epoch + 1

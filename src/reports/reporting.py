@@ -79,16 +79,23 @@ def log_run_start(
     log.info(
         "run dir %s | world size %d | device %s | backend %s | task %s (%s), metrics per %s | "
         "model %s | "
-        "%d train / %d val samples | global batch %d = %d ranks x %d per rank x %d accum | %d steps/epoch",
+        "%s | global batch %d = %d ranks x %d per rank x %d accum | %d steps/epoch",
         run_dir, runtime.world_size, runtime.device, runtime.backend or "none (single process)",
         config["task"]["_target_"].rsplit(".", 1)[-1],
         f"best.pt by {config['trainer']['monitor']}, {config['trainer']['monitor_mode']}"
         if config["trainer"]["monitor"] else "no best.pt: trainer.monitor=null",
         unit.removesuffix("s"),
         ", ".join(models),
-        len(data.splits.train), len(data.splits.val), sampler.global_batch_size, runtime.world_size,
+        split_sizes(data.splits), sampler.global_batch_size, runtime.world_size,
         sampler.micro_batch_size, grad_accum, sampler.steps_per_epoch,
     )
+
+
+def split_sizes(splits: Any) -> str:
+    """`1437 train / 180 val / 180 test samples`, or `... val samples, no test split`."""
+    test = getattr(splits, "test", None)
+    sizes = f"{len(splits.train)} train / {len(splits.val)} val"
+    return f"{sizes} / {len(test)} test samples" if test is not None else f"{sizes} samples, no test split"
 
 
 def parameter_counts(module: nn.Module) -> tuple[int, int]:

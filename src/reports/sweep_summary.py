@@ -50,14 +50,17 @@ def job_row(job_dir: Path) -> dict[str, Any]:
 def _is_column(name: str) -> bool:
     # A task that counts tokens (or pixels) names its throughput tokens_per_s and its val count val/num_tokens.
     return name in RUN_COLUMNS or name.endswith("_per_s") or (
-        name.startswith(("val/", "val_ema/", "train/")) and not name.startswith("val/num_"))
+        name.startswith(("val/", "test/", "val_ema/", "test_ema/", "train/")) and "/num_" not in name)
 
 
 def metric_columns(rows: list[dict[str, Any]], metric: str | None) -> list[str]:
-    """The monitored metric, the other val/, val_ema/ (EMA weights) then train/ metrics the jobs' task
-    computes, then epoch (and the epoch a pruned job stopped after), and throughput."""
+    """The monitored metric (a val/ one) and the test/ one of the same name beside it, the other val/, test/,
+    val_ema/ and test_ema/ (EMA weights) then train/ metrics the jobs' task computes, then epoch (and the epoch a
+    pruned job stopped after), and throughput. The jobs are ranked by val alone; test only reports."""
     seen = [name for row in rows for name in row if _is_column(name) and name not in RUN_COLUMNS]
-    ordered = [*([metric] if metric else []), *(n for split in ("val/", "val_ema/", "train/") for n in seen if n.startswith(split))]
+    beside = [f"test/{metric.split('/', 1)[1]}"] if metric and f"test/{metric.split('/', 1)[1]}" in seen else []
+    splits = ("val/", "test/", "val_ema/", "test_ema/", "train/")
+    ordered = [*([metric] if metric else []), *beside, *(n for split in splits for n in seen if n.startswith(split))]
     pruned = [PRUNED_COLUMN] if any(PRUNED_COLUMN in row for row in rows) else []
     # The throughput in the jobs' unit: samples_per_s, or tokens_per_s (...) for a task that counts those.
     rates = [name for name in dict.fromkeys(name for row in rows for name in row) if name.endswith("_per_s")]

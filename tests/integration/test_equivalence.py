@@ -24,7 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 pytestmark = pytest.mark.slow
 
-TRAIN_SAMPLES = 1797 - 360  # digits minus the default val split
+TRAIN_SAMPLES = 1797 - 180 - 180  # digits minus the default val and test splits
 GLOBAL_BATCH = 64
 STEPS_PER_EPOCH = TRAIN_SAMPLES // GLOBAL_BATCH  # the ragged tail is dropped: 22
 LR = 0.1  # conf/optimizer/sgd.yaml
@@ -37,16 +37,17 @@ CNN = ["model=cnn", "optimizer=sgd", "scheduler=constant", "trainer.epochs=1", f
 WARMUP_STEPS = STEPS_PER_EPOCH // 2
 MLP = ["model=mlp", "optimizer=sgd", "scheduler=cosine", "scheduler.warmup_epochs=0.5", "trainer.epochs=1",
        f"dataset.batch_size={GLOBAL_BATCH}", "trainer.log_every_steps=5"]
-# Evaluation with a 359-sample (prime) val split: shards of 179/180 and 119/120/120 samples.
+# Evaluation with a 359-sample (prime) val split: shards of 179/180 and 119/120/120 samples; and a 179-sample
+# test split (shards of 89/90 and 59/60/60), tested once at the end.
 # lr=0 keeps the weights bitwise at their (seeded, rank-independent) init on every world
 # size, and the MLP has no BatchNorm running statistics to drift by float rounding, so the
 # 1-, 2- and 3-rank runs evaluate the *same* model and any difference comes from how the
 # val split was sharded and summed. (Trained weights agree across world sizes to ~1e-6 only,
 # which could flip the argmax of a borderline sample and make val/acc differ legitimately.)
 # 48 divides by 1, 2 and 3, so every world size takes the same global batches.
-VAL_SIZE = 359
+VAL_SIZE, TEST_SIZE = 359, 179
 EVAL = ["model=mlp", "optimizer=sgd", "optimizer.lr=0.0", "scheduler=constant", "trainer.epochs=1",
-        "dataset.batch_size=48", f"dataset.val_size={VAL_SIZE}"]
+        "dataset.batch_size=48", f"dataset.val_size={VAL_SIZE}", f"dataset.test_size={TEST_SIZE}"]
 
 RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
     "cnn 1 rank": (1, CNN),
@@ -135,6 +136,10 @@ def test_val_metrics_count_every_sample_once_on_any_world_size(runs: LazyRuns):
         assert summary["val/num_samples"] == VAL_SIZE, name
         assert summary["val/acc"] == reference["val/acc"], name
         assert summary["val/loss"] == pytest.approx(reference["val/loss"], abs=1e-6), name
+        # The one final test: the same, every test sample once, on 1, 2 and 3 ranks.
+        assert summary["test/num_samples"] == reference["test/num_samples"] == TEST_SIZE, name
+        assert summary["test/acc"] == reference["test/acc"], name
+        assert summary["test/loss"] == pytest.approx(reference["test/loss"], abs=1e-6), name
 
 
 # -- gradient accumulation and the global batch -----------------------------------------

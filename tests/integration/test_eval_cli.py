@@ -29,7 +29,7 @@ def only_eval_dir(workdir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The run dir of one epoch of training on digits (360 val samples)."""
+    """The run dir of one epoch of training on digits (180 val samples, 180 test samples)."""
     workdir = tmp_path_factory.mktemp("train")
     check(train(["trainer.epochs=1", "hydra.run.dir=run"], workdir))
     return workdir / "run"
@@ -39,14 +39,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def one_process_359(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """metrics.json of a 1-process evaluation on a 359-sample val split (odd: uneven shards)."""
     workdir = tmp_path_factory.mktemp("eval1")
-    check(evaluate([f"checkpoint={trained / 'checkpoints' / 'last.pt'}", "dataset.val_size=359"], workdir))
+    check(evaluate([f"checkpoint={trained / 'checkpoints' / 'last.pt'}", "dataset.val_size=359", "split=val"],
+                   workdir))
     return metrics(only_eval_dir(workdir))
 
 
 def test_eval_reproduces_the_training_runs_val_metrics(trained: Path):
     train_metrics_before = (trained / "metrics.json").read_bytes()
     workdir = trained.parent  # where the training run was launched from
-    result = check(evaluate(["checkpoint=run/checkpoints/last.pt"], workdir))
+    result = check(evaluate(["checkpoint=run/checkpoints/last.pt", "split=val"], workdir))
     eval_dir = only_eval_dir(workdir)
     assert f"run dir: {eval_dir.resolve()}" in result.stdout and "val/acc=" in result.stdout
     assert (eval_dir / "eval.log").exists() and not (eval_dir / "tb").exists()
@@ -54,14 +55,23 @@ def test_eval_reproduces_the_training_runs_val_metrics(trained: Path):
     trained_metrics, evaluated = metrics(trained), metrics(eval_dir)
     assert evaluated["val/acc"] == trained_metrics["val/acc"]
     assert evaluated["val/loss"] == pytest.approx(trained_metrics["val/loss"], abs=1e-6)
-    assert evaluated["num_samples"] == 360 and evaluated["world_size"] == 1 and evaluated["epoch"] == 1
+    assert evaluated["num_samples"] == 180 and evaluated["world_size"] == 1 and evaluated["epoch"] == 1
     assert (trained / "metrics.json").read_bytes() == train_metrics_before  # the training run is untouched
+
+
+def test_eval_evaluates_the_test_split_by_default_as_the_run_s_final_test_did(trained: Path, tmp_path: Path):
+    check(evaluate([f"checkpoint={trained / 'checkpoints' / 'best.pt'}"], tmp_path))
+    trained_metrics, evaluated = metrics(trained), metrics(only_eval_dir(tmp_path))
+    assert evaluated["split"] == "test" and evaluated["num_samples"] == trained_metrics["test/num_samples"] == 180
+    assert evaluated["test/acc"] == trained_metrics["test/acc"]
+    assert evaluated["test/loss"] == pytest.approx(trained_metrics["test/loss"], abs=1e-6)
+    assert "val/acc" not in evaluated
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_sharded_eval_equals_one_process(trained: Path, one_process_359: dict, tmp_path: Path, nproc: int):
     # 359 samples: shards of 180/179 on 2 ranks, 120/120/119 on 3, per-rank batches 32 and 21.
-    args = [f"checkpoint={trained / 'checkpoints' / 'last.pt'}", "dataset.val_size=359"]
+    args = [f"checkpoint={trained / 'checkpoints' / 'last.pt'}", "dataset.val_size=359", "split=val"]
     result = check(torchrun(nproc, args, tmp_path, script=EVAL))
     sharded = metrics(only_eval_dir(tmp_path))  # one run dir for the whole group
     assert len(list(tmp_path.rglob("config.yaml"))) == 1  # .hydra/ written by rank 0 alone

@@ -200,13 +200,13 @@ def test_simclr_stopped_mid_epoch_resumes_bitwise(runs: LazyRuns, tmp_path: Path
 @pytest.mark.parametrize("processes", [1, 2, 3])
 def test_simclr_knn_accuracy_is_exact_on_any_world_size_in_eval(runs: LazyRuns, tmp_path: Path, processes: int):
     trained = metrics(runs("simclr"))
-    args = [f"checkpoint={last(runs('simclr'))}", "hydra.run.dir=eval"]
+    args = [f"checkpoint={last(runs('simclr'))}", "split=val", "hydra.run.dir=eval"]
     eval_py = str(REPO / "eval.py")
     command = [sys.executable, eval_py, *args] if processes == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", eval_py, *args]
     check(run(command, tmp_path))
     result = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    assert result["world_size"] == processes and result["num_samples"] == 360
+    assert result["world_size"] == processes and result["num_samples"] == 180
     assert result["val/knn_acc"] == trained["val/knn_acc"]  # the same votes: counted once each, on any world size
     assert result["val/loss"] == pytest.approx(trained["val/loss"], abs=1e-5)
 

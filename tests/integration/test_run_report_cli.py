@@ -44,7 +44,7 @@ def test_confusion_matrix_counts_every_val_sample_once_and_matches_val_acc(finis
     run_dir, _ = finished_run
     summary = metrics(run_dir)
     confusion = read_confusion_csv(run_dir)
-    assert confusion.sum().item() == summary["val/num_samples"] == 360
+    assert confusion.sum().item() == summary["val/num_samples"] == 180
     assert confusion.trace().item() / confusion.sum().item() == summary["val/acc"]
 
 

@@ -53,7 +53,7 @@ def test_single_process_run_dir_contract(default_run):
 
     summary = metrics(run_dir)
     assert summary["epoch"] == 2 and summary["step"] == 2 * (1437 // 64)
-    assert summary["world_size"] == 1 and summary["val/num_samples"] == 360
+    assert summary["world_size"] == 1 and summary["val/num_samples"] == summary["test/num_samples"] == 180
     assert summary["samples_per_s"] > 0
     assert [h["epoch"] for h in summary["history"]] == [1, 2]
     assert summary["history"][-1]["val/acc"] == summary["val/acc"]
@@ -106,7 +106,7 @@ def test_torchrun_two_workers_share_one_run_dir(workdir: Path):
     assert sorted(p.name for p in (run_dir / "tb").iterdir())[0].startswith("events.out.tfevents")
     assert len(list((run_dir / "tb").iterdir())) == 1  # rank 0 alone writes TensorBoard
     summary = metrics(run_dir)
-    assert summary["world_size"] == 2 and summary["val/num_samples"] == 360
+    assert summary["world_size"] == 2 and summary["val/num_samples"] == summary["test/num_samples"] == 180
     assert summary["step"] == 1437 // 64
     assert "world size 2" in result.stdout and "backend gloo" in result.stdout
     SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10).load_state_dict(weights(run_dir))

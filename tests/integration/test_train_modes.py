@@ -16,13 +16,14 @@ pytestmark = pytest.mark.slow
 
 
 def test_make_train_reaches_98_percent_on_the_default_config(tmp_path: Path):
-    """The README's promise: `make train` (default config, 20 epochs) reaches >= 98% val accuracy."""
+    """The README's promise: `make train` (default config, 20 epochs) reaches >= 98% accuracy, reported on the test
+    split the run never chose anything by."""
     result = subprocess.run(["make", "--no-print-directory", "train", f"ARGS=hydra.run.dir={tmp_path / 'run'}",
                              f"PY={sys.executable}"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = metrics(tmp_path / "run")
-    assert summary["epoch"] == 20 and summary["val/num_samples"] == 360
-    assert summary["val/acc"] >= 0.98
+    assert summary["epoch"] == 20 and summary["val/num_samples"] == summary["test/num_samples"] == 180
+    assert summary["val/acc"] >= 0.98 and summary["test/acc"] >= 0.98
     assert "final: train/loss=" in result.stdout and f"run dir: {tmp_path / 'run'}" in result.stdout
 
 

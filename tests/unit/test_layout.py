@@ -1,6 +1,6 @@
 """The tree keeps its promises: the machinery never imports the fork surface (src/components/ and the research
-recipes of src/recipes/, reached only through the config's `_target_`s), and every function of src/ and the entry
-points is short."""
+recipes of src/recipes/, reached only through the config's `_target_`s), and every function of the machinery and
+the entry points is short."""
 
 from __future__ import annotations
 
@@ -53,10 +53,9 @@ def test_the_fork_surface_is_named_by_the_configs_targets():
     assert modules == {"src.components.models", "src.components.datasets", "src.components.tasks"}
 
 
-@pytest.mark.parametrize("path", [*MACHINERY, *sorted((REPO / "src" / "components").rglob("*.py")),
-                                  *sorted((REPO / "src" / "recipes").rglob("*.py")), *ENTRY_POINTS],
-                         ids=lambda p: str(p.relative_to(REPO)))
-def test_no_function_is_longer_than_40_lines(path: Path):
+@pytest.mark.parametrize("path", [*MACHINERY, *ENTRY_POINTS], ids=lambda p: str(p.relative_to(REPO)))
+def test_no_function_of_the_machinery_is_longer_than_40_lines(path: Path):
+    """The machinery every fork owns stays short; the fork surface (a research model's forward) is the fork's."""
     too_long = {name: lines for name, lines in function_lengths(path).items() if lines > MAX_FUNCTION_LINES}
     assert too_long == {}
 

@@ -33,17 +33,21 @@ MNIST_CASES = [
 
 @pytest.mark.parametrize("builder, folder_name, mean_std", MNIST_CASES)
 def test_mnist_format_round_trip(tmp_path, builder, folder_name, mean_std):
+    """The official test set is test; val is held out of the official training set, each class in its share."""
     write_mnist(tmp_path, folder_name)
-    splits = builder(str(tmp_path), download=False)
-    assert (len(splits.train), len(splits.val)) == (30, 12)
+    splits = builder(str(tmp_path), download=False, val_size=10)
+    assert (len(splits.train), len(splits.val), len(splits.test)) == (20, 10, 12)
     assert splits.info == image_info(10, 1, 28, 28)
     (mean,), (std,) = mean_std
-    image, label = splits.val[7]
+    image, label = splits.test[7]
     assert image.shape == (1, 28, 28) and image.dtype == torch.float32
     assert label == 7 * 3 % 10
     assert image[0, 0, 0].item() == pytest.approx((1.0 - mean) / std, abs=1e-5)
     assert image[0, 5, 5].item() == pytest.approx((35 / 255 - mean) / std, abs=1e-5)
-    assert [splits.train[i][1] for i in range(30)] == [i * 3 % 10 for i in range(30)]
+    kept, held = datasets.stratified_holdout(torch.tensor([i * 3 % 10 for i in range(30)]), 10, 0, folder_name)
+    assert [splits.train[i][1] for i in range(20)] == [i * 3 % 10 for i in kept.tolist()]
+    assert sorted(splits.val[i][1] for i in range(10)) == list(range(10))  # 3 of each class: one each held out
+    assert splits.val[4][0][0, 5, 5].item() == pytest.approx((5 * held[4].item() / 255 - mean) / std, abs=1e-5)
 
 
 @pytest.mark.parametrize("builder, folder_name, mean_std", MNIST_CASES)
@@ -82,18 +86,29 @@ def cifar10_normalised(row: np.ndarray) -> torch.Tensor:
     return (torch.from_numpy(row.reshape(3, 32, 32)).float() / 255 - mean) / std
 
 
+def official_train(batches: dict) -> tuple[np.ndarray, list[int]]:
+    """CIFAR-10's five training batches as one: pixels and labels, in order."""
+    return (np.concatenate([batches[f"data_batch_{i}"][0] for i in range(1, 6)]),
+            [label for i in range(1, 6) for label in batches[f"data_batch_{i}"][1]])
+
+
 def test_cifar10_format_round_trip(tmp_path):
+    """test_batch is test; val is held out of the training batches, each class in its share."""
     batches = write_cifar10(tmp_path)
-    splits = datasets.cifar10(str(tmp_path), download=False, augment=False, verify_checksums=False)
-    assert (len(splits.train), len(splits.val)) == (10, 2)
+    splits = datasets.cifar10(str(tmp_path), download=False, augment=False, verify_checksums=False, val_size=2)
+    assert (len(splits.train), len(splits.val), len(splits.test)) == (8, 2, 2)
     assert splits.info == image_info(10, 3, 32, 32)
     assert (splits.fields, splits.target) == (("image", "label"), "label")
-    image, label = splits.train[3]  # second sample of data_batch_2
-    data, labels = batches["data_batch_2"]
+    data, labels = official_train(batches)
+    kept, held = datasets.stratified_holdout(torch.tensor(labels), 2, 0, "cifar10")
+    image, label = splits.train[3]
     assert image.shape == (3, 32, 32) and image.dtype == torch.float32
-    assert label == labels[1]
-    torch.testing.assert_close(image, cifar10_normalised(data[1]))
+    assert label == labels[kept[3]]
+    torch.testing.assert_close(image, cifar10_normalised(data[kept[3]]))
     image, label = splits.val[1]
+    assert label == labels[held[1]]
+    torch.testing.assert_close(image, cifar10_normalised(data[held[1]]))
+    image, label = splits.test[1]
     data, labels = batches["test_batch"]
     assert label == labels[1]
     torch.testing.assert_close(image, cifar10_normalised(data[1]))
@@ -101,14 +116,18 @@ def test_cifar10_format_round_trip(tmp_path):
 
 def test_cifar10_augmented_train_keeps_shape_and_val_is_not_augmented(tmp_path):
     batches = write_cifar10(tmp_path)
-    splits = datasets.cifar10(str(tmp_path), download=False, augment=True, verify_checksums=False)
+    splits = datasets.cifar10(str(tmp_path), download=False, augment=True, verify_checksums=False, val_size=2)
     assert splits.train[0][0].shape == (3, 32, 32)
-    torch.testing.assert_close(splits.val[0][0], cifar10_normalised(batches["test_batch"][0][0]))
+    torch.testing.assert_close(splits.test[0][0], cifar10_normalised(batches["test_batch"][0][0]))
+    data, labels = official_train(batches)
+    held = datasets.stratified_holdout(torch.tensor(labels), 2, 0, "cifar10")[1]
+    torch.testing.assert_close(splits.val[0][0], cifar10_normalised(data[held[0]]))
 
 
 def test_cifar10_dataset_pickles_for_spawned_workers(tmp_path):
     write_cifar10(tmp_path)
-    splits = datasets.cifar10(str(tmp_path), download=False, augment=False, verify_checksums=False, in_memory=False)
+    splits = datasets.cifar10(str(tmp_path), download=False, augment=False, verify_checksums=False, in_memory=False,
+                              val_size=2)
     copy = pickle.loads(pickle.dumps(splits.train))
     torch.testing.assert_close(copy[4][0], splits.train[4][0])
 
@@ -133,9 +152,10 @@ def test_cifar10_missing_files_names_folder_and_files(tmp_path):
 # ---- the on-device path (in_memory) ------------------------------------------------------------
 
 IN_MEMORY_CASES = [
-    (lambda root, **kw: datasets.mnist(root, download=False, **kw), "MNIST"),
-    (lambda root, **kw: datasets.fashion_mnist(root, download=False, **kw), "FashionMNIST"),
-    (lambda root, **kw: datasets.cifar10(root, download=False, augment=False, verify_checksums=False, **kw), "CIFAR"),
+    (lambda root, **kw: datasets.mnist(root, download=False, val_size=10, **kw), "MNIST"),
+    (lambda root, **kw: datasets.fashion_mnist(root, download=False, val_size=10, **kw), "FashionMNIST"),
+    (lambda root, **kw: datasets.cifar10(root, download=False, augment=False, verify_checksums=False, val_size=10,
+                                         **kw), "CIFAR"),
 ]
 
 
@@ -157,7 +177,7 @@ def loader_batches(dataset, batch_size: int = 4) -> tuple[torch.Tensor, torch.Te
 def test_in_memory_batches_equal_torchvisions_to_tensor_and_normalize(tmp_path, builder, folder_name):
     write_files(tmp_path, folder_name)
     fast, slow = builder(str(tmp_path)), builder(str(tmp_path), in_memory=False)
-    for split in ("train", "val"):
+    for split in ("train", "val", "test"):
         tensors, reference = getattr(fast, split), getattr(slow, split)
         assert isinstance(tensors, ImageTensorDataset) and not isinstance(reference, ImageTensorDataset)
         assert tensors.tensors[0].dtype == torch.uint8
@@ -170,11 +190,14 @@ def test_in_memory_batches_equal_torchvisions_to_tensor_and_normalize(tmp_path, 
 
 
 def cifar10_augmented(root: Path, seed: int = 0) -> tuple[TensorBatchLoader, np.ndarray]:
-    """A training loader over CIFAR-10's 40 augmented training images in one batch, and their uint8 pixels."""
+    """A training loader over CIFAR-10's 30 augmented training images in one batch (10 of the 40 held out as val),
+    and their uint8 pixels."""
     batches = write_cifar10(root, per_batch=8)
-    splits = datasets.cifar10(str(root), download=False, verify_checksums=False)
-    pixels = np.concatenate([batches[f"data_batch_{i}"][0] for i in range(1, 6)]).reshape(-1, 3, 32, 32)
-    loader = TensorBatchLoader(splits.train, EvalShardSampler(40, 40, 0, 1), torch.device("cpu"), seed, augment=True)
+    splits = datasets.cifar10(str(root), download=False, verify_checksums=False, val_size=10)
+    data, labels = official_train(batches)
+    kept = datasets.stratified_holdout(torch.tensor(labels), 10, 0, "cifar10")[0]
+    pixels = data[kept.numpy()].reshape(-1, 3, 32, 32)
+    loader = TensorBatchLoader(splits.train, EvalShardSampler(30, 30, 0, 1), torch.device("cpu"), seed, augment=True)
     return loader, pixels
 
 
@@ -198,7 +221,7 @@ def test_cifar10_device_augmentation_is_a_crop_of_the_zero_padded_image_and_a_fl
     padded = np.pad(pixels, ((0, 0), (0, 0), (4, 4), (4, 4)))  # zeros: black borders
     draws = [crop_and_flip(recovered[i], padded[i]) for i in range(len(pixels))]
     assert None not in draws
-    assert len(set(draws)) > 20  # drawn per sample
+    assert len(set(draws)) > 15  # drawn per sample
     assert {flipped for _, _, flipped in draws} == {False, True}
     assert any(top != 4 or left != 4 for top, left, _ in draws)  # some crops take border pixels
 
@@ -213,15 +236,19 @@ def test_cifar10_device_augmentation_is_reproducible_under_the_same_seed(tmp_pat
 
 def test_cifar10_val_split_and_its_loader_are_never_augmented(tmp_path):
     batches = write_cifar10(tmp_path, per_batch=4)
-    splits = datasets.cifar10(str(tmp_path), download=False, verify_checksums=False)
-    assert splits.train.augments and not splits.val.augments
-    data, expected_labels = batches["test_batch"]
-    expected = torch.stack([cifar10_normalised(row) for row in data])
-    for augment in (False, True):  # a loader asked to augment the val split has nothing to draw
-        loader = TensorBatchLoader(splits.val, EvalShardSampler(4, 4, 0, 1), torch.device("cpu"), augment=augment)
-        ((images, labels),) = list(loader)
-        torch.testing.assert_close(images, expected, rtol=0, atol=1e-6)
-        assert labels.tolist() == expected_labels
+    splits = datasets.cifar10(str(tmp_path), download=False, verify_checksums=False, val_size=4)
+    assert splits.train.augments and not splits.val.augments and not splits.test.augments
+    data, labels = official_train(batches)
+    held = datasets.stratified_holdout(torch.tensor(labels), 4, 0, "cifar10")[1]
+    for split, (rows, expected_labels) in (("val", (data[held.numpy()], [labels[i] for i in held])),
+                                          ("test", batches["test_batch"])):
+        expected = torch.stack([cifar10_normalised(row) for row in rows])
+        for augment in (False, True):  # a loader asked to augment the val or test split has nothing to draw
+            loader = TensorBatchLoader(getattr(splits, split), EvalShardSampler(4, 4, 0, 1), torch.device("cpu"),
+                                       augment=augment)
+            ((images, drawn_labels),) = list(loader)
+            torch.testing.assert_close(images, expected, rtol=0, atol=1e-6)
+            assert drawn_labels.tolist() == list(expected_labels)
 
 
 # ---- image folders ---------------------------------------------------------------------------
@@ -249,11 +276,24 @@ def test_image_folder_grayscale(tmp_path):
     assert image[0, 4, 4].item() == pytest.approx((red_luma - 0.5) / 0.5, abs=1 / 255)
 
 
-def test_image_folder_missing_split_names_the_path(tmp_path):
-    write_image_folder(tmp_path, {"red": RED}, splits=("train",))
+def test_image_folder_missing_train_names_the_path(tmp_path):
+    write_image_folder(tmp_path, {"red": RED}, splits=("val",))
     with pytest.raises(DatasetNotFoundError, match="not found") as error:
         datasets.image_folder(str(tmp_path))
-    assert str(tmp_path / "val") in str(error.value)
+    assert str(tmp_path / "train") in str(error.value)
+
+
+def test_image_folder_without_val_holds_out_part_of_train_and_tests_on_its_test_folder(tmp_path):
+    write_image_folder(tmp_path, {"blue": BLUE, "red": RED}, splits=("train", "test"))
+    splits = datasets.image_folder(str(tmp_path), image_size=(8, 8), augment=False, val_size=2)
+    assert (len(splits.train), len(splits.val), len(splits.test)) == (2, 2, 4)
+    assert sorted(label for _, label in (splits.val[i] for i in range(2))) == [0, 1]  # one of each class
+    assert [splits.test[i][1] for i in range(4)] == [0, 0, 1, 1]
+    with pytest.raises(DatasetNotFoundError, match="val not found: .*or set dataset.val_size=N to hold out N"):
+        datasets.image_folder(str(tmp_path))  # neither val/ nor val_size
+    write_image_folder(tmp_path / "with_val", {"blue": BLUE, "red": RED}, splits=("train", "val"))
+    without_test = datasets.image_folder(str(tmp_path / "with_val"), image_size=(8, 8))
+    assert (len(without_test.train), len(without_test.val), without_test.test) == (4, 4, None)
 
 
 @pytest.mark.parametrize("class_folder", [None, "red"], ids=["no-class-folders", "class-folder-without-images"])
@@ -280,15 +320,15 @@ def test_image_folder_class_mismatch_is_reported(tmp_path):
 
 def test_digits_splits_normalised_and_labelled():
     splits = datasets.digits(val_size=300)
-    assert (len(splits.train), len(splits.val)) == (1497, 300)
+    assert (len(splits.train), len(splits.val), len(splits.test)) == (1317, 300, 180)
     assert splits.info == image_info(10, 1, 8, 8)
     images, labels = splits.train.tensors
-    assert images.shape == (1497, 1, 8, 8) and images.dtype == torch.float32
+    assert images.shape == (1317, 1, 8, 8) and images.dtype == torch.float32
     assert labels.dtype == torch.int64
     assert images.mean().item() == pytest.approx(0.0, abs=1e-5)
     assert images.std().item() == pytest.approx(1.0, abs=1e-5)
     assert set(labels.tolist()) == set(range(10))
-    assert set(splits.val.tensors[1].tolist()) == set(range(10))
+    assert set(splits.val.tensors[1].tolist()) == set(splits.test.tensors[1].tolist()) == set(range(10))
 
 
 def sample_keys(dataset) -> set[bytes]:
@@ -301,15 +341,17 @@ def test_digits_split_is_deterministic_disjoint_and_seeded():
     torch.testing.assert_close(first.val.tensors[0], again.val.tensors[0])
     torch.testing.assert_close(first.train.tensors[1], again.train.tensors[1])
     assert not torch.equal(first.val.tensors[1], other.val.tensors[1])
+    torch.testing.assert_close(first.test.tensors[0], again.test.tensors[0])
     # The 1797 images are all distinct, so disjoint splits covering them share no image.
-    assert not sample_keys(first.train) & sample_keys(first.val)
-    assert len(sample_keys(first.train) | sample_keys(first.val)) == 1797
+    train, val, test = (sample_keys(split) for split in (first.train, first.val, first.test))
+    assert not (train & val or train & test or val & test)
+    assert len(train | val | test) == 1797
 
 
-@pytest.mark.parametrize("val_size", [0, 1797, -5])
-def test_digits_rejects_impossible_val_size(val_size):
-    with pytest.raises(ValueError, match="val_size"):
-        datasets.digits(val_size=val_size)
+@pytest.mark.parametrize("sizes", [(0, 180), (1797, 180), (-5, 180), (180, 0), (900, 897)])
+def test_digits_rejects_impossible_val_and_test_sizes(sizes):
+    with pytest.raises(ValueError, match="val_size and test_size"):
+        datasets.digits(val_size=sizes[0], test_size=sizes[1])
 
 
 # ---- synthetic -------------------------------------------------------------------------------

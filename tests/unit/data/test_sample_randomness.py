@@ -172,10 +172,11 @@ def test_only_the_generators_a_dataset_draws_from_are_seeded_and_every_sample_is
 
 def cifar10_crops_by_sample(root, world_size: int, batch: int, epoch: int = 0, start_step: int = 0,
                             seed: int = 0) -> dict[int, torch.Tensor]:
-    """Every rank's augmented training images of one epoch of 40 CIFAR-10 files: {sample index: image}."""
+    """Every rank's augmented training images of one epoch of 40 CIFAR-10 training images (50 in the files, 10 held
+    out as val): {sample index: image}."""
     from src.components.datasets import cifar10
 
-    train = cifar10(str(root), download=False, verify_checksums=False).train
+    train = cifar10(str(root), download=False, verify_checksums=False, val_size=10).train
     crops = {}
     for rank in range(world_size):
         sampler = GlobalBatchSampler(40, batch, rank, world_size, seed=seed)
@@ -189,7 +190,7 @@ def cifar10_crops_by_sample(root, world_size: int, batch: int, epoch: int = 0, s
 def test_device_crops_and_flips_follow_the_sample_not_its_batch_rank_or_step(tmp_path):
     from dataset_files import write_cifar10
 
-    write_cifar10(tmp_path, per_batch=8)
+    write_cifar10(tmp_path, per_batch=10)
     reference = cifar10_crops_by_sample(tmp_path, world_size=1, batch=40)
     assert len(reference) == 40
     for world_size, batch in ((2, 40), (1, 8), (2, 8), (4, 8)):

@@ -97,7 +97,7 @@ def test_main_process_writes_images_text_and_files(tmp_path: Path):
 def test_run_start_logs_the_resolved_config_then_one_summary_line(tmp_path: Path, caplog):
     runtime = SimpleNamespace(world_size=2, device=torch.device("cpu"), backend="gloo")
     sampler = SimpleNamespace(global_batch_size=64, micro_batch_size=16, steps_per_epoch=22)
-    splits = SimpleNamespace(train=range(1437), val=range(360))
+    splits = SimpleNamespace(train=range(1437), val=range(180), test=range(180))
     data = SimpleNamespace(train_sampler=sampler, splits=splits)
     config = {"model": {"_target_": "src.components.models.MLP", "hidden_sizes": [8]},
               "task": {"_target_": "src.components.tasks.Binary"},
@@ -115,5 +115,9 @@ def test_run_start_logs_the_resolved_config_then_one_summary_line(tmp_path: Path
     line = summary_record.getMessage()
     for part in ("world size 2", "device cpu", "backend gloo", "task Binary (best.pt by val/f1, max)",
                  "Linear (10 parameters, 10 trainable)",
-                 "1437 train / 360 val samples", "global batch 64 = 2 ranks x 16 per rank x 2 accum", "22 steps/epoch"):
+                 "1437 train / 180 val / 180 test samples", "global batch 64 = 2 ranks x 16 per rank x 2 accum", "22 steps/epoch"):
         assert part in line, line
+    data.splits = SimpleNamespace(train=range(1437), val=range(360))  # a fork's dataset without a test split
+    with caplog.at_level(logging.INFO, logger="train"):
+        reporting.log_run_start(tmp_path, runtime, {"model": nn.Linear(4, 2)}, data, 2, config, ["trainer.epochs=3"])
+    assert "1437 train / 360 val samples, no test split" in caplog.records[-1].getMessage()

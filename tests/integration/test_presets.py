@@ -145,11 +145,12 @@ def test_file_dataset_experiments_run_end_to_end(workdir: Path, name, write_file
     """The recipe itself, cut to two steps of batch 8 on small files in the real formats."""
     write_files(workdir / "data")
     args = [f"experiment={name}", "debug=fast", "dataset.batch_size=8", "dataset.download=false",
-            "dataset.num_workers=0", *extra]
+            "dataset.num_workers=0", "dataset.val_size=8", *extra]
     check(train(args, workdir))
     result = metrics(only_run_dir(workdir, "outputs/debug"))
     assert (result["step"], result["global_batch_size"]) == (2, 8)
-    assert result["val/num_samples"] == 12 if not name.startswith(("cifar10", "seed_cifar10")) else 8
+    assert result["val/num_samples"] == 8
+    assert result["test/num_samples"] == 12 if not name.startswith(("cifar10", "seed_cifar10")) else 8
     assert 0.0 <= result["val/acc"] <= 1.0
 
 

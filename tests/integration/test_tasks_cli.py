@@ -61,7 +61,7 @@ def test_seed_tabular_binary_reaches_95_percent(runs, processes: int):
 def test_diabetes_regression_reaches_r2_035(runs, processes: int):
     summary = metrics(runs("diabetes_mlp", processes))
     assert summary["val/r2"] >= 0.35, summary["val/r2"]
-    assert summary["val/num_samples"] == 88
+    assert summary["val/num_samples"] == summary["test/num_samples"] == 44
     print(f"diabetes mlp {processes} rank(s): val/r2 {summary['val/r2']:.4f}")
 
 
@@ -101,9 +101,10 @@ def test_a_regression_sweep_sorts_by_the_tasks_metric(tmp_path: Path):
     rows = list(csv.DictReader((tmp_path / "sweep" / "summary.csv").open()))
     maes = [float(row["val/mae"]) for row in rows]
     assert maes == sorted(maes) and len(maes) == 2
-    assert list(rows[0])[3:6] == ["val/mae", "val/loss", "val/rmse"]
+    assert list(rows[0])[3:7] == ["val/mae", "test/mae", "val/loss", "val/rmse"]  # test beside the ranked metric
     for row in rows:
-        assert float(row["val/mae"]) == json.loads((Path(row["job_dir"]) / "metrics.json").read_text())["val/mae"]
+        job = json.loads((Path(row["job_dir"]) / "metrics.json").read_text())
+        assert (float(row["val/mae"]), float(row["test/mae"])) == (job["val/mae"], job["test/mae"])
 
 
 def test_a_model_output_the_task_cannot_use_is_one_error_line_before_any_update(tmp_path: Path):

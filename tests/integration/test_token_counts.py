@@ -76,11 +76,13 @@ def tokens_per_micro_batch(world_size: int, grad_accum: int) -> list[list[int]]:
 
 
 def test_ranks_and_micro_steps_hold_different_token_counts():
-    """The premise: with equal counts, dividing by the local count would be exact too."""
+    """The premise: with equal counts, dividing by the local count would be exact too. How far apart they are
+    depends on the Python version's bundled documentation; that they are far enough to matter is shown by the
+    negative control below, on whichever Python runs the suite."""
     for world_size, grad_accum in ((2, 1), (1, 2)):
         steps = tokens_per_micro_batch(world_size, grad_accum)
         unequal = [counts for counts in steps if counts[0] != counts[1]]
-        assert len(unequal) >= STEPS - 2 and max(abs(a - b) for a, b in unequal) > 50, steps
+        assert len(unequal) >= STEPS // 2, steps
 
 
 @pytest.mark.parametrize("name", ["2 ranks", "accum 2"])
@@ -96,15 +98,17 @@ def test_dividing_by_the_local_token_count_fails_the_bound(runs: TokenRuns):
     assert max(diffs.values()) > 1e-3, diffs  # 100x the bound the exact runs meet
 
 
-def test_val_loss_per_token_and_the_token_count_are_the_same_on_one_two_and_three_ranks(runs: TokenRuns):
-    trained = metrics(runs("1 rank"))  # its val metrics are those of last.pt's weights, on 1 process
-    tokens = int((python_docs(max_length=32, val_size=VAL_SIZE).val.tensors[1] != PAD_TARGET).sum())
-    assert trained["val/num_tokens"] == tokens
-    for name in ("eval 2", "eval 3"):
+def test_loss_per_token_and_the_token_count_are_the_same_on_one_two_and_three_ranks(runs: TokenRuns):
+    trained = metrics(runs("1 rank"))  # one epoch: its val and test metrics are those of last.pt, on 1 process
+    splits = python_docs(max_length=32, val_size=VAL_SIZE)
+    assert trained["val/num_tokens"] == int((splits.val.tensors[1] != PAD_TARGET).sum())
+    tokens = int((splits.test.tensors[1] != PAD_TARGET).sum())
+    assert trained["test/num_tokens"] == tokens
+    for name in ("eval 2", "eval 3"):  # eval.py reads the test split
         evaluated = metrics(runs(name))
         assert evaluated["world_size"] == int(name.split()[1]) and evaluated["num_tokens"] == tokens, name
-        assert evaluated["val/loss"] == pytest.approx(trained["val/loss"], abs=1e-6), name
-        assert evaluated["val/perplexity"] == pytest.approx(trained["val/perplexity"], rel=1e-5), name
+        assert evaluated["test/loss"] == pytest.approx(trained["test/loss"], abs=1e-6), name
+        assert evaluated["test/perplexity"] == pytest.approx(trained["test/perplexity"], rel=1e-5), name
 
 
 def test_counts_and_throughput_are_named_by_the_unit(runs: TokenRuns):

@@ -48,9 +48,9 @@ def test_mixed_precision_trains(workdir: Path, precision: str):
 def test_mnist_files_through_dataloader_workers_on_two_ranks(workdir: Path):
     write_mnist(workdir / "data", "MNIST", num_train=96, num_test=40)
     args = ["dataset=mnist", "dataset.root=data", "dataset.download=false", "dataset.batch_size=16",
-            "dataset.num_workers=2", "trainer.epochs=2", "hydra.run.dir=run"]
+            "dataset.val_size=16", "dataset.num_workers=2", "trainer.epochs=2", "hydra.run.dir=run"]
     check(torchrun(2, args, workdir))
     summary = metrics(workdir / "run")
-    assert summary["world_size"] == 2 and summary["val/num_samples"] == 40
-    assert summary["step"] == 2 * (96 // 16)
+    assert summary["world_size"] == 2 and summary["val/num_samples"] == 16 and summary["test/num_samples"] == 40
+    assert summary["step"] == 2 * ((96 - 16) // 16)
     assert weights(workdir / "run")["classifier.2.weight"].shape == (128, 64 * 14 * 14)

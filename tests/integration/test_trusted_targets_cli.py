@@ -109,4 +109,4 @@ def test_a_model_of_the_users_own_module_evaluates_once_trusted(tmp_path: Path):
     assert refused.returncode == 2 and "model._target_=mine.MyNet" in refused.stderr
     for allowed in ("trusted_targets=[mine.MyNet]", searchpath):
         result = check(run([sys.executable, EVAL, checkpoint, allowed, "hydra.run.dir=eval"], tmp_path, env=env))
-        assert "val/acc=" in result.stdout
+        assert "test/acc=" in result.stdout

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -44,7 +45,9 @@ def worker(strategy: str, background: bool, width: int, layers: int, saves: int,
         sharding = FsdpConfig() if strategy == "fsdp" else None
         module, train_model = distributed.prepare_model(model, runtime, False, False, sharding)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=False)
-        store = checkpoint.open_store(strategy, out / "checkpoints", runtime.is_main_process, 1, background, timeout_s)
+        store = checkpoint.open_store(SimpleNamespace(strategy=strategy, timeout_s=timeout_s, step_timeout_s=None),
+                                      SimpleNamespace(keep_last=1, async_checkpoint=background),
+                                      out / "checkpoints", runtime.is_main_process)
         stalls, step_seconds = [], []
         for save in range(saves):
             started = time.perf_counter()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from src.checkpoint.layout import is_directory_checkpoint
 
@@ -31,12 +31,14 @@ def _named(path: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def open_store(strategy: str, directory: Path, is_main_process: bool, keep_last: int,
-               background: bool = False, timeout_s: float | None = None) -> Store:
-    """The store a run of `dist.strategy` writes its checkpoints with, into `directory`; with `background`
-    (trainer.async_checkpoint), writing in a thread while training goes on, its collectives waiting at most
-    `timeout_s` (src/checkpoint/store.py)."""
-    return _named(STORES[strategy])(directory, is_main_process, keep_last, background, timeout_s)
+def open_store(dist: Any, trainer: Any, directory: Path, is_main_process: bool) -> Store:
+    """The store a run of `dist.strategy` writes its checkpoints with, into `directory`, keeping
+    `trainer.keep_last`; with `trainer.async_checkpoint`, writing in a thread while training goes on, its
+    collectives waiting at most `dist.step_timeout_s` (a rank's write apart, which it covers by definition), else
+    `dist.timeout_s` (src/checkpoint/store.py)."""
+    timeout_s = dist.timeout_s if dist.step_timeout_s is None else dist.step_timeout_s
+    return _named(STORES[dist.strategy])(directory, is_main_process, trainer.keep_last, trainer.async_checkpoint,
+                                        timeout_s)
 
 
 def read(path: Path) -> Checkpoint:

@@ -21,6 +21,7 @@ from src import checkpoint
 from src.checkpoint import layout
 from src.checkpoint.store import Checkpoint
 from src.common.errors import UsageError
+from src.parallel.ranks import resume_setting
 from src.config import trusted_targets
 from src.parallel import distributed
 
@@ -31,10 +32,11 @@ def load_resume_checkpoint(directory: Path, is_main_process: bool, resume: str |
                            allowed: set[str]) -> Checkpoint | None:
     """The checkpoint to continue from (None: a fresh start), read on every rank.
 
-    `directory` is the run's checkpoints/; `resume` is None, `auto` or a path; `allowed` are the `_target_`s
-    the saved config may name (src/config/trusted_targets.py). Called on every rank at the same point: it runs
-    two collectives.
+    `directory` is the run's checkpoints/; `resume` is None, `auto` or a path (None means `auto` in a restarted run:
+    `ranks.resume_setting`); `allowed` are the `_target_`s the saved config may name (src/config/trusted_targets.py).
+    Called on every rank at the same point: it runs two collectives.
     """
+    resume = resume_setting(resume)
     if resume is None:
         layout.resume_path(directory, None)  # a fresh run refuses a run dir that already holds one
         return None

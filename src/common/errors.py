@@ -24,7 +24,6 @@ class UsageError(Exception):
     """
 
     reported = False  # True when worker processes have already printed the message
-    local = False  # True when one rank alone may find it (a record only that rank reads): that rank prints it
 
 
 class WorkersReportedUsageError(UsageError):
@@ -45,20 +44,26 @@ def find_usage_error(error: BaseException) -> UsageError | None:
 
 @contextlib.contextmanager
 def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterator[None]:
-    """End the process with `error: <message>` on stderr and exit code 2 if the block raises a
-    UsageError; any other error propagates with its traceback.
+    """End the process with `error: <message>` on stderr and exit code 2 if the block raises a UsageError; any
+    other error propagates with its traceback; an allocation that found no memory (torch's error, also where Hydra's
+    instantiate wrapped it) with a note saying what shrinks a rank's share.
 
-    Every rank of a group usually hits the same mistake, so only the main process prints it.
-    In a sweep the error propagates instead: Hydra marks that job failed and runs the next.
+    Every rank of a group usually hits the same mistake, so only the main process prints it. In a sweep the error
+    propagates instead: Hydra marks that job failed and runs the next. A worker restarted (torchrun
+    `--max-restarts`) after an attempt that stopped on a usage error stops again at once (src/common/retries.py).
     """
+    _exit_if_failed_for_good()
     try:
         yield
     except Exception as error:
         usage_error = find_usage_error(error)
         if usage_error is None or in_sweep:
-            raise
-        if (is_main_process or usage_error.local) and not usage_error.reported:
-            # One write: the line of each rank that ran out of memory (a local error) stays whole in a shared stderr.
+            out_of_memory = _out_of_memory(error)
+            if out_of_memory is None:
+                raise
+            out_of_memory.add_note(_out_of_memory_hint(out_of_memory))
+            raise out_of_memory from None  # torch's error, where it happened (not the wrapper Hydra put around it)
+        if is_main_process and not usage_error.reported:
             sys.stderr.write(f"error: {usage_error}\n")
             sys.stderr.flush()
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -69,15 +74,12 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
         sys.exit(USAGE_ERROR_EXIT_CODE)
 
 
-def exit_if_failed_for_good() -> None:
-    """In a restarted worker: if an earlier attempt of this launcher stopped on a usage error, print it
-    (rank 0) and exit with code 2 before doing any work (src/common/retries.py)."""
+def _exit_if_failed_for_good() -> None:
     message = retries.final_failure()
-    if message is None:
-        return
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {message} (not retried: every restart would stop on it)", file=sys.stderr)
-    sys.exit(USAGE_ERROR_EXIT_CODE)
+    if message is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {message} (not retried: every restart would stop on it)", file=sys.stderr)
+        sys.exit(USAGE_ERROR_EXIT_CODE)
 
 
 # How an allocation that found no memory reads: Python's MemoryError, torch's CPU allocator ("can't allocate
@@ -85,26 +87,15 @@ def exit_if_failed_for_good() -> None:
 _NO_MEMORY = ("can't allocate memory", "out of memory")
 
 
-@contextlib.contextmanager
-def out_of_memory_is_one_line(strategy: str) -> Iterator[None]:
-    """An allocation the process has no memory for, anywhere in the block, becomes one line (a local UsageError:
-    each rank that runs out prints it) naming the process's memory limit and what shrinks a rank's share."""
-    try:
-        yield
-    except Exception as raised:  # noqa: BLE001 - re-raised unless it is (or was caused by) running out of memory
-        error = _out_of_memory(raised)
-        if error is None:
-            raise
-        # torch's allocators say how much they were asked for
-        asked = re.search(r"tried to allocate [\d.,]+ ?\w+", str(error), re.IGNORECASE)
-        detail = asked.group(0) if asked else (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
-        instead = ("dist=fsdp, which keeps 1/W of the parameters, gradients and optimizer state on each of W ranks"
-                   if strategy != "fsdp" else "more ranks (torchrun --nproc_per_node=N)")
-        rank = os.environ.get("RANK", "0")
-        usage_error = UsageError(f"out of memory on rank {rank} ({detail}) under dist={strategy}, {memory_limit()}: "
-                                 f"the model's training state does not fit one process: use {instead}")
-        usage_error.local = True
-        raise usage_error from None
+def _out_of_memory_hint(error: BaseException) -> str:
+    """What an allocation the process had no memory for adds under its traceback: the rank, the size asked for, the
+    process's memory limit and what shrinks a rank's share."""
+    asked = re.search(r"tried to allocate [\d.,]+ ?\w+", str(error), re.IGNORECASE)  # torch's allocators say
+    detail = asked.group(0) if asked else type(error).__name__
+    return (f"out of memory on rank {os.environ.get('RANK', '0')} ({detail}), {memory_limit()}: the model's training "
+            "state does not fit one process: under dist=ddp use dist=fsdp, which keeps 1/W of the parameters, "
+            "gradients and optimizer state on each of W ranks; under dist=fsdp use more ranks "
+            "(torchrun --nproc_per_node=N) or a smaller per-rank batch")
 
 
 def _out_of_memory(error: BaseException | None) -> BaseException | None:

@@ -4,9 +4,8 @@ torchrun restarts the whole group after any worker failure; it has no notion of 
 recur (a config mistake, a missing dataset folder, a loss that turns NaN at the same step of a
 deterministic run, checkpoints that are all unreadable). Such errors are UsageErrors (exit code 2). A
 worker that stops on one records the message for its launcher (src/common/errors.py does, as it exits);
-a restarted worker of the same launcher finds it before importing torch (`errors.exit_if_failed_for_good`),
-prints it again and exits at once, so each pointless restart costs a fraction of a second instead of a
-whole start-up.
+a restarted worker of the same launcher finds it where its job starts (`errors.exit_on_usage_error`),
+prints it again and exits at once, so no restart trains a step.
 
 The record is a file named after the launcher process (its pid and start time), so it is seen by that
 launcher's restarts only, never by another run. Nothing here imports another module of the template.

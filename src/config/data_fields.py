@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.common.errors import UsageError
 
@@ -79,3 +79,14 @@ def check_same(saved: Mapping[str, Any] | None, fields: Mapping[str, Any], what:
             f"{what} does not fit this model: it was built for {built}, but {dataset} provides {given}; "
             "evaluate it on data of the same shape"
         )
+
+
+def fill_model_config(cfg: DictConfig, fields: dict[str, Any], dataset: str) -> dict[str, Any]:
+    """Write what the dataset and task provide into the model config's `${data:FIELD}`s (so `cfg.model` builds
+    the model anywhere from now on), and return the run's resolved config as checkpoints save it: with the
+    fields the model takes, which eval.py checks its data against."""
+    used = used_by(cfg.model, fields)
+    filled = fill(cfg.model, fields, f"dataset={dataset}")
+    with open_dict(cfg):
+        cfg.model = filled
+    return {**OmegaConf.to_container(cfg, resolve=True), "data_fields": used}

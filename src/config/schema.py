@@ -41,7 +41,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from src.checkpoint import layout
 from src.common.errors import UsageError, exit_on_usage_error
-from src.parallel.launch import resume_setting
+from src.parallel.ranks import resume_setting
 from src.parallel.ranks import is_main_process
 
 # -- rules: what a value may be, beyond its type ----------------------------------------------------

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from src.common.errors import UsageError
+from src.config.building import errors_named
 from src.config.schema import TrainerConfig
 from src.data.image_tensors import ImageTensorDataset
 from src.data.sample_randomness import VAL_EPOCH, EpochKeys, SeededSamples, sample_key
@@ -302,12 +303,14 @@ def first_samples(dataset: Dataset, count: int) -> Dataset:
 
 
 def build_splits(dataset_cfg: DictConfig) -> DataSplits:
-    """The splits of the dataset `dataset_cfg` names (its LOADER_KEYS are left to the loaders)."""
+    """The splits of the dataset `dataset_cfg` names (its LOADER_KEYS are left to the loaders); a key its builder
+    does not take, or a value it refuses, is one line."""
     params = OmegaConf.to_container(dataset_cfg, resolve=True)
     assert isinstance(params, dict)
     for key in LOADER_KEYS:
         params.pop(key, None)  # val_batch_size is optional
-    with main_process_first():  # one download, not one per rank into the same folder
+    # one download, not one per rank into the same folder
+    with errors_named("dataset", dataset_cfg, passed_elsewhere=LOADER_KEYS), main_process_first():
         return instantiate(params)
 
 

@@ -42,8 +42,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
 from torch import nn
 
+from src.config.building import errors_named
 from src.parallel.distributed import broadcast_object
 
 if TYPE_CHECKING:  # annotations only: the loop's types, which import this module
@@ -243,3 +246,13 @@ class Callbacks:
                 log.info("the checkpoint's state of callback %s is not used: this run has no such callback on", name)
         for name in self.state_dict().keys() - states.keys():
             log.info("the checkpoint holds no state of callback %s: it starts from this run's", name)
+
+
+def build_callbacks(callbacks_cfg: DictConfig, trackers: Callback) -> Callbacks:
+    """The run's callbacks (conf/callbacks/), built in config order after the `trackers` (told first of a failure,
+    before a callback may raise a clearer error); a setting one refuses is one line."""
+    built = {"trackers": trackers}
+    for name, node in callbacks_cfg.items():
+        with errors_named(f"callbacks.{name}", node):
+            built[str(name)] = instantiate(node)
+    return Callbacks(built)

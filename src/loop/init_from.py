@@ -209,3 +209,14 @@ def freeze(modules: dict[str, nn.Module], prefixes: list[str]) -> int:
 
 def _qualified(module: nn.Module, model: str, several: bool) -> list[tuple[str, nn.Parameter]]:
     return [(f"{model}.{name}" if several else name, parameter) for name, parameter in module.named_parameters()]
+
+
+def starting_weights(init_from: str | None, strict: bool, modules: dict[str, nn.Module], output: str,
+                     resumed: Any) -> None:
+    """`init_from`'s weights (weights only: the optimizer, schedule and step count start afresh) over the models'
+    own on a fresh start; a `resumed` run's are read later, into the same modules. Weights that do not fit are
+    refused before the run writes anything."""
+    if resumed is not None and init_from is not None:
+        log.info("init_from=%s not applied: the run resumes from %s", init_from, resumed.path)
+    elif init_from is not None:
+        load_on_every_rank(modules, output, Path(init_from), strict)

@@ -25,10 +25,10 @@ from src.checkpoint.trained import build_saved_model, read_trusted
 from src.common.errors import UsageError
 from src.config import building
 from src.config.schema import TrainerConfig
-from src.loop import init_from, initial_weights, optim, performance, setup
+from src.loop import init_from, initial_weights, optim, performance, task_and_model
 from src.loop.precision import autocast_dtype
 from src.loop.task import Task
-from src.parallel import distributed, fsdp
+from src.parallel import distributed, fsdp, sync_batchnorm
 from src.parallel.distributed import Runtime
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ def build_trained(cfg: DictConfig, trainer: TrainerConfig, task: Task, runtime: 
             autocast_dtype(trainer.precision),
             lambda module, initial=initial: initial_weights.initialise(initial, module, cfg.seed))
         train_models[name] = performance.compiled(train_model, trainer.compile)
+        if runtime.world_size > 1 and runtime.is_main_process and not trainer.compile:
+            sync_batchnorm.warn_of_bias_before_batchnorm(modules[name])
     return modules, train_models
 
 
@@ -64,7 +66,7 @@ def _built(name: str, model_cfg: DictConfig, task: Task, trainer: TrainerConfig,
     checked = task if name == task.output_model and task.feeds_batches else None
 
     def make() -> nn.Module:
-        return performance.with_memory_format(setup.build_model(model_cfg, checked), trainer.channels_last)
+        return performance.with_memory_format(task_and_model.build_model(model_cfg, checked), trainer.channels_last)
 
     with building.errors_named(key, model_cfg):
         return initial_weights.build(make, name, seed, sharded)

@@ -128,7 +128,7 @@ class Task:
     mode = "min"
     unit = "samples"  # what count() counts: samples | tokens | pixels (log lines, metrics.json, throughput)
     # What check_output compares with and names: the output width num_outputs() gave for the run's dataset
-    # and the model setting that sets it (src/loop/setup.py sets both: the key of the run's model config
+    # and the model setting that sets it (src/loop/task_and_model.py sets both: the key of the run's model config
     # that takes ${data:num_outputs}).
     output_width: int | None = None
     output_setting = "model.num_outputs"
@@ -246,7 +246,7 @@ class Task:
     @property
     def feeds_batches(self) -> bool:
         """Whether the output model is called with each batch's inputs (the built-in step): then its `forward` is
-        checked against them before any work (src/loop/setup.py)."""
+        checked against them before any work (src/loop/task_and_model.py)."""
         return type(self).train_step is Task.train_step
 
     def train_loss(self, outputs: Any, batch: Batch) -> torch.Tensor:

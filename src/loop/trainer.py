@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -39,7 +39,8 @@ from src.loop.stopping import StopReason, StopRule
 from src.loop.task import Task
 from src.parallel.distributed import Runtime
 from src.reports.images import image_grid
-from src.reports.reporting import Reporter
+from src.reports.hparams import run_hparams
+from src.reports.reporting import Reporter, model_summary
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ class Trainer:
         after `config.max_steps` training steps or when the process is asked to terminate (SIGTERM: preemption);
         or, after an epoch's checkpoint, when a callback ends the run (a run resumed after that trains no more).
         Returns why it stopped."""
+        self.parts.reporter.text("model/summary", model_summary(self.parts.modules))
         if state.stopped is not None:
             log.info("%s after epoch %d: nothing more to train", state.stopped.ended_by, state.stopped.epoch)
             return StopReason.STOPPED
@@ -232,6 +234,26 @@ class Trainer:
         if state.test is not None:
             summary.update(state.test["metrics"], tested_weights=state.test["weights"])
         return summary
+
+    def report(self, state: TrainState, reason: StopReason, overrides: Sequence[str] = (),
+               choices: Mapping[str, Any] | None = None) -> float:
+        """Close the run's reports: a finished run's hparams and final metrics, or, for a run stopped with a
+        checkpoint (max_steps, preemption), how to continue it. Returns the monitored metric's last value (NaN
+        without one: no epoch yet, or trainer.monitor=null); `overrides`, `choices`: the job's (its hparams)."""
+        reporter, monitor = self.parts.reporter, self.config.monitor
+        if not reason.is_final:
+            log.info("stopped at step %d with a checkpoint; continue with: resume=auto hydra.run.dir=%s",
+                     state.step, reporter.run_dir)
+            reporter.close()  # the trackers' runs KILLED until the run continues
+            return state.history[-1].get(monitor, float("nan")) if state.history and monitor else float("nan")
+        summary = self.summary(state, self.parts.data.num_val_samples)
+        final = {k: v for k, v in summary.items() if "/" in k and "/num_" not in k}
+        reporter.hparams(run_hparams(self.parts.saved_config, overrides, choices or {},
+                                     self.parts.data.train_sampler.global_batch_size), final)
+        reporter.close()
+        log.info("final: %s", "  ".join(f"{k}={v:.4f}" for k, v in final.items()))
+        log.info("run dir: %s", reporter.run_dir)
+        return summary.get(monitor, float("nan")) if monitor else float("nan")
 
     # -- the final test ------------------------------------------------------------------
 

@@ -290,7 +290,7 @@ def rendezvous_store(env: DistEnv, timeout_s: float = 600.0) -> dist.Store:
 
     Under torchrun the elastic agent already serves one at MASTER_ADDR:MASTER_PORT, so
     every rank is a client. Elsewhere rank 0 hosts it. Process groups are built on it
-    (see `process_group`), and `src.parallel.launch` uses it to agree on the run dir first.
+    (see `process_group`), and `src.parallel.job` uses it to agree on the run dir first.
     """
     global _store
     if _store is not None:

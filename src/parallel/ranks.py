@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping
 
+# Set on a sweep's job run again in its own dir by a sweep run again (src/sweeps/jobs.py).
+SWEEP_JOB_RESUMES = "DDP_TEMPLATE_SWEEP_JOB_RESUMES"
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -91,3 +93,20 @@ def adopt_cluster_env(environ: MutableMapping[str, str] = os.environ) -> None:
         submitit.helpers.TorchDistributedEnvironment().export()
         # As torchrun does: one thread per worker unless the job says how many cores it has.
         environ.setdefault("OMP_NUM_THREADS", environ.get("SLURM_CPUS_PER_TASK", "1"))
+
+
+def restarted_by_launcher(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this run is a restart: torchrun's `--max-restarts` or a requeued SLURM job.
+
+    Such a run continues from its run dir's last checkpoint without being told (the run dir
+    is the same: rank 0's start time stays in torchrun's store and in the job's environment).
+    """
+    return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or int(environ.get("SLURM_RESTART_COUNT", "0")) > 0
+
+
+def resume_setting(resume: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """What `resume=` means for this process: a restart continues its run dir's last checkpoint
+    even when the command line (the same on every restart) asked for a fresh run; so does a sweep's
+    job that a sweep run again starts in its own dir (src/sweeps/jobs.py sets the variable)."""
+    resumes = restarted_by_launcher(environ) or environ.get(SWEEP_JOB_RESUMES) == "1"
+    return "auto" if resume is None and resumes else resume

@@ -9,10 +9,17 @@ batch, and the running statistics used for evaluation come from smaller batches.
 
 from __future__ import annotations
 
+import logging
+import weakref
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
+
+log = logging.getLogger(__name__)
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -146,3 +153,40 @@ def _to_cpu_sync_batchnorm(bn: _BatchNorm) -> CPUSyncBatchNorm:
         sync_bn.num_batches_tracked = bn.num_batches_tracked
     sync_bn.train(bn.training)
     return sync_bn
+
+
+def warn_of_bias_before_batchnorm(module: nn.Module) -> None:
+    """Log one warning line per trained bias whose layer's output feeds a BatchNorm directly, seen in `module`'s
+    first forward (hooks that then remove themselves: any forward code, no cost after it).
+
+    BatchNorm subtracts the batch mean, so such a bias has a true gradient of zero; the gradient computed for it is
+    rounding noise, which differs with the world size, and an adaptive optimizer (Adam) turns noise into lr-sized
+    steps: 1 and N ranks then train different weights. `bias=False` on that layer removes the difference.
+    """
+    produced: dict[int, tuple[str, weakref.ref]] = {}  # output tensor id -> (the biased layer's name, the tensor)
+    handles: list[Any] = []
+
+    def remember(name: str) -> Any:
+        return lambda layer, inputs, output: produced.__setitem__(id(output), (name, weakref.ref(output)))
+
+    def check(name: str) -> Any:
+        def hook(layer: nn.Module, inputs: tuple[Any, ...]) -> None:
+            source, tensor = produced.get(id(inputs[0]), (None, lambda: None))
+            if source is not None and tensor() is inputs[0]:
+                log.warning("%s has a bias feeding the BatchNorm %s directly: its gradient is rounding noise that "
+                            "differs with the world size (the BatchNorm removes the mean), so 1 and N ranks train "
+                            "different weights; give %s bias=False", source, name, source)
+        return hook
+
+    for name, layer in module.named_modules():
+        if isinstance(layer, (nn.Linear, _ConvNd)) and layer.bias is not None and layer.bias.requires_grad:
+            handles.append(layer.register_forward_hook(remember(name)))
+        elif isinstance(layer, _BatchNorm):
+            handles.append(layer.register_forward_pre_hook(check(name)))
+
+    def done(*_: Any) -> None:
+        for handle in handles:
+            handle.remove()
+        produced.clear()
+
+    handles.append(module.register_forward_hook(done))

@@ -1,14 +1,13 @@
-"""`dist.nproc_per_node=N`: `python train.py` starts its own DDP group of N local workers; and what a worker
-of any launcher reports when it fails.
-
-Imported only by the processes that start workers or are one (train.py's and eval.py's import boundary
-declares it apart from the run's modules): torch's elastic launcher comes with it.
+"""`dist.nproc_per_node=N`: `python train.py` starts its own DDP group of N local workers; and how a worker of
+any launcher runs its job: reporting its failure to the launcher, and ending with the launcher that started it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
+import json
 import os
 import signal
 import socket
@@ -16,17 +15,30 @@ import sys
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from src.common.errors import USAGE_ERROR_EXIT_CODE, UsageError, WorkersReportedUsageError, find_usage_error
 from src.parallel import distributed
-from src.parallel.launch import LAUNCHER_PID, quote_override
-from src.parallel.ranks import DistEnv
+from src.parallel.job import RunContext, quote_override
+from src.parallel.ranks import DistEnv, is_worker
+
+LAUNCHER_PID = "DDP_TEMPLATE_LAUNCHER_PID"  # set by launch_workers: the process its workers die with
 
 T = TypeVar("T")
+
+
+def run_group(script: str, cfg: Any, context: RunContext) -> float:
+    """`python train.py dist.nproc_per_node=N`: run the job as a group of N workers of `script` and return their
+    last value of the monitored metric (NaN if they stopped before the first validation wrote metrics.json, as a
+    one-process run returns)."""
+    launch_workers(script, cfg.dist.nproc_per_node, context.run_dir, context.overrides, cfg.dist.master_port,
+                   cfg.trainer.device, cfg.dist.backend, context.composing)
+    metrics_file, monitor = context.run_dir / "metrics.json", cfg.trainer.monitor
+    return json.loads(metrics_file.read_text()).get(monitor, float("nan")) if metrics_file.exists() and monitor \
+        else float("nan")
 
 
 def launch_workers(
@@ -54,7 +66,7 @@ def launch_workers(
     # The workers' own checks, made once here rather than after starting them all.
     last_worker = DistEnv(rank=nproc - 1, local_rank=nproc - 1, world_size=nproc)
     distributed.select_backend(backend, distributed.select_device(device, last_worker))
-    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers inherit it (launch.die_with_launcher)
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers inherit it (die_with_launcher)
     overrides = [o for o in task_overrides if not o.startswith("dist.nproc_per_node=")]
     worker_args = [script, *composing, *overrides, f"hydra.run.dir={quote_override(str(run_dir))}",
                    "hydra.output_subdir=null"]
@@ -103,6 +115,39 @@ def port_is_free(port: int) -> bool:
                 return False
             raise
     return True
+
+
+def worker(function: Callable[..., T]) -> Callable[..., T]:
+    """`function`, a job's run: in a process a launcher started (torchrun, `launch_workers`, SLURM), it reports its
+    failure to the launcher (`recording_errors`) and ends with `launch_workers`' process (`die_with_launcher`);
+    elsewhere it runs as it is."""
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> T:
+        if not is_worker():
+            return function(*args, **kwargs)
+        die_with_launcher()
+        return recording_errors(function)(*args, **kwargs)
+
+    return run
+
+
+def die_with_launcher(environ: Mapping[str, str] = os.environ) -> None:
+    """Make a worker that `launch_workers` started end when that process ends, however it ends.
+
+    torch's launcher starts each worker in a session of its own, so a launcher killed outright (SIGKILL, the OOM
+    killer; a sweep's process with the sweep) would leave its workers training on, writing into the run dir that a
+    resumed run or sweep continues in. Armed here, the kernel SIGKILLs the worker when its parent dies (Linux's
+    PR_SET_PDEATHSIG), as if its node were lost: the next run resumes from the last checkpoint. Does nothing for
+    other processes, or where prctl does not exist (macOS).
+    """
+    launcher = environ.get(LAUNCHER_PID)
+    if launcher is None or not sys.platform.startswith("linux") or os.getppid() != int(launcher):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(launcher):  # the launcher died before the kernel watched it
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def recording_errors(function: Callable[..., T]) -> Callable[..., T]:

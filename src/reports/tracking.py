@@ -23,7 +23,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
 from src.common.files import write_text_atomically
+from src.config.building import errors_named
 from src.loop.callback import Callback, Run
 from src.loop.stopping import StopReason
 from src.reports.hparams import run_hparams
@@ -139,3 +143,15 @@ def identity_of(run_dir: Path, in_sweep: bool) -> RunIdentity:
     if in_sweep:
         return RunIdentity(str(run_dir), run_dir, group=str(run_dir.parent), job=run_dir.name)
     return RunIdentity(str(run_dir), run_dir)
+
+
+def build_trackers(logger_cfg: DictConfig, context: Any, is_main_process: bool) -> Trackers:
+    """The experiment trackers `logger` names besides TensorBoard (conf/logger/), built by rank 0 alone: a
+    package that is missing or a server that does not answer is one line here, before any work. `context`: the
+    job's RunContext (src/parallel/job.py)."""
+    built = {}
+    for name, node in logger_cfg.items():
+        if is_main_process and name != "tensorboard":  # TensorBoard is the Reporter's own
+            with errors_named(f"logger.{name}", node):
+                built[str(name)] = instantiate(node)
+    return Trackers(built, identity_of(context.run_dir, context.in_sweep), context.overrides, context.choices)

@@ -19,7 +19,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from src.parallel import launch
+from src.parallel import ranks
 from src.sweeps import jobs
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class ResumableGridSweeper(BasicSweeper):
     """Every combination of the swept values, one job each, in Hydra's order; finished jobs skipped."""
 
     def sweep(self, arguments: list[str]) -> Any:
-        if launch.is_worker():  # `torchrun ... train.py -m`: every rank sweeps; they could judge a job dir apart
+        if ranks.is_worker():  # `torchrun ... train.py -m`: every rank sweeps; they could judge a job dir apart
             return super().sweep(arguments)
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         parsed = parser.parse_overrides([*self._parse_config(), *arguments])

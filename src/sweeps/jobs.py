@@ -5,7 +5,7 @@ Shared by both sweepers (src/sweeps/grid.py, src/sweeps/optuna_sweeper.py) and t
 early stopping), `pruned` (stopped by the Optuna pruner, with a checkpoint), `failed` (it
 raised: the summary callback left a FAILED file) or `incomplete` (killed, preempted, or still running).
 Run again into the same sweep dir, a sweep skips completed and pruned jobs, and runs the others
-again in their own dirs: with `resume=auto` semantics (src/parallel/launch.py resume_setting), so
+again in their own dirs: with `resume=auto` semantics (src/parallel/ranks.py resume_setting), so
 an interrupted job continues from its `checkpoints/last.pt`. A job dir whose overrides are not the
 job's belongs to another sweep and is refused, before anything is written.
 """
@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.common.errors import UsageError
-from src.parallel.launch import SWEEP_JOB_RESUMES
+from src.parallel.ranks import SWEEP_JOB_RESUMES
 
 FAILED_MARKER = "FAILED"  # written into a job dir by the summary callback when the job raised
 FINISHED = ("completed", "pruned")
@@ -75,5 +75,5 @@ def rerun_overrides(job_dir: Path, overrides: Sequence[str]) -> list[str]:
         return list(overrides)
     (job_dir / FAILED_MARKER).unlink(missing_ok=True)
     # Through `hydra.job.env_set`, which every launcher applies (and a job's workers inherit): `resume: null`
-    # then means `auto` for this job (src/parallel/launch.py), and its overrides.yaml stays as it was.
+    # then means `auto` for this job (src/parallel/ranks.py), and its overrides.yaml stays as it was.
     return [*overrides, f"++hydra.job.env_set.{SWEEP_JOB_RESUMES}=1"]

@@ -28,7 +28,7 @@ from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
 from src.common.errors import UsageError
-from src.parallel import launch
+from src.parallel import ranks
 from src.sweeps import jobs, pruning, search_space
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class OptunaSweeper(Sweeper):
     def check_settings(self, space: dict[str, Any]) -> str:
         """The study's direction; one error line for a setting that cannot work."""
         problems = []
-        if launch.is_worker():
+        if ranks.is_worker():
             problems.append("an Optuna sweep under torchrun would sample on every rank: start it as one process "
                             "and give each trial its ranks with dist.nproc_per_node=N (or a launcher)")
         if self.n_trials < 1:

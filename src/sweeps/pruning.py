@@ -10,7 +10,7 @@ answer is agreed by every rank, so all ranks stop after the same epoch.
 
 from __future__ import annotations
 
-from src.parallel.launch import quote_override
+from src.parallel.job import quote_override
 
 STORAGE_ENV = "DDP_TEMPLATE_OPTUNA_STORAGE"  # the study's storage URL
 STUDY_ENV = "DDP_TEMPLATE_OPTUNA_STUDY"  # its name

@@ -14,7 +14,7 @@ from typing import Any
 from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep
 
 from src.common.errors import UsageError
-from src.parallel.launch import quote_override
+from src.parallel.job import quote_override
 
 GRAMMAR = "choice(a,b,...), range(start,stop[,step]), interval(low,high) or tag(log,interval(low,high))"
 

@@ -148,7 +148,7 @@ ROWS = [
         "model-field-the-dataset-lacks"),
     row(TRAIN, ["task=regression", "task.loss=huber", "dataset=diabetes", "model=mlp"],
         "task.loss=huber is not one of l1, mse", "unknown-regression-loss"),
-    # The task's inputs and target against the dataset's fields and the model's forward (src/loop/setup.py).
+    # The task's inputs and target against the dataset's fields and the model's forward (src/loop/task_and_model.py).
     row(TRAIN, ["task.target=labl"], "task.target names the field 'labl', which dataset=digits does not have: its "
         "fields are image, label; set task.target to one of them", "field-the-dataset-lacks"),
     row(TRAIN, ["task=regression", "dataset=two_input_synthetic"], "SimpleCNN.forward(x) cannot take the task's "

@@ -38,7 +38,7 @@ def summary_rows(sweep: Path) -> list[dict]:
 def test_workers_die_with_a_launcher_killed_outright_and_write_nothing_after(workdir: Path, launched):
     """SIGKILL to the process that started `dist.nproc_per_node=2` workers (as when a sweep's process is
     killed): torch's launcher put each worker in a session of its own, yet they end with it
-    (launch.die_with_launcher), instead of training on into a run dir a resumed run continues in."""
+    (workers.die_with_launcher), instead of training on into a run dir a resumed run continues in."""
     run_dir = workdir / "run"
     launcher = launched.start([sys.executable, TRAIN, "dist.nproc_per_node=2", "trainer.epochs=100",
                                "trainer.progress=false", "hydra.run.dir=run"], workdir)

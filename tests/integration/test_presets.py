@@ -16,9 +16,8 @@ from hydra.utils import instantiate
 from src.common.errors import UsageError
 from src.config import schema  # noqa: F401 - registers the schema
 from src.data.loaders import build_splits
-from src.parallel import launch
+from src.parallel import job  # noqa: F401 - registers ${run_timestamp:}, ${data:} ... as train.py does
 
-launch.register_resolvers()  # ${run_timestamp:}, ${data:} ... as train.py registers them
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 

@@ -136,14 +136,12 @@ def options(group: str) -> str:
     return ", ".join(sorted(path.stem for path in (REPO / "conf" / group).glob("*.yaml")))
 
 
-def test_help_lists_groups_and_cfg_job_skips_torch(workdir: Path):
+def test_help_lists_groups_and_cfg_job_prints_the_config_without_a_run_dir(workdir: Path):
     help_text = check(train(["--help"], workdir)).stdout
     for group in ("model", "dataset", "task", "optimizer", "scheduler", "logger"):  # conf/'s, a fork's YAMLs too
         assert f"{group}: {options(group)}" in help_text
-    result = check(run([sys.executable, "-X", "importtime", str(REPO / "train.py"), "--cfg", "job"], workdir))
+    result = check(train(["--cfg", "job"], workdir))
     assert "batch_size: 64" in result.stdout and "sync_bn: true" in result.stdout
-    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if "|" in line}
-    assert "hydra" in imported and "torch" not in imported
     assert not (workdir / "outputs").exists()
 
 

@@ -129,7 +129,6 @@ DEFERRED = {
     "src/loop/init_from.py": {"safetensors.torch"},  # likewise, for a .safetensors file only
     "src/parallel/fsdp.py": {"torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict",
                              "torch.distributed.tensor"},  # sharded runs
-    "src/parallel/launch.py": {"src.parallel"},  # torch's store, for a torchrun worker's start time only
     "src/parallel/ranks.py": {"submitit"},  # only in submitit's and srun's tasks
     "src/reports/reporting.py": {"torch.utils.tensorboard", "torch.utils.tensorboard.summary"},  # runs that write
     # TensorBoard events (not eval.py)

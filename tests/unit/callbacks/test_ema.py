@@ -25,13 +25,12 @@ from src.data.loaders import Data, TensorBatchLoader
 from src.data.splits import DataSplits
 from src.loop import records
 from src.loop.callback import Callbacks
-from src.loop.setup import build_task
+from src.loop.task_and_model import check_task
 from src.loop.trainer import Trainer, TrainParts, TrainState
-from src.parallel import launch
+from src.parallel import job  # noqa: F401 - registers ${data:} ... as train.py does
 from src.parallel.distributed import DistEnv, Runtime
 from src.reports.reporting import Reporter
 
-launch.register_resolvers()  # ${data:} ... as train.py registers them
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
 
@@ -271,10 +270,10 @@ TASK = OmegaConf.create({"_target_": "src.components.tasks.Classification"})
 
 def test_val_ema_may_be_monitored_only_with_ema_weights():
     on, off = Callbacks({"ema": EMA(0.9, 0)}), Callbacks({"ema": EMA(None, 0)})
-    build_task(TASK, SPLITS, {"task": "classification"}, "val_ema/acc", on.metric_splits, on.enable_hints())
+    check_task(instantiate(TASK), SPLITS, {"task": "classification"}, "val_ema/acc", on.metric_splits, on.enable_hints())
     with pytest.raises(UsageError) as error:
-        build_task(TASK, SPLITS, {"task": "classification"}, "val_ema/acc", off.metric_splits, off.enable_hints())
+        check_task(instantiate(TASK), SPLITS, {"task": "classification"}, "val_ema/acc", off.metric_splits, off.enable_hints())
     assert str(error.value) == ("trainer.monitor=val_ema/acc needs EMA weights: set callbacks.ema.decay (e.g. 0.999), "
                                 "or monitor val/acc")
     with pytest.raises(UsageError, match="choose one of val/loss, val/acc, val_ema/loss, val_ema/acc, train/loss"):
-        build_task(TASK, SPLITS, {"task": "classification"}, "val_ema/f1", on.metric_splits, on.enable_hints())
+        check_task(instantiate(TASK), SPLITS, {"task": "classification"}, "val_ema/f1", on.metric_splits, on.enable_hints())

@@ -1,4 +1,5 @@
-"""An allocation the process has no memory for is one line naming its limit (src/common/errors.py)."""
+"""An allocation the process has no memory for keeps its traceback and gains a note naming the rank, the size, the
+process's limit and what shrinks a rank's share (src/common/errors.py)."""
 
 from __future__ import annotations
 
@@ -9,59 +10,78 @@ import pytest
 
 from src.common import errors
 
-# A process under a 3 GiB data limit (ulimit -d) asks torch for 8 GiB: the kernel refuses the allocation.
+HINT = ("the model's training state does not fit one process: under dist=ddp use dist=fsdp, which keeps 1/W of the "
+        "parameters, gradients and optimizer state on each of W ranks; under dist=fsdp use more ranks "
+        "(torchrun --nproc_per_node=N) or a smaller per-rank batch")
+
+# A process under a 3 GiB data limit (ulimit -d) asks torch for 8 GiB, in a function of its own: the kernel refuses
+# the allocation, and the traceback shows where it was asked for.
 OVER_THE_LIMIT = """
 import resource, sys
 sys.path.insert(0, {repo!r})
 import torch
 from src.common import errors
 resource.setrlimit(resource.RLIMIT_DATA, (3 * 2**30, resource.RLIM_INFINITY))
-try:
-    with errors.out_of_memory_is_one_line("ddp"):
-        torch.empty(2 * 2**30, dtype=torch.float32)
-except errors.UsageError as error:
-    print(error, error.local)
+
+
+def forward_of_a_fork():
+    return torch.empty(2 * 2**30, dtype=torch.float32)
+
+
+with errors.exit_on_usage_error(is_main_process=True):
+    forward_of_a_fork()
 """
 
 
-def test_a_real_allocation_over_the_data_limit_is_one_line_naming_the_limit_and_fsdp():
+def test_a_real_allocation_over_the_data_limit_keeps_its_traceback_and_names_the_limit_and_fsdp(tmp_path):
     from conftest import REPO
 
-    result = subprocess.run([sys.executable, "-c", OVER_THE_LIMIT.format(repo=str(REPO))], capture_output=True,
-                            text=True, timeout=120)
-    line = result.stdout.strip()
-    assert result.returncode == 0 and len(line.splitlines()) == 1, result.stderr[-2000:]
-    assert line.startswith("out of memory on rank 0 (tried to allocate 8589934592 bytes)") and line.endswith(" True")
-    assert "under dist=ddp, limits: data (ulimit -d) 3,072 MiB: the model's training state does not fit one" in line
-    assert "use dist=fsdp, which keeps 1/W of the parameters, gradients and optimizer state on each of W" in line
+    (tmp_path / "fork.py").write_text(OVER_THE_LIMIT.format(repo=str(REPO)))
+    result = subprocess.run([sys.executable, str(tmp_path / "fork.py")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert 'in forward_of_a_fork' in result.stderr and "return torch.empty(2 * 2**30" in result.stderr  # the place
+    assert "DefaultCPUAllocator: can't allocate memory" in result.stderr  # torch's own message
+    assert lines[-1] == (f"out of memory on rank 0 (tried to allocate 8589934592 bytes), limits: data (ulimit -d) "
+                         f"3,072 MiB: {HINT}")
 
 
-@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")])
-def test_python_s_and_cuda_s_out_of_memory_are_one_line_too(error: BaseException):
-    line = (r"^out of memory on rank \d+ \((MemoryError|Tried to allocate 2.00 GiB)\) under dist=fsdp, .*: use more "
-            r"ranks \(torchrun --nproc_per_node=N\)$")
-    with pytest.raises(errors.UsageError, match=line):
-        with errors.out_of_memory_is_one_line("fsdp"):
-            raise error
+@pytest.mark.parametrize("error,asked", [(MemoryError(), "MemoryError"),
+                                         (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                          "Tried to allocate 2.00 GiB")])
+def test_python_s_and_cuda_s_out_of_memory_get_the_note_too(error: BaseException, asked: str):
+    with pytest.raises(type(error)) as raised, errors.exit_on_usage_error(is_main_process=True):
+        raise error
+    assert raised.value is error
+    [note] = raised.value.__notes__
+    assert note.startswith(f"out of memory on rank 0 ({asked}), ") and note.endswith(HINT)
 
 
-def test_other_runtime_errors_pass_through():
-    with pytest.raises(RuntimeError, match="shape mismatch"), errors.out_of_memory_is_one_line("ddp"):
+def test_other_runtime_errors_pass_through_without_a_note():
+    with pytest.raises(RuntimeError, match="shape mismatch") as raised, errors.exit_on_usage_error(True):
         raise RuntimeError("shape mismatch")
+    assert not hasattr(raised.value, "__notes__")
 
 
-def test_an_out_of_memory_a_model_constructor_raised_inside_hydra_s_instantiate_is_one_line_too():
+def test_an_out_of_memory_a_model_constructor_raised_inside_hydra_s_instantiate_gets_the_note_too():
     """A model without an initialisation hook is built whole under dist=fsdp, through hydra's instantiate, which
-    wraps what the constructor raised."""
+    wraps what the constructor raised (and prints only its message): torch's error comes out, with its traceback
+    (the constructor's frames) and the note."""
     from hydra.errors import InstantiationException
 
     allocator = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 37748736 bytes.")
-    with pytest.raises(errors.UsageError, match=r"^out of memory on rank \d+ \(tried to allocate 37748736 bytes\) "
-                                                r"under dist=fsdp, .*: use more ranks \(torchrun --nproc_per_node=N\)$"):
-        with errors.out_of_memory_is_one_line("fsdp"):
-            try:
-                raise allocator
-            except RuntimeError as error:
-                raise InstantiationException("Error in call to target 'src.components.models.MLP'") from error
-    with pytest.raises(InstantiationException), errors.out_of_memory_is_one_line("fsdp"):
+
+    def constructor():
+        raise allocator
+
+    with pytest.raises(RuntimeError) as raised, errors.exit_on_usage_error(True):
+        try:
+            constructor()
+        except RuntimeError as error:
+            raise InstantiationException("Error in call to target 'src.components.models.MLP'") from error
+    assert raised.value is allocator and "constructor" in [entry.name for entry in raised.traceback]
+    assert raised.value.__notes__[0].startswith("out of memory on rank 0 (tried to allocate 37748736 bytes), ")
+    with pytest.raises(InstantiationException) as raised, errors.exit_on_usage_error(True):
         raise InstantiationException("Error in call to target 'src.components.models.MLP': TypeError(...)")
+    assert not hasattr(raised.value, "__notes__")

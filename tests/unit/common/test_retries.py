@@ -1,4 +1,4 @@
-"""src/common/retries.py (and errors.exit_if_failed_for_good): a usage error under a restarting launcher is
+"""src/common/retries.py (and where a job starts, errors.exit_on_usage_error): a usage error under a restarting launcher is
 recorded, and that launcher's restarts exit at once with the same line; nothing else is affected."""
 
 from __future__ import annotations
@@ -6,6 +6,12 @@ from __future__ import annotations
 import pytest
 
 from src.common import errors, retries
+
+
+def start_job() -> None:
+    """What a job does where it starts (train.py's and eval.py's `main`)."""
+    with errors.exit_on_usage_error(is_main_process=True):
+        pass
 
 
 @pytest.fixture
@@ -19,11 +25,11 @@ def torchrun_worker(monkeypatch, tmp_path):
 
 
 def test_a_restart_after_a_usage_error_exits_at_once_with_its_line(torchrun_worker, capsys):
-    errors.exit_if_failed_for_good()  # the first attempt runs
+    start_job()  # the first attempt runs
     retries.record_final_failure("dataset.root=/nowhere does not exist")
     torchrun_worker.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(SystemExit) as exit_:
-        errors.exit_if_failed_for_good()
+        start_job()
     assert exit_.value.code == 2
     assert capsys.readouterr().err == (
         "error: dataset.root=/nowhere does not exist (not retried: every restart would stop on it)\n")
@@ -31,7 +37,7 @@ def test_a_restart_after_a_usage_error_exits_at_once_with_its_line(torchrun_work
 
 def test_a_restart_after_another_failure_runs(torchrun_worker):
     torchrun_worker.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # say, a worker was killed
-    errors.exit_if_failed_for_good()
+    start_job()
 
 
 @pytest.mark.parametrize("unset", ["TORCHELASTIC_RUN_ID", "TORCHELASTIC_MAX_RESTARTS"])

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from src.common.errors import find_usage_error
 from src.components.models import MLP, SimpleCNN, TwoInputCNN, resnet18
 from src.config import data_fields
-from src.loop.setup import build_model
+from src.loop.task_and_model import build_model
 
 
 def image_fields(channels: int, size: tuple[int, int], outputs: int = 7) -> dict:

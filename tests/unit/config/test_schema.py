@@ -12,9 +12,8 @@ from omegaconf import OmegaConf
 
 from src.common.errors import UsageError
 from src.config import schema
-from src.parallel import launch
+from src.parallel import job  # noqa: F401 - registers ${data:} ... as train.py does
 
-launch.register_resolvers()  # ${data:} ... as train.py registers them
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
 

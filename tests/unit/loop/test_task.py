@@ -1,4 +1,4 @@
-"""Binding a task's inputs and target to a dataset's named fields (src/loop/task.py, src/loop/setup.py): by
+"""Binding a task's inputs and target to a dataset's named fields (src/loop/task.py, src/loop/task_and_model.py): by
 default the target field is the target and the rest are the model's inputs, in order; names, positions and
 {arg: field} mappings still work; a dataset that names nothing is bound by position; every mistake is one line."""
 
@@ -14,7 +14,7 @@ from src.common.errors import UsageError
 from src.components.models import SimpleCNN, TwoInputCNN
 from src.components.tasks import Classification, Regression
 from src.data.splits import DataSplits
-from src.loop.setup import bind_to_dataset, build_model, check_inputs, output_setting
+from src.loop.task_and_model import bind_to_dataset, build_model, check_inputs, output_setting
 
 RGB, MASK, TARGET = torch.zeros(2, 3, 4, 4), torch.ones(2, 1, 4, 4), torch.full((2, 1), 0.5)
 FIELDS = ("rgb", "mask", "target")

@@ -1,4 +1,4 @@
-"""src/parallel/launch.py, ranks.py, workers.py and src/reports/sweep_summary.py without training: run-dir
+"""src/parallel/job.py, ranks.py, workers.py and src/reports/sweep_summary.py without training: run-dir
 agreement, rank detection, cluster environments, sweep tables."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conftest import REPO
 from omegaconf import OmegaConf
 
 from src.common.errors import UsageError
-from src.parallel import launch, ranks, workers
+from src.parallel import job, ranks, workers
 from src.reports import sweep_summary
 from src.sweeps import jobs
 
@@ -24,8 +24,8 @@ import os, sys, time
 sys.path.insert(0, {repo!r})
 if os.environ["RANK"] == "1":
     time.sleep(1.5)  # rank 1 reaches Hydra late, as on a busy node
-from src.parallel import distributed, launch
-print(launch.run_started_at().isoformat())
+from src.parallel import distributed, job
+print(job.run_started_at().isoformat())
 store = distributed.rendezvous_store(distributed.read_env())
 if os.environ["RANK"] == "1":
     store.set("seen", "1")
@@ -57,15 +57,15 @@ def test_ranks_agree_on_rank_zeros_start_time():
 
 def test_start_time_is_inherited_by_child_processes(monkeypatch):
     monkeypatch.setenv("DDP_TEMPLATE_RUN_STARTED_AT", "2030-01-02T03:04:05")
-    assert launch.run_started_at().strftime("%Y-%m-%d/%H-%M-%S") == "2030-01-02/03-04-05"
+    assert job.run_started_at().strftime("%Y-%m-%d/%H-%M-%S") == "2030-01-02/03-04-05"
     monkeypatch.delenv("DDP_TEMPLATE_RUN_STARTED_AT")
-    stamp = launch.run_started_at()
+    stamp = job.run_started_at()
     assert os.environ["DDP_TEMPLATE_RUN_STARTED_AT"] == stamp.isoformat()
-    assert launch.run_started_at() == stamp  # agreed once: every later resolution reads it
+    assert job.run_started_at() == stamp  # agreed once: every later resolution reads it
 
 
 def test_only_rank_zero_writes_hydra_files(monkeypatch):
-    launch.register_resolvers()
+    job.register_resolvers()
     config = OmegaConf.create({"subdir": "${main_rank_only:.hydra}"})
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -102,11 +102,11 @@ def test_the_main_process_is_read_from_the_launchers_variables_without_changing_
 
 
 def test_a_run_dir_holding_only_hydras_files_was_made_for_this_run(tmp_path: Path):
-    assert launch.holds_only_hydras_files(tmp_path / "new")
+    assert job.holds_only_hydras_files(tmp_path / "new")
     (tmp_path / "run" / ".hydra").mkdir(parents=True)
-    assert launch.holds_only_hydras_files(tmp_path / "run")
+    assert job.holds_only_hydras_files(tmp_path / "run")
     (tmp_path / "run" / "train.log").write_text("an earlier run's\n")
-    assert not launch.holds_only_hydras_files(tmp_path / "run")
+    assert not job.holds_only_hydras_files(tmp_path / "run")
 
 
 def test_srun_tasks_export_the_torchrun_contract():
@@ -163,7 +163,7 @@ def test_a_group_stopped_on_a_usage_error_is_recognised(exit_codes, usage_error)
 
 
 def test_override_quoting_survives_hydras_grammar():
-    assert launch.quote_override("/tmp/a b/it's") == "'/tmp/a b/it\\'s'"
+    assert job.quote_override("/tmp/a b/it's") == "'/tmp/a b/it\\'s'"
 
 
 def make_job(sweep: Path, num: int, overrides: list[str], epochs: int, metrics: dict | None, failed: bool = False):
@@ -239,7 +239,7 @@ def test_no_run_dir_without_a_run(tmp_path: Path, argv):
     ({}, False), ({"TORCHELASTIC_RESTART_COUNT": "0"}, False), ({"TORCHELASTIC_RESTART_COUNT": "2"}, True),
     ({"SLURM_RESTART_COUNT": "1"}, True), ({"SLURM_RESTART_COUNT": "0"}, False)])
 def test_restarts_and_requeues_are_recognised(environ, restarted):
-    assert launch.restarted_by_launcher(environ) is restarted
+    assert ranks.restarted_by_launcher(environ) is restarted
 
 
 def test_a_wrapped_usage_error_stays_findable_through_the_torchrun_wrapper(monkeypatch):
@@ -263,8 +263,8 @@ def test_a_wrapped_usage_error_stays_findable_through_the_torchrun_wrapper(monke
 
 PDEATHSIG_OF_THIS_PROCESS = """
 import ctypes, os, sys
-from src.parallel import launch
-launch.die_with_launcher()
+from src.parallel import workers
+workers.die_with_launcher()
 signal = ctypes.c_int()
 ctypes.CDLL(None).prctl(2, ctypes.byref(signal), 0, 0, 0)  # PR_GET_PDEATHSIG
 print(signal.value)
@@ -276,9 +276,9 @@ print(signal.value)
 def test_only_a_worker_of_launch_workers_is_armed_to_die_with_it(launcher: str | None, armed: bool):
     """The worker's parent is the launcher named in its environment: SIGKILL when it dies (9). A process
     whose parent is another, or that no launch_workers started, is left as it is (0)."""
-    env = {key: value for key, value in os.environ.items() if key != launch.LAUNCHER_PID}
+    env = {key: value for key, value in os.environ.items() if key != workers.LAUNCHER_PID}
     if launcher is not None:
-        env[launch.LAUNCHER_PID] = str(os.getpid() if launcher == "parent" else os.getpid() + 1_000_000)
+        env[workers.LAUNCHER_PID] = str(os.getpid() if launcher == "parent" else os.getpid() + 1_000_000)
     result = subprocess.run([sys.executable, "-c", PDEATHSIG_OF_THIS_PROCESS], cwd=REPO, env=env,
                             capture_output=True, text=True, check=True)
     assert int(result.stdout) == (9 if armed else 0)

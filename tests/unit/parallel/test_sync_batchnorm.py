@@ -278,3 +278,48 @@ def test_converted_model_without_process_group_equals_original() -> None:
     torch.testing.assert_close(converted.state_dict(), original.state_dict(), rtol=0, atol=0)
     torch.testing.assert_close(converted.eval()(x), original.eval()(x), rtol=0, atol=0)
 
+
+
+# ---- a bias feeding a BatchNorm directly: warned once, on the first forward --------------------------------------
+
+
+class BiasIntoBatchNorm(nn.Module):
+    """Each way a layer's output may reach a BatchNorm: straight (warned), through a ReLU, without a bias, with a
+    frozen bias (not warned); the forward is code, not a Sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 4, 3, padding=1)  # biased, straight into stem_bn: warned
+        self.stem_bn = nn.BatchNorm2d(4)
+        self.mid = nn.Conv2d(4, 4, 3, padding=1)  # biased, but a ReLU between
+        self.mid_bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(16, 8, bias=False)
+        self.head_bn = nn.BatchNorm1d(8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.bias.requires_grad_(False)
+        self.frozen_bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 3)  # biased, into a BatchNorm1d: warned
+        self.out_bn = nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem_bn(self.stem(x))
+        x = self.mid_bn(torch.relu(self.mid(x)))
+        x = nn.functional.adaptive_avg_pool2d(x, 2).flatten(1)
+        x = self.frozen_bn(self.frozen(self.head_bn(self.head(x))))
+        return self.out_bn(self.out(x))
+
+
+def test_a_bias_feeding_a_batchnorm_directly_is_warned_once_per_layer_on_the_first_forward(caplog):
+    from src.parallel.sync_batchnorm import warn_of_bias_before_batchnorm
+
+    model = BiasIntoBatchNorm()
+    warn_of_bias_before_batchnorm(model)
+    with caplog.at_level("WARNING"):
+        model(torch.randn(4, 1, 6, 6))
+        model(torch.randn(4, 1, 6, 6))  # the hooks are gone: no second warning
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 2 and all("\n" not in line for line in lines)
+    assert lines[0].startswith("stem has a bias feeding the BatchNorm stem_bn directly") and \
+        lines[0].endswith("give stem bias=False")
+    assert lines[1].startswith("out has a bias feeding the BatchNorm out_bn directly")
+    assert not any(layer._forward_hooks or layer._forward_pre_hooks for layer in model.modules())

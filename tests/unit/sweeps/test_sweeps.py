@@ -86,7 +86,7 @@ def test_a_job_run_again_resumes_in_its_dir_and_another_sweeps_job_is_refused(tm
 
 
 def test_resume_null_means_auto_for_a_sweep_job_run_again():
-    from src.parallel.launch import resume_setting
+    from src.parallel.ranks import resume_setting
 
     assert resume_setting(None, {}) is None
     assert resume_setting(None, {"DDP_TEMPLATE_SWEEP_JOB_RESUMES": "1"}) == "auto"

@@ -1,43 +1,36 @@
-"""Hydra meets the launchers: one run dir per run, whatever started the processes.
+"""A Hydra job under any launcher: what it knows of itself, its run dir (one per run), its errors.
 
-Hydra resolves `${now:...}` in every process, so torchrun ranks that reach Hydra a
-second apart would each create their own timestamped run dir (hydra #2070). Run dirs
-are therefore named with `${run_timestamp:FORMAT}`: rank 0's clock, shared with the
-other ranks through the launcher's store before Hydra creates any directory. Ranks
-other than 0 also skip writing `.hydra/` (`${main_rank_only:}`), so the run dir holds one
-copy of the config. Processes started by torchrun, by `dist.nproc_per_node` (src/parallel/workers.py),
-by submitit or by `srun` all end up with the same RANK / LOCAL_RANK / WORLD_SIZE contract
-(src/parallel/ranks.py).
-
-Nothing here imports torch unless the run has several processes: `python train.py
---help` and `--cfg job` stay fast.
+Hydra resolves `${now:...}` in every process, so torchrun ranks that reach Hydra a second apart would each
+create their own timestamped run dir (hydra #2070). Run dirs are therefore named with `${run_timestamp:FORMAT}`:
+rank 0's clock, shared through the launcher's store before Hydra creates any directory; ranks other than 0 skip
+writing `.hydra/` (`${main_rank_only:}`). Importing this module registers those resolvers and `${data:FIELD}`,
+so every process that composes the config (an entry point, a submitit task unpickling its `main`) has them.
+Processes started by torchrun, `dist.nproc_per_node` (src/parallel/workers.py), submitit or `srun` all end up
+with the same RANK / LOCAL_RANK / WORLD_SIZE contract (src/parallel/ranks.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import os
 import shutil
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, MutableMapping, Sequence
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from src.common.errors import find_usage_error
-from src.config import data_fields
-from src.parallel.ranks import is_main_process, is_worker, read_env
+from src.common.errors import exit_on_usage_error, find_usage_error
+from src.config import data_fields, hydra_errors
+from src.parallel import distributed
+from src.parallel.ranks import adopt_cluster_env, is_main_process, is_worker, read_env
 
 _STORE_KEY = "ddp_template/run_started_at"
 STARTED_AT = "DDP_TEMPLATE_RUN_STARTED_AT"  # the run's start time: set once per process, inherited by its children
-LAUNCHER_PID = "DDP_TEMPLATE_LAUNCHER_PID"  # set by launch_workers: the process its workers die with
-# Set on a sweep's job run again in its own dir by a sweep run again (src/sweeps/jobs.py).
-SWEEP_JOB_RESUMES = "DDP_TEMPLATE_SWEEP_JOB_RESUMES"
 
 
 @dataclass(frozen=True)
@@ -62,6 +55,32 @@ class RunContext:
         return cls(run_dir, holds_only_hydras_files(run_dir), hydra_cfg.mode == RunMode.MULTIRUN,
                    tuple(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices),
                    config_flags(argv) + searchpath)
+
+
+def run(main: Callable[[], Any]) -> None:
+    """Run an entry point's `@hydra.main` function: Hydra's config errors as one `error:` line, and a worker that
+    ran a process group ended without the interpreter's teardown (src/parallel/distributed.py), after every job."""
+    with hydra_errors.one_line_config_errors(is_main_process()):
+        main()
+    if is_worker():
+        distributed.exit_after_a_group()
+
+
+def start() -> RunContext:
+    """Where a job's task function starts: its errors are the run's from here on (Hydra reports them as usual),
+    a submitit or `srun` task becomes a torchrun-style worker, and the job's context is read, once."""
+    hydra_errors.config_composed()
+    adopt_cluster_env()
+    return RunContext.of(HydraConfig.get())
+
+
+@contextlib.contextmanager
+def usage_errors(context: RunContext) -> Iterator[None]:
+    """A usage error in the block is one `error:` line and exit code 2 (printed by the main process; in a sweep, the
+    job fails and the sweep goes on), and the run dir it leaves unused is removed."""
+    with exit_on_usage_error(is_main_process(), context.in_sweep), \
+            discard_unused_run_dir(context.run_dir, context.created, context.in_sweep):
+        yield
 
 
 CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")  # Hydra's
@@ -94,9 +113,6 @@ def _agree_on_start_time() -> datetime.datetime:
     env = read_env()
     if not env.is_distributed:
         return now
-    # A torchrun worker, before Hydra composes: the group's store is torch's (the only import of torch here).
-    from src.parallel import distributed
-
     store = distributed.rendezvous_store(env)
     if env.is_main_process:
         # compare_set keeps the first value: a rank 0 restarted in the same store keeps the dir.
@@ -112,23 +128,6 @@ def register_resolvers() -> None:
     # makes `hydra.output_subdir` null on the other ranks whichever launcher started them.
     OmegaConf.register_new_resolver("main_rank_only", lambda value: value if is_main_process() else None, replace=True)
     data_fields.register_resolver()  # ${data:FIELD} in model YAMLs
-
-
-def restarted_by_launcher(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether this run is a restart: torchrun's `--max-restarts` or a requeued SLURM job.
-
-    Such a run continues from its run dir's last checkpoint without being told (the run dir
-    is the same: rank 0's start time stays in torchrun's store and in the job's environment).
-    """
-    return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or int(environ.get("SLURM_RESTART_COUNT", "0")) > 0
-
-
-def resume_setting(resume: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
-    """What `resume=` means for this process: a restart continues its run dir's last checkpoint
-    even when the command line (the same on every restart) asked for a fresh run; so does a sweep's
-    job that a sweep run again starts in its own dir (src/sweeps/jobs.py sets the variable)."""
-    resumes = restarted_by_launcher(environ) or environ.get(SWEEP_JOB_RESUMES) == "1"
-    return "auto" if resume is None and resumes else resume
 
 
 def holds_only_hydras_files(run_dir: Path) -> bool:
@@ -166,25 +165,10 @@ def _remove_empty_parents(path: Path) -> None:
         parent.rmdir()
 
 
-def die_with_launcher(environ: Mapping[str, str] = os.environ) -> None:
-    """Make a worker that `launch_workers` started end when that process ends, however it ends.
-
-    torch's launcher starts each worker in a session of its own, so a launcher killed outright (SIGKILL,
-    the OOM killer; a sweep's process with the sweep) would leave its workers training on, writing into
-    the run dir that a resumed run or sweep continues in. Armed here, the kernel SIGKILLs the worker when
-    its parent dies (Linux's PR_SET_PDEATHSIG), as if its node were lost: the next run resumes from the
-    last checkpoint. Does nothing for other processes, or where prctl does not exist (macOS).
-    """
-    launcher = environ.get(LAUNCHER_PID)
-    if launcher is None or not sys.platform.startswith("linux") or os.getppid() != int(launcher):
-        return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != int(launcher):  # the launcher died before the kernel watched it
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def quote_override(value: str) -> str:
     """Quote a value for Hydra's override grammar (paths may hold characters it parses)."""
     escaped = value.replace("\\", "\\\\").replace("'", "\\'")
     return f"'{escaped}'"
+
+
+register_resolvers()

@@ -13,17 +13,27 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from src.common.errors import UsageError
+from src.config.building import errors_named
 from src.data.splits import DataSplits
 from src.loop.task import Task
 
 
-def build_task(task_cfg: DictConfig, splits: DataSplits, choices: Mapping[str, str], monitor: str | None,
+def build_task(task_cfg: DictConfig, splits: DataSplits, context: Any, monitor: str | None, callbacks: Any,
+               model_cfg: Any = None) -> Task:
+    """The task `task_cfg` names (a key it does not take: one line), bound to the dataset's fields and told which
+    model key sets its output width (`model_cfg`'s, read before its fields are filled in), or refused in one line:
+    a dataset it does not fit, a `monitor`ed metric it does not compute (the `callbacks` add some: val_ema/*)."""
+    with errors_named("task", task_cfg):
+        task = check_task(instantiate(task_cfg), splits, context.choices, monitor, callbacks.metric_splits,
+                          callbacks.enable_hints())
+    task.output_setting = output_setting(model_cfg, context.overrides)
+    return task
+
+
+def check_task(task: Task, splits: DataSplits, choices: Mapping[str, str], monitor: str | None,
                extra_splits: Sequence[str] = (), hints: Mapping[str, str] | None = None) -> Task:
-    """The task `task_cfg` names, refusing a dataset it does not fit and a metric it does not compute, with one
-    line naming both sides and what to choose instead; its inputs and target bound to the dataset's fields.
-    `extra_splits`: the metric prefixes the run's callbacks add (val_ema); `hints`: what turns on a callback
-    that would add another (its split -> the hint)."""
-    task = instantiate(task_cfg)
+    """`task`, checked and bound as `build_task` says; `extra_splits`: the metric prefixes the run's callbacks add
+    (val_ema); `hints`: what turns on a callback that would add another (its split -> the hint)."""
     task_name = choices.get("task") or type(task).__name__
     dataset_name = f"dataset={choices['dataset']}" if choices.get("dataset") else "the dataset"
     check_fit(task, splits.info, task_name, choices.get("dataset") or "this dataset")

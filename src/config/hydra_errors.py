@@ -36,7 +36,6 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from src.common.errors import UsageError, exit_on_usage_error
 from src.config import building
-from src.config.schema import MOVED
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 _full_error_set_here = False
@@ -217,9 +216,7 @@ def unknown_key_message(error: OmegaConfBaseException, source: str, script: str,
                         override: Override | None = None) -> str:
     """`trainer.epoch=3`: suggest the key meant (a sibling in the config), and `+key=value` to add a new one;
     for the block of a `_target_` (model, dataset, task, a callback), `+key` only if its target takes that
-    argument, else the arguments it takes. A setting that moved (`trainer.ema.decay`) names its new key."""
-    if (moved := moved_message(override.key_or_group if override else error.full_key, override)) is not None:
-        return moved
+    argument, else the arguments it takes."""
     parent, _, key = error.full_key.rpartition(".")
     siblings = [str(k) for k in error.parent_node] if isinstance(error.parent_node, DictConfig) else []
     suggestion = _did_you_mean(key, siblings, f"{parent}." if parent else "")
@@ -230,18 +227,6 @@ def unknown_key_message(error: OmegaConfBaseException, source: str, script: str,
     if found is not None and key not in found[0] and not found[1]:  # the target would refuse +key too
         adding = f"; {building.takes(target)}"
     return f"{source} is not a config key{suggestion}{listing}{adding}"
-
-
-def moved_message(key: str, override: Override | None) -> str | None:
-    """`trainer.ema.decay=0.999`: the setting is a callback's now (src/config/schema.py, MOVED); its new key."""
-    for old, new in MOVED.items():
-        if key == old or key.startswith(f"{old}."):
-            if "=" in new:  # a preset adds the callback
-                return f"{key} is now {new}: pass {new}"
-            renamed = new + key[len(old):]
-            value = f"={override.input_line.split('=', 1)[1]}" if override is not None else "=VALUE"
-            return f"{key} is now {renamed}: pass {renamed}{value}"
-    return None
 
 
 _EXPECTED = {IntegerNode: "an integer", FloatNode: "a number", BooleanNode: "true or false", StringNode: "a string"}

@@ -75,8 +75,6 @@ ROWS = [
     row(TRAIN, ["callbacks.ema.decay=0"], "callbacks.ema.decay=0 must be in (0, 1) (or null)", "ema-decay-zero"),
     row(TRAIN, ["callbacks.ema.warmup_steps=-1"], "callbacks.ema.warmup_steps=-1 must be at least 0",
         "ema-negative-warmup"),
-    row(TRAIN, ["trainer.ema.decay=0.999"], "trainer.ema.decay is now callbacks.ema.decay: pass "
-        "callbacks.ema.decay=0.999", "moved-setting"),
     # A key the class does not take: the compose-time hint says so, and adding it anyway is one line too.
     row(TRAIN, ["model.hiden=3"], "model.hiden is not a config key (did you mean model.hidden?); "
         "src.components.models.SimpleCNN takes in_channels, image_size, num_outputs, channels, hidden, dropout",

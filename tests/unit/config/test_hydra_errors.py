@@ -72,20 +72,14 @@ def options(group: str, *registered: str) -> str:
     (["trainer.epochs=[1"], "cannot parse the override 'trainer.epochs=[1' (no viable alternative at input '[1'); "
      "quote values holding special characters, e.g. key='a value' "
      "(https://hydra.cc/docs/advanced/override_grammar/basic/)"),
-    (["trainer.ema.decay=0.999"], "trainer.ema.decay is now callbacks.ema.decay: pass callbacks.ema.decay=0.999"),
-    (["trainer.early_stopping.patience=5"], "trainer.early_stopping.patience is now callbacks.early_stopping.patience: "
-                                            "pass callbacks.early_stopping.patience=5"),
-    (["trainer.detect_anomaly=true"], "trainer.detect_anomaly is now callbacks.divergence.detect_anomaly: pass "
-                                      "callbacks.divergence.detect_anomaly=true"),
-    (["trainer.profile=true"], "trainer.profile is now debug=profile: pass debug=profile"),
     (["model.hiden=3"], "model.hiden is not a config key (did you mean model.hidden?); src.components.models.SimpleCNN "
                         "takes in_channels, image_size, num_outputs, channels, hidden, dropout"),
     (["callbacks.ema.decy=0.9"], "callbacks.ema.decy is not a config key (did you mean callbacks.ema.decay?); "
                                  "src.callbacks.ema.EMA takes decay, warmup_steps, model"),
 ], ids=["unknown-option", "second-group", "typo-in-group", "typo-in-key", "unknown-key-no-suggestion",
         "int-expected", "float-expected", "bool-expected", "null-not-allowed", "port-not-a-number",
-        "checked-after-the-overrides-before", "unparsable-override", "moved-ema", "moved-early-stopping",
-        "moved-detect-anomaly", "moved-profile", "a-key-the-model-does-not-take", "a-key-the-callback-does-not-take"])
+        "checked-after-the-overrides-before", "unparsable-override",
+        "a-key-the-model-does-not-take", "a-key-the-callback-does-not-take"])
 def test_train_command_line(overrides, message):
     assert described(overrides) == message
 

@@ -176,5 +176,5 @@ def merge_dataset(saved_dataset: DictConfig, overrides: DictConfig, path: Path) 
 
 if __name__ == "__main__":
     heap.pause_collection()  # resumed in evaluate_checkpoint(), once the imports are done
-    with hydra_errors.one_line_config_errors(ranks.is_main_process()):
+    with hydra_errors.one_line_config_errors(ranks.is_main_process(), "eval"):
         main()

@@ -223,7 +223,7 @@ def report_final(loop, state, context: RunContext) -> float:  # noqa: ANN001 - T
 if __name__ == "__main__":
     launch.die_with_launcher()  # a worker of dist.nproc_per_node ends with the process that started it
     heap.pause_collection()  # resumed in train(), once the imports are done
-    with hydra_errors.one_line_config_errors(ranks.is_main_process()):
+    with hydra_errors.one_line_config_errors(ranks.is_main_process(), "config"):
         main()
     # A worker that ran a DDP group skips the interpreter's teardown, which the group's threads could
     # abort (src/parallel/distributed.py). Only here, after every job: errors exit as usual above.

@@ -42,8 +42,11 @@ def error_of(overrides: list[str], config_name: str = "config", conf: Path = REP
     return caught.value
 
 
-def described(overrides: list[str], config_name: str = "config", script: str = "train.py", **kwargs) -> str:
-    return hydra_errors.describe_config_error(error_of(overrides, config_name, **kwargs), script)
+def described(overrides: list[str], config_name: str = "config", script: str = "train.py",
+              conf: Path = REPO / "conf") -> str:
+    """The line for the error of composing `config_name` with these overrides, as `script`'s command line."""
+    error = error_of(overrides, config_name, conf)
+    return hydra_errors.describe_config_error(error, script, overrides, config_name, conf)
 
 
 def options(group: str, *registered: str) -> str:
@@ -105,7 +108,7 @@ def test_additions_and_deletions_keep_hydras_own_message():
     for overrides in (["+trainer.epochs=3"], ["~trainer.epoch"]):
         error = error_of(overrides)
         one_line = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-        assert hydra_errors.describe_config_error(error, "train.py") == one_line
+        assert hydra_errors.describe_config_error(error, "train.py", overrides, "config") == one_line
 
 
 @pytest.fixture(scope="module")
@@ -147,22 +150,22 @@ def reworded(error: Exception, text: str) -> Exception:
 def test_a_reworded_hydra_message_gets_the_same_description(eval_dataset_option, overrides, config_name):
     error = error_of(overrides, config_name)
     text = "Hydra 9 says something else entirely"
-    assert hydra_errors.describe_config_error(reworded(error, text), "x.py") == \
-        hydra_errors.describe_config_error(error, "x.py")
-    assert text not in hydra_errors.describe_config_error(reworded(error, text), "x.py")
+    as_worded = hydra_errors.describe_config_error(reworded(error, text), "x.py", overrides, config_name)
+    assert as_worded == hydra_errors.describe_config_error(error, "x.py", overrides, config_name)
+    assert text not in as_worded
 
 
-def test_without_a_composition_on_the_traceback_hydras_message_is_one_line():
+def test_an_error_no_override_explains_keeps_hydras_message_on_one_line():
     error = ConfigCompositionException("Something Hydra says\n  over two lines")
-    assert hydra_errors.describe_config_error(error, "train.py") == "Something Hydra says over two lines"
+    assert hydra_errors.describe_config_error(error, "train.py", [], "config") == "Something Hydra says over two lines"
 
 
 def test_a_hydra_main_script_exits_with_one_error_line(monkeypatch, capsys):
-    """The whole path of train.py: @hydra.main, its traceback, exit code 2 and one `error:` line."""
+    """The whole path of train.py: @hydra.main, the command line, exit code 2 and one `error:` line."""
     monkeypatch.setattr(sys, "argv", ["train.py", "trainer.epochs=abc"])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     main = hydra.main(version_base="1.3", config_path=str(REPO / "conf"), config_name="config")(lambda cfg: None)
-    with pytest.raises(SystemExit) as exited, hydra_errors.one_line_config_errors(is_main_process=True):
+    with pytest.raises(SystemExit) as exited, hydra_errors.one_line_config_errors(True, "config"):
         main()
     assert exited.value.code == USAGE_ERROR_EXIT_CODE
     assert capsys.readouterr().err == ("error: trainer.epochs=abc: trainer.epochs takes an integer, "

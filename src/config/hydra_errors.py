@@ -1,6 +1,7 @@
 """Hydra's compose errors (unknown option or key, wrong type, unparsable override) as one `error:` line naming
 what to change, and exit code 2. Built from the attributes of the errors raised, not their wording: the group's
-options; the refused key's block, the type its dataclass declares, the override that set it. An error no
+options; the refused key's block, the type its dataclass declares, the override that set it. A key one level down
+is named in full, also in a group option not chosen (`logger.tracking_uri=x` -> `logger=mlflow ...`). An error no
 override sets is traced by composing without each group override in turn: to that option's file, or to a group the
 script does not choose. Anything else keeps Hydra's message, on one line. Imports no torch (`--cfg job` stays fast).
 """
@@ -103,7 +104,7 @@ def _diagnose(cause: BaseException | None, script: str, lines: list[str], config
     if is_value:
         return wrong_value_message(cause, override.input_line if override else source)
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
-        return unknown_key_message(cause, source, script, override)
+        return unknown_key_message(cause, source, script, override, dirs)
     return None
 
 
@@ -118,11 +119,16 @@ def _without_one(overrides: list[Override], dirs: list[Path], config_name: str) 
     return None, {}
 
 
-def unknown_key_message(error: OmegaConfBaseException, source: str, script: str, override: Override | None) -> str:
-    """`trainer.epoch=3`: the key meant (a sibling), else how to add it (if its target takes it)."""
+def unknown_key_message(error: OmegaConfBaseException, source: str, script: str, override: Override | None,
+                        dirs: list[Path]) -> str:
+    """`trainer.epoch=3`: the key meant (one level down, or a sibling), else how to add it (if its target takes it)."""
     parent, _, key = error.full_key.rpartition(".")
     prefix = f"{parent}." if parent else ""
     node = error.parent_node if isinstance(error.parent_node, DictConfig) else OmegaConf.create()
+    if below := _one_level_down(node, parent, key, dirs):
+        meant, choose = f"{prefix}{below[0]}.{key}", f"{parent}={below[1]} " if below[1] else ""
+        passing = f"; pass {choose}{meant}={override.input_line.split('=', 1)[1]}" if override else ""
+        return f"{source} is not a config key (did you mean {meant}?){passing}"
     suggestion = _did_you_mean(key, [str(k) for k in node], prefix)
     listing = "" if suggestion else f" ({script} --cfg job lists the keys)"
     adding = f"; to add a new key, use +{override.input_line}" if override else ""
@@ -131,6 +137,16 @@ def unknown_key_message(error: OmegaConfBaseException, source: str, script: str,
     if found is not None and key not in found[0] and not found[1]:  # the target would refuse +key too
         adding = f"; {building.takes(target)}"
     return f"{source} is not a config key{suggestion}{listing}{adding}"
+
+
+def _one_level_down(node: DictConfig, parent: str, key: str, dirs: list[Path]) -> tuple[str, str | None] | None:
+    """(block, None) if exactly one block of `node` holds `key`; (block, option) if instead one block that a
+    YAML of the config group `parent` adds does (conf/logger/mlflow.yaml: the mlflow block, option mlflow)."""
+    found = {str(k): None for k, v in OmegaConf.to_container(node).items() if isinstance(v, dict) and key in v}
+    for file in sorted(f for d in dirs if parent for f in (d / parent.replace(".", "/")).glob("*.yaml")):
+        blocks = {} if "@package" in file.read_text() else OmegaConf.to_container(OmegaConf.load(file))
+        found.update({k: file.stem for k, v in blocks.items() if isinstance(v, dict) and key in v and k not in found})
+    return next(iter(found.items())) if len(found) == 1 else None
 
 
 _EXPECTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}

@@ -50,6 +50,11 @@ ROWS = [
     row(TRAIN, ["dist.master_port=abc"], "dist.master_port=abc: dist.master_port takes an integer or null",
         "port-not-a-number"),
     row(TRAIN, ["trainer.epochs=[1"], "cannot parse the override 'trainer.epochs=[1'", "unparsable-override"),
+    # A key one level deeper than given: named in full, with the option that adds its block if it is not chosen.
+    row(TRAIN, ["dist.cpu_offload=true"], "dist.cpu_offload is not a config key (did you mean dist.fsdp.cpu_offload?); "
+        "pass dist.fsdp.cpu_offload=true", "key-one-level-down"),
+    row(TRAIN, ["logger.tracking_uri=x"], "logger.tracking_uri is not a config key (did you mean "
+        "logger.mlflow.tracking_uri?); pass logger=mlflow logger.mlflow.tracking_uri=x", "key-of-an-option-not-chosen"),
     row(EVAL, ["checkpoint={checkpoint}", "dataset=nope"], "dataset=nope is not an option of dataset",
         "eval-unknown-option"),
     row(EVAL, ["checkpoint={checkpoint}", "trainer.devic=cpu"], "trainer.devic is not a config key "

@@ -79,10 +79,23 @@ def options(group: str, *registered: str) -> str:
                         "takes in_channels, image_size, num_outputs, channels, hidden, dropout"),
     (["callbacks.ema.decy=0.9"], "callbacks.ema.decy is not a config key (did you mean callbacks.ema.decay?); "
                                  "src.callbacks.ema.EMA takes decay, warmup_steps, model"),
+    (["dist.cpu_offload=true"], "dist.cpu_offload is not a config key (did you mean dist.fsdp.cpu_offload?); "
+                                "pass dist.fsdp.cpu_offload=true"),
+    (["callbacks.decay=0.9"], "callbacks.decay is not a config key (did you mean callbacks.ema.decay?); "
+                              "pass callbacks.ema.decay=0.9"),
+    (["epochs=3"], "epochs is not a config key (did you mean trainer.epochs?); pass trainer.epochs=3"),
+    (["logger.tracking_uri=x"], "logger.tracking_uri is not a config key (did you mean logger.mlflow.tracking_uri?); "
+                                "pass logger=mlflow logger.mlflow.tracking_uri=x"),
+    (["logger=mlflow", "logger.tracking_uri=x"], "logger.tracking_uri is not a config key (did you mean "
+                                                 "logger.mlflow.tracking_uri?); pass logger.mlflow.tracking_uri=x"),
+    (["logger.timeout_s=5"], "logger.timeout_s is not a config key (train.py --cfg job lists the keys); "
+                             "to add a new key, use +logger.timeout_s=5"),
 ], ids=["unknown-option", "second-group", "typo-in-group", "typo-in-key", "unknown-key-no-suggestion",
         "int-expected", "float-expected", "bool-expected", "null-not-allowed", "port-not-a-number",
-        "checked-after-the-overrides-before", "unparsable-override",
-        "a-key-the-model-does-not-take", "a-key-the-callback-does-not-take"])
+        "checked-after-the-overrides-before", "unparsable-override", "a-key-the-model-does-not-take",
+        "a-key-the-callback-does-not-take", "one-level-down", "one-level-down-among-callbacks",
+        "one-level-down-from-the-top", "one-level-down-in-an-option-not-chosen", "one-level-down-in-the-option-chosen",
+        "two-blocks-hold-it-no-guess"])
 def test_train_command_line(overrides, message):
     assert described(overrides) == message
 
@@ -102,6 +115,15 @@ def test_eval_command_line(eval_dataset_option, overrides, message):
             assert compose("eval", overrides).dataset.anything == 1
         return
     assert described(overrides, "eval", script="eval.py") == message
+
+
+def test_a_key_one_level_down_in_an_option_of_a_searchpath_folder(tmp_path):
+    """`hydra.searchpath` folders' options count too: a fork's own logger."""
+    (tmp_path / "logger").mkdir()
+    (tmp_path / "logger" / "mine.yaml").write_text("mine:\n  endpoint: null\n")
+    overrides = [f"hydra.searchpath=[file://{tmp_path}]", "logger.endpoint=http://x"]
+    assert described(overrides) == ("logger.endpoint is not a config key (did you mean logger.mine.endpoint?); "
+                                    "pass logger=mine logger.mine.endpoint=http://x")
 
 
 def test_additions_and_deletions_keep_hydras_own_message():

@@ -95,10 +95,10 @@ def _diagnose(cause: BaseException | None, script: str, lines: list[str], config
     override = next((o for o in overrides if key and f"{o.key_or_group}.".startswith(f"{key}.")
                      and (not is_value or o.value() == cause.value)), None)
     culprit, choices = (None, {}) if override else _without_one(overrides, dirs, config_name)
-    if not key:
-        plain = culprit and culprit.type is OverrideType.CHANGE and culprit.key_or_group not in choices
-        return f"{script} has no {culprit.key_or_group} option to choose ({script} --help lists its config groups)" \
-            if plain else None
+    if not key:  # no key refused: a group override the script's defaults list has no entry for?
+        if culprit and culprit.type is OverrideType.CHANGE and culprit.key_or_group not in choices:
+            return f"{script} has no {culprit.key_or_group} option to choose ({script} --help lists its config groups)"
+        return None
     option = culprit.value() if culprit else None
     source = f"{key} (in {culprit.key_or_group}/{option}.yaml)" if isinstance(option, str) else key
     if is_value:
@@ -114,7 +114,7 @@ def _without_one(overrides: list[Override], dirs: list[Path], config_name: str) 
     with initialize_config_dir(str(dirs[0].resolve()), version_base="1.3"):
         for override in (o for o in fixed if any((d / o.key_or_group).is_dir() for d in dirs)):
             with contextlib.suppress(HydraException, OmegaConfBaseException):
-                others = [o.input_line for o in fixed if o is not override]
+                others = [other.input_line for other in fixed if other is not override]
                 return override, compose(config_name, others, return_hydra_config=True).hydra.runtime.choices
     return None, {}
 

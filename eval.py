@@ -154,4 +154,4 @@ def merge_dataset(saved_dataset: DictConfig, overrides: DictConfig, path: Path) 
 
 
 if __name__ == "__main__":
-    job.run(main)
+    job.run(main, config_name="eval")

@@ -92,4 +92,4 @@ def run(cfg: DictConfig, context: RunContext, runtime: Runtime) -> float:
 
 
 if __name__ == "__main__":
-    job.run(main)
+    job.run(main, config_name="config")

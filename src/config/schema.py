@@ -257,16 +257,6 @@ class TrainSchema:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-# Settings that left the `trainer` block for a callback (src/callbacks/): an old key on the command line is one
-# line naming the new one (src/config/hydra_errors.py).
-MOVED = {
-    "trainer.ema": "callbacks.ema",
-    "trainer.early_stopping": "callbacks.early_stopping",
-    "trainer.detect_anomaly": "callbacks.divergence.detect_anomaly",
-    "trainer.profile": "debug=profile",
-}
-
-
 # Values in the open groups (see the module's docstring) that the run depends on.
 OPEN_GROUP_RULES: dict[str, Rule] = {
     "optimizer.lr": number_or_null(zero_allowed=True),  # lr=0 freezes the weights; absent: the optimizer has none

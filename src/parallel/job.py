@@ -57,10 +57,11 @@ class RunContext:
                    config_flags(argv) + searchpath)
 
 
-def run(main: Callable[[], Any]) -> None:
-    """Run an entry point's `@hydra.main` function: Hydra's config errors as one `error:` line, and a worker that
-    ran a process group ended without the interpreter's teardown (src/parallel/distributed.py), after every job."""
-    with hydra_errors.one_line_config_errors(is_main_process()):
+def run(main: Callable[[], Any], config_name: str) -> None:
+    """Run an entry point's `@hydra.main` function of conf/`config_name`: Hydra's config errors as one `error:`
+    line, and a worker that ran a process group ended without the interpreter's teardown
+    (src/parallel/distributed.py), after every job."""
+    with hydra_errors.one_line_config_errors(is_main_process(), config_name):
         main()
     if is_worker():
         distributed.exit_after_a_group()

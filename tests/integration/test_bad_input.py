@@ -50,6 +50,11 @@ ROWS = [
     row(TRAIN, ["dist.master_port=abc"], "dist.master_port=abc: dist.master_port takes an integer or null",
         "port-not-a-number"),
     row(TRAIN, ["trainer.epochs=[1"], "cannot parse the override 'trainer.epochs=[1'", "unparsable-override"),
+    # A key one level deeper than given: named in full, with the option that adds its block if it is not chosen.
+    row(TRAIN, ["dist.cpu_offload=true"], "dist.cpu_offload is not a config key (did you mean dist.fsdp.cpu_offload?); "
+        "pass dist.fsdp.cpu_offload=true", "key-one-level-down"),
+    row(TRAIN, ["logger.tracking_uri=x"], "logger.tracking_uri is not a config key (did you mean "
+        "logger.mlflow.tracking_uri?); pass logger=mlflow logger.mlflow.tracking_uri=x", "key-of-an-option-not-chosen"),
     row(EVAL, ["checkpoint={checkpoint}", "dataset=nope"], "dataset=nope is not an option of dataset",
         "eval-unknown-option"),
     row(EVAL, ["checkpoint={checkpoint}", "trainer.devic=cpu"], "trainer.devic is not a config key "
@@ -75,8 +80,6 @@ ROWS = [
     row(TRAIN, ["callbacks.ema.decay=0"], "callbacks.ema.decay=0 must be in (0, 1) (or null)", "ema-decay-zero"),
     row(TRAIN, ["callbacks.ema.warmup_steps=-1"], "callbacks.ema.warmup_steps=-1 must be at least 0",
         "ema-negative-warmup"),
-    row(TRAIN, ["trainer.ema.decay=0.999"], "trainer.ema.decay is now callbacks.ema.decay: pass "
-        "callbacks.ema.decay=0.999", "moved-setting"),
     # A key the class does not take: the compose-time hint says so, and adding it anyway is one line too.
     row(TRAIN, ["model.hiden=3"], "model.hiden is not a config key (did you mean model.hidden?); "
         "src.components.models.SimpleCNN takes in_channels, image_size, num_outputs, channels, hidden, dropout",

@@ -42,8 +42,11 @@ def error_of(overrides: list[str], config_name: str = "config", conf: Path = REP
     return caught.value
 
 
-def described(overrides: list[str], config_name: str = "config", script: str = "train.py", **kwargs) -> str:
-    return hydra_errors.describe_config_error(error_of(overrides, config_name, **kwargs), script)
+def described(overrides: list[str], config_name: str = "config", script: str = "train.py",
+              conf: Path = REPO / "conf") -> str:
+    """The line for the error of composing `config_name` with these overrides, as `script`'s command line."""
+    error = error_of(overrides, config_name, conf)
+    return hydra_errors.describe_config_error(error, script, overrides, config_name, conf)
 
 
 def options(group: str, *registered: str) -> str:
@@ -72,20 +75,27 @@ def options(group: str, *registered: str) -> str:
     (["trainer.epochs=[1"], "cannot parse the override 'trainer.epochs=[1' (no viable alternative at input '[1'); "
      "quote values holding special characters, e.g. key='a value' "
      "(https://hydra.cc/docs/advanced/override_grammar/basic/)"),
-    (["trainer.ema.decay=0.999"], "trainer.ema.decay is now callbacks.ema.decay: pass callbacks.ema.decay=0.999"),
-    (["trainer.early_stopping.patience=5"], "trainer.early_stopping.patience is now callbacks.early_stopping.patience: "
-                                            "pass callbacks.early_stopping.patience=5"),
-    (["trainer.detect_anomaly=true"], "trainer.detect_anomaly is now callbacks.divergence.detect_anomaly: pass "
-                                      "callbacks.divergence.detect_anomaly=true"),
-    (["trainer.profile=true"], "trainer.profile is now debug=profile: pass debug=profile"),
     (["model.hiden=3"], "model.hiden is not a config key (did you mean model.hidden?); src.components.models.SimpleCNN "
                         "takes in_channels, image_size, num_outputs, channels, hidden, dropout"),
     (["callbacks.ema.decy=0.9"], "callbacks.ema.decy is not a config key (did you mean callbacks.ema.decay?); "
                                  "src.callbacks.ema.EMA takes decay, warmup_steps, model"),
+    (["dist.cpu_offload=true"], "dist.cpu_offload is not a config key (did you mean dist.fsdp.cpu_offload?); "
+                                "pass dist.fsdp.cpu_offload=true"),
+    (["callbacks.decay=0.9"], "callbacks.decay is not a config key (did you mean callbacks.ema.decay?); "
+                              "pass callbacks.ema.decay=0.9"),
+    (["epochs=3"], "epochs is not a config key (did you mean trainer.epochs?); pass trainer.epochs=3"),
+    (["logger.tracking_uri=x"], "logger.tracking_uri is not a config key (did you mean logger.mlflow.tracking_uri?); "
+                                "pass logger=mlflow logger.mlflow.tracking_uri=x"),
+    (["logger=mlflow", "logger.tracking_uri=x"], "logger.tracking_uri is not a config key (did you mean "
+                                                 "logger.mlflow.tracking_uri?); pass logger.mlflow.tracking_uri=x"),
+    (["logger.timeout_s=5"], "logger.timeout_s is not a config key (train.py --cfg job lists the keys); "
+                             "to add a new key, use +logger.timeout_s=5"),
 ], ids=["unknown-option", "second-group", "typo-in-group", "typo-in-key", "unknown-key-no-suggestion",
         "int-expected", "float-expected", "bool-expected", "null-not-allowed", "port-not-a-number",
-        "checked-after-the-overrides-before", "unparsable-override", "moved-ema", "moved-early-stopping",
-        "moved-detect-anomaly", "moved-profile", "a-key-the-model-does-not-take", "a-key-the-callback-does-not-take"])
+        "checked-after-the-overrides-before", "unparsable-override", "a-key-the-model-does-not-take",
+        "a-key-the-callback-does-not-take", "one-level-down", "one-level-down-among-callbacks",
+        "one-level-down-from-the-top", "one-level-down-in-an-option-not-chosen", "one-level-down-in-the-option-chosen",
+        "two-blocks-hold-it-no-guess"])
 def test_train_command_line(overrides, message):
     assert described(overrides) == message
 
@@ -107,11 +117,20 @@ def test_eval_command_line(eval_dataset_option, overrides, message):
     assert described(overrides, "eval", script="eval.py") == message
 
 
+def test_a_key_one_level_down_in_an_option_of_a_searchpath_folder(tmp_path):
+    """`hydra.searchpath` folders' options count too: a fork's own logger."""
+    (tmp_path / "logger").mkdir()
+    (tmp_path / "logger" / "mine.yaml").write_text("mine:\n  endpoint: null\n")
+    overrides = [f"hydra.searchpath=[file://{tmp_path}]", "logger.endpoint=http://x"]
+    assert described(overrides) == ("logger.endpoint is not a config key (did you mean logger.mine.endpoint?); "
+                                    "pass logger=mine logger.mine.endpoint=http://x")
+
+
 def test_additions_and_deletions_keep_hydras_own_message():
     for overrides in (["+trainer.epochs=3"], ["~trainer.epoch"]):
         error = error_of(overrides)
         one_line = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-        assert hydra_errors.describe_config_error(error, "train.py") == one_line
+        assert hydra_errors.describe_config_error(error, "train.py", overrides, "config") == one_line
 
 
 @pytest.fixture(scope="module")
@@ -153,22 +172,22 @@ def reworded(error: Exception, text: str) -> Exception:
 def test_a_reworded_hydra_message_gets_the_same_description(eval_dataset_option, overrides, config_name):
     error = error_of(overrides, config_name)
     text = "Hydra 9 says something else entirely"
-    assert hydra_errors.describe_config_error(reworded(error, text), "x.py") == \
-        hydra_errors.describe_config_error(error, "x.py")
-    assert text not in hydra_errors.describe_config_error(reworded(error, text), "x.py")
+    as_worded = hydra_errors.describe_config_error(reworded(error, text), "x.py", overrides, config_name)
+    assert as_worded == hydra_errors.describe_config_error(error, "x.py", overrides, config_name)
+    assert text not in as_worded
 
 
-def test_without_a_composition_on_the_traceback_hydras_message_is_one_line():
+def test_an_error_no_override_explains_keeps_hydras_message_on_one_line():
     error = ConfigCompositionException("Something Hydra says\n  over two lines")
-    assert hydra_errors.describe_config_error(error, "train.py") == "Something Hydra says over two lines"
+    assert hydra_errors.describe_config_error(error, "train.py", [], "config") == "Something Hydra says over two lines"
 
 
 def test_a_hydra_main_script_exits_with_one_error_line(monkeypatch, capsys):
-    """The whole path of train.py: @hydra.main, its traceback, exit code 2 and one `error:` line."""
+    """The whole path of train.py: @hydra.main, the command line, exit code 2 and one `error:` line."""
     monkeypatch.setattr(sys, "argv", ["train.py", "trainer.epochs=abc"])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     main = hydra.main(version_base="1.3", config_path=str(REPO / "conf"), config_name="config")(lambda cfg: None)
-    with pytest.raises(SystemExit) as exited, hydra_errors.one_line_config_errors(is_main_process=True):
+    with pytest.raises(SystemExit) as exited, hydra_errors.one_line_config_errors(True, "config"):
         main()
     assert exited.value.code == USAGE_ERROR_EXIT_CODE
     assert capsys.readouterr().err == ("error: trainer.epochs=abc: trainer.epochs takes an integer, "

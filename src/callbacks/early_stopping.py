@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from src.common.errors import UsageError
 from src.config.building import check_arguments
 from src.config.schema import at_least, number_or_null
-from src.loop.callback import Callback, Run, Stop
+from src.loop.callback import Callback, EndRun, Run
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def early_stop_due(values: list[float], mode: str, patience: int | None, min_del
 
 
 class EarlyStopping(Callback):
-    """Stop after `patience` epochs in a row without an improvement beyond `min_delta` (null patience: off)."""
+    """End the run after `patience` epochs in a row without an improvement beyond `min_delta` (null patience: off)."""
 
     def __init__(self, patience: int | None, min_delta: float) -> None:
         check_arguments(patience=(patience, at_least(1, or_null=True)),
@@ -53,11 +53,11 @@ class EarlyStopping(Callback):
                              f"name the metric to watch (trainer.monitor=val/NAME) or set callbacks.{self.name}."
                              "patience=null")
 
-    def on_epoch_end(self, run: Run, record: Mapping[str, float]) -> Stop | None:
+    def on_epoch_end(self, run: Run, record: Mapping[str, float]) -> EndRun | None:
         monitor, state = run.config.monitor, run.state
         values = [epoch[monitor] for epoch in state.history]
         if state.epoch >= run.config.epochs or not early_stop_due(values, run.config.monitor_mode, self.patience,
                                                                    self.min_delta):
             return None
-        return Stop("early_stopped", f"early stopping after epoch {state.epoch}: {monitor} has not improved by more "
+        return EndRun("early_stopped", f"early stopping after epoch {state.epoch}: {monitor} has not improved by more "
                     f"than {self.min_delta:g} for {self.patience} epochs", ended_by="early stopping had ended this run")

@@ -13,12 +13,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from src.loop.callback import Callback, Run, Stop
+from src.loop.callback import Callback, EndRun, Run
 from src.sweeps.pruning import STORAGE_ENV, STUDY_ENV, TRIAL_ENV
 
 
 class OptunaPruning(Callback):
-    """Stop this sweep trial when the Optuna pruner says so (only in a trial whose sweeper set a pruner)."""
+    """EndRun this sweep trial when the Optuna pruner says so (only in a trial whose sweeper set a pruner)."""
 
     def __init__(self) -> None:
         self.enabled = TRIAL_ENV in os.environ
@@ -28,7 +28,7 @@ class OptunaPruning(Callback):
         if run.parts.runtime.is_main_process:  # rank 0 alone talks to the storage
             self.trial = _open_trial()
 
-    def on_epoch_end(self, run: Run, record: Mapping[str, float]) -> Stop | None:
+    def on_epoch_end(self, run: Run, record: Mapping[str, float]) -> EndRun | None:
         """Report the epochs Optuna has not seen (the monitored value, step = epoch; a resumed trial's earlier
         epochs too) and ask the pruner. Other ranks answer None: rank 0's answer is the one agreed."""
         if self.trial is None or run.state.epoch >= run.config.epochs:
@@ -40,7 +40,7 @@ class OptunaPruning(Callback):
                 self.trial.report(epoch[run.config.monitor], step=int(epoch["epoch"]))
         if not self.trial.should_prune():
             return None
-        return Stop("pruned", f"pruned after epoch {run.state.epoch}: the sweep's pruner stopped this trial",
+        return EndRun("pruned", f"pruned after epoch {run.state.epoch}: the sweep's pruner stopped this trial",
                     ended_by="the sweep's pruner had ended this trial")
 
 

@@ -21,9 +21,9 @@ names none of them. Every hook is called on every rank, in the config's order:
     on_test(run, test)             once, when training ends, after the chosen weights' test pass, with its metrics;
                                    returns more metrics (e.g. test_ema/*)
     on_epoch_end(run, record)      with the epoch's final record (and the history in `run.state`); returns a
-                                   `Stop` to end the run after this epoch, agreed by every rank (`agreed`)
+                                   `EndRun` to end the run after this epoch, agreed by every rank (`agreed`)
     on_checkpoint(run)             before a checkpoint is written; raise to refuse it
-    on_run_end(run, reason)        after the last step, however the loop stopped (a `StopReason`)
+    on_run_end(run, outcome)       after the last step, however training ended (an `Outcome`)
     on_exception(run, error)       when the loop raises; may raise a clearer error in its place
     state_dict() / load_state_dict(state)   saved in every checkpoint under the callback's name, and
                                    given back right after `on_run_start` when a run resumes (the run's parts
@@ -51,7 +51,7 @@ from src.parallel.distributed import broadcast_object
 
 if TYPE_CHECKING:  # annotations only: the loop's types, which import this module
     from src.config.schema import TrainerConfig
-    from src.loop.stopping import StopReason
+    from src.loop.outcome import Outcome
     from src.loop.trainer import TrainParts, TrainState
 
 log = logging.getLogger(__name__)
@@ -79,13 +79,14 @@ class Update:
 
 
 @dataclass(frozen=True)
-class Stop:
-    """A callback's decision to end the run after this epoch, for good: the epoch's checkpoint records it, and
-    a resumed run trains no more."""
+class EndRun:
+    """A callback's decision to end the run after this epoch, for good: the loop records it, with the epoch, in
+    `TrainState.ended` and the epoch's checkpoint, and a resumed run trains no more."""
 
     reason: str  # metrics.json's stop_reason, e.g. early_stopped, pruned (a sweep's summary reads it)
-    message: str  # logged by every rank when the run stops, e.g. "early stopping after epoch 3: ..."
+    message: str  # logged by every rank when the run ends, e.g. "early stopping after epoch 3: ..."
     ended_by: str  # a resumed run's log: "<ended_by> after epoch N: nothing more to train"
+    epoch: int = 0  # the epoch it ended after (set by the loop)
 
 
 @dataclass
@@ -124,11 +125,11 @@ class Callback:
 
     def on_test(self, run: Run, test: Mapping[str, Any]) -> Mapping[str, float] | None: ...
 
-    def on_epoch_end(self, run: Run, record: Mapping[str, float]) -> Stop | None: ...
+    def on_epoch_end(self, run: Run, record: Mapping[str, float]) -> EndRun | None: ...
 
     def on_checkpoint(self, run: Run) -> None: ...
 
-    def on_run_end(self, run: Run, reason: StopReason) -> None: ...
+    def on_run_end(self, run: Run, outcome: Outcome) -> None: ...
 
     def on_exception(self, run: Run, error: BaseException) -> None: ...
 
@@ -147,7 +148,7 @@ HOOKS = ("on_run_start", "on_before_optimizer_step", "on_step_end", "on_log", "o
          "on_exception")
 
 
-def agreed(stop: Stop | None) -> Stop | None:
+def agreed(stop: EndRun | None) -> EndRun | None:
     """Rank 0's decision, on every rank: a decision that changes training (stop, prune) must be the same
     everywhere, or the ranks that go on wait forever in their next collective. A collective: every rank
     calls it (a no-op in a single process)."""
@@ -211,8 +212,8 @@ class Callbacks:
             extra.update(callback.on_test(run, test) or {})
         return extra
 
-    def epoch_end(self, run: Run, record: Mapping[str, float]) -> Stop | None:
-        """The first `Stop` a callback returns, as rank 0 decided it. Every callback is asked, on every rank
+    def epoch_end(self, run: Run, record: Mapping[str, float]) -> EndRun | None:
+        """The first `EndRun` a callback returns, as rank 0 decided it. Every callback is asked, on every rank
         alike, whatever the others answer: their collectives must match."""
         deciders = self._by_hook["on_epoch_end"]
         if not deciders:
@@ -224,9 +225,9 @@ class Callbacks:
         for callback in self._by_hook["on_checkpoint"]:
             callback.on_checkpoint(run)
 
-    def run_end(self, run: Run, reason: StopReason) -> None:
+    def run_end(self, run: Run, outcome: Outcome) -> None:
         for callback in self._by_hook["on_run_end"]:
-            callback.on_run_end(run, reason)
+            callback.on_run_end(run, outcome)
 
     def exception(self, run: Run, error: BaseException) -> None:
         for callback in self._by_hook["on_exception"]:

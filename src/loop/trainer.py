@@ -11,6 +11,7 @@ preemption, or when a callback ends the run.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -30,12 +31,12 @@ from src.config.schema import TrainerConfig
 from src.data.batches import to_device
 from src.data.loaders import Data
 from src.loop import records
-from src.loop.callback import Callbacks, Run, Step
+from src.loop.callback import Callbacks, EndRun, Run, Step
 from src.loop.evaluation import evaluate, metrics_of
 from src.loop.metrics import MetricSums
 from src.loop.precision import autocast_dtype
 from src.loop.step import StepContext
-from src.loop.stopping import StopReason, StopRule
+from src.loop.outcome import Interruptions, Outcome
 from src.loop.task import Task
 from src.parallel.distributed import Runtime
 from src.reports.images import image_grid
@@ -43,15 +44,6 @@ from src.reports.hparams import run_hparams
 from src.reports.reporting import Reporter, model_summary
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Stopped:
-    """A callback ended the run after `epoch`, for good (early stopping, a sweep's pruner, ...)."""
-
-    reason: str  # metrics.json's stop_reason: early_stopped | pruned | a fork's own
-    epoch: int
-    ended_by: str  # how a resumed run says it: "<ended_by> after epoch N: nothing more to train"
 
 
 @dataclass
@@ -66,7 +58,7 @@ class TrainState:
     history: list[dict[str, float]] = field(default_factory=list)
     step_in_epoch: int = 0  # optimizer steps already taken in the unfinished epoch `epoch`
     epoch_totals: dict[str, list[float]] | None = None  # its train metric sums by name, over all ranks
-    stopped: Stopped | None = None  # why and after which epoch a callback ended the run
+    ended: EndRun | None = None  # why and after which epoch a callback ended the run
     test: dict[str, Any] | None = None  # the final test: its step, the weights tested, their test/* metrics
 
     def state_dict(self) -> dict[str, Any]:
@@ -77,8 +69,8 @@ class TrainState:
         for known in fields(self):
             if known.name in saved:
                 setattr(self, known.name, saved[known.name])
-        if isinstance(self.stopped, Mapping):
-            self.stopped = Stopped(**self.stopped)
+        if isinstance(self.ended, Mapping):
+            self.ended = EndRun(**self.ended)
 
 
 @dataclass
@@ -126,7 +118,7 @@ class Trainer:
         self.amp_dtype = autocast_dtype(config.precision)
         # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
-        self.stopping = StopRule(config.max_steps, device, config.log_every_steps)  # armed while fit() runs
+        self.interruptions = Interruptions(config.max_steps, device, config.log_every_steps)  # armed while fit() runs
         self.epoch_metrics = MetricSums(parts.task.sum_shapes(parts.data.splits.info), device)
         self._val_count: int | None = None  # the last val pass's units (metrics.json's val/num_<unit>)
         self.step = StepContext(parts.train_models, parts.modules, parts.optimizers, parts.task.aux, self.scaler,
@@ -153,46 +145,46 @@ class Trainer:
         log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", checkpoint.path, state.epoch,
                  state.step, state.step_in_epoch, state.epoch + 1)
 
-    def fit(self, state: TrainState, checkpoint: Checkpoint | None = None) -> StopReason:
+    def fit(self, state: TrainState, checkpoint: Checkpoint | None = None) -> Outcome:
         """Train from `state` (updated in place; restored from `checkpoint` if given, see `restore`) to
         `config.epochs`, evaluating and checkpointing every epoch. Stops early, with a checkpoint to resume from,
         after `config.max_steps` training steps or when the process is asked to terminate (SIGTERM: preemption);
         or, after an epoch's checkpoint, when a callback ends the run (a run resumed after that trains no more).
         Returns why it stopped."""
         self.parts.reporter.text("model/summary", model_summary(self.parts.modules))
-        if state.stopped is not None:
-            log.info("%s after epoch %d: nothing more to train", state.stopped.ended_by, state.stopped.epoch)
-            return StopReason.STOPPED
+        if state.ended is not None:
+            log.info("%s after epoch %d: nothing more to train", state.ended.ended_by, state.ended.epoch)
+            return Outcome.ENDED
         run = Run(self.config, self.parts, state, checkpoint is not None, self.evaluate)
         callbacks = self.parts.callbacks
         try:
             callbacks.run_start(run)
             if checkpoint is not None:  # the callbacks' state, once they hold the run's parts
                 checkpoint.restore({"callbacks": callbacks})
-            with self.stopping:
-                reason = self._epochs(run)
+            with self.interruptions:
+                outcome = self._epochs(run)
             self.parts.store.wait()  # the last checkpoint written (trainer.async_checkpoint), or its failure raised
-            if reason is not StopReason.PREEMPTED:  # training is over (a preempted run goes on elsewhere)
-                self._final_test(run, reason)
+            if outcome is not Outcome.PREEMPTED:  # training is over (a preempted run goes on elsewhere)
+                self._final_test(run, outcome)
                 self.parts.store.wait()
         except Exception as error:
             self.parts.store.wait_after_failure()  # a background write ends before the group is torn down
             callbacks.exception(run, error)  # a callback may raise a clearer error in its place
             raise
-        callbacks.run_end(run, reason)
-        return reason
+        callbacks.run_end(run, outcome)
+        return outcome
 
-    def _epochs(self, run: Run) -> StopReason:
+    def _epochs(self, run: Run) -> Outcome:
         for epoch in range(run.state.epoch, self.config.epochs):
             started = time.perf_counter()
             train = self.train_one_epoch(epoch, run)
-            if isinstance(train, StopReason):
+            if isinstance(train, Outcome):
                 return train
             if self._end_epoch(epoch, run, train, started):
-                return StopReason.STOPPED
-        return StopReason.COMPLETED
+                return Outcome.ENDED
+        return Outcome.COMPLETED
 
-    def train_one_epoch(self, epoch: int, run: Run) -> dict[str, float] | StopReason:
+    def train_one_epoch(self, epoch: int, run: Run) -> dict[str, float] | Outcome:
         """One epoch's optimizer steps, from `state.step_in_epoch` on (a resumed epoch goes on where it
         stopped, with the same remaining samples). Returns its train metrics, or why the run stopped
         before the epoch's end (after a step checkpoint)."""
@@ -205,11 +197,11 @@ class Trainer:
         for micro_batches in _in_steps(self.parts.data.train_loader, self.config.grad_accum):
             self._train_step(micro_batches, state)
             progress.update()
-            stop = self._after_step(run, window)
-            if stop is not None:
+            interrupted = self._after_step(run, window)
+            if interrupted is not None:
                 progress.close()
                 self._save_mid_epoch(run)
-                return stop
+                return interrupted
         state.step_in_epoch = 0
         progress.close()
         return self._epoch_train_metrics(restored)
@@ -229,19 +221,19 @@ class Trainer:
                                       state.train_samples / state.train_seconds, self.parts.task.unit)
         summary["frozen_parameters"] = sum(p.numel() for module in self.parts.modules.values()
                                            for p in module.parameters() if not p.requires_grad)
-        if state.stopped is not None:
-            summary.update(stop_reason=state.stopped.reason, stopped_at_epoch=state.stopped.epoch)
+        if state.ended is not None:
+            summary.update(stop_reason=state.ended.reason, stopped_at_epoch=state.ended.epoch)
         if state.test is not None:
             summary.update(state.test["metrics"], tested_weights=state.test["weights"])
         return summary
 
-    def report(self, state: TrainState, reason: StopReason, overrides: Sequence[str] = (),
+    def report(self, state: TrainState, outcome: Outcome, overrides: Sequence[str] = (),
                choices: Mapping[str, Any] | None = None) -> float:
         """Close the run's reports: a finished run's hparams and final metrics, or, for a run stopped with a
         checkpoint (max_steps, preemption), how to continue it. Returns the monitored metric's last value (NaN
         without one: no epoch yet, or trainer.monitor=null); `overrides`, `choices`: the job's (its hparams)."""
         reporter, monitor = self.parts.reporter, self.config.monitor
-        if not reason.is_final:
+        if not outcome.is_final:
             log.info("stopped at step %d with a checkpoint; continue with: resume=auto hydra.run.dir=%s",
                      state.step, reporter.run_dir)
             reporter.close()  # the trackers' runs KILLED until the run continues
@@ -257,7 +249,7 @@ class Trainer:
 
     # -- the final test ------------------------------------------------------------------
 
-    def _final_test(self, run: Run, reason: StopReason) -> None:
+    def _final_test(self, run: Run, outcome: Outcome) -> None:
         """Evaluate the chosen weights once on the test split: best.pt's (its EMA weights too), or the last ones when
         nothing is monitored; then put the last ones back and checkpoint the result, so a resumed run that has
         nothing more to train does not test again. Every rank; skipped without a test split or trainer.test."""
@@ -283,7 +275,7 @@ class Trainer:
                  test["count"], parts.task.unit, weights)
         metrics = state.test["metrics"]
         parts.reporter.scalars(metrics, state.step)
-        if reason is StopReason.MAX_STEPS:
+        if outcome is Outcome.MAX_STEPS:
             self._save_mid_epoch(run)
         else:
             self._checkpoint(run, is_best=False)
@@ -320,15 +312,15 @@ class Trainer:
         state.epoch_totals = None
         return restored
 
-    def _after_step(self, run: Run, window: LogWindow) -> StopReason | None:
+    def _after_step(self, run: Run, window: LogWindow) -> Outcome | None:
         """After an optimizer step: the log window's scalars, then why to stop (the caller checkpoints),
         or else a periodic step checkpoint if one is due."""
         step = run.state.step
         if step % self.config.log_every_steps == 0:
             self._report_window(step, window)
-        stop = self.stopping.reason(step)
-        if stop is not None:
-            return stop
+        interrupted = self.interruptions.check(step)
+        if interrupted is not None:
+            return interrupted
         every = self.config.checkpoint_every_steps
         if every and step % every == 0 and run.state.step_in_epoch < self.parts.data.train_sampler.steps_per_epoch:
             self._save_mid_epoch(run)
@@ -343,7 +335,7 @@ class Trainer:
 
     def _end_epoch(self, epoch: int, run: Run, train: dict[str, float], started: float) -> bool:
         """Evaluate, record the epoch in `state`, ask the callbacks whether to stop (before the checkpoint,
-        which then holds the decision), report and checkpoint. Returns whether a callback stopped the run."""
+        which then holds the decision), report and checkpoint. Returns whether a callback ended the run."""
         state, parts = run.state, self.parts
         train_seconds = time.perf_counter() - started
         val = self.evaluate()
@@ -357,10 +349,10 @@ class Trainer:
                                       time.perf_counter() - started, train_seconds, extra, parts.task.unit)
         state.history.append(record)
         is_best = self.config.monitor is not None and self._improves(state, record[self.config.monitor])
-        stop = parts.callbacks.epoch_end(run, record)  # the same on every rank
-        if stop is not None:
-            state.stopped = Stopped(stop.reason, state.epoch, stop.ended_by)
-            log.info("%s", stop.message)
+        end = parts.callbacks.epoch_end(run, record)  # the same on every rank
+        if end is not None:
+            state.ended = dataclasses.replace(end, epoch=state.epoch)
+            log.info("%s", end.message)
         parts.reporter.scalars(records.epoch_scalars(record, parts.task.unit), record["step"])
         for tag, batch in images.items():
             parts.reporter.image(f"val/{tag}", image_grid(batch), record["step"])
@@ -368,7 +360,7 @@ class Trainer:
         self._checkpoint(run, is_best)
         # After the checkpoint: metrics.json never reports an epoch a restart would lose.
         parts.reporter.write_metrics(self.summary(state, val["count"]))
-        return stop is not None
+        return end is not None
 
     # -- a step ------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from src.common.files import write_text_atomically
 from src.config.building import errors_named
 from src.loop.callback import Callback, Run
-from src.loop.stopping import StopReason
+from src.loop.outcome import Outcome
 from src.reports.hparams import run_hparams
 from src.reports.trackers import RunIdentity, Tracker
 
@@ -106,9 +106,9 @@ class Trackers(Callback):
         """The finished run's final metrics, as `final/<metric>` at its last step."""
         self.log({f"final/{key}": value for key, value in final_metrics.items()}, self._last_step)
 
-    def on_run_end(self, run: Run, reason: StopReason) -> None:
-        stop_reason = run.state.stopped.reason if run.state.stopped is not None else reason.value
-        self._status = ("FINISHED" if reason.is_final else "KILLED", stop_reason)
+    def on_run_end(self, run: Run, outcome: Outcome) -> None:
+        stop_reason = run.state.ended.reason if run.state.ended is not None else outcome.value
+        self._status = ("FINISHED" if outcome.is_final else "KILLED", stop_reason)
 
     def on_exception(self, run: Run, error: BaseException) -> None:
         self._status = ("FAILED", type(error).__name__)

@@ -128,7 +128,7 @@ def test_early_stopping_ends_every_rank_at_the_same_epoch_for_good(tmp_path: Pat
         assert "early stopping after epoch 3: val/acc has not improved by more than 1 for 2 epochs" in text, log
         assert "epoch 4/10" not in text
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["loop"]
-    assert (saved["epoch"], saved["stopped"]["reason"], saved["stopped"]["epoch"]) == (3, "early_stopped", 3)
+    assert (saved["epoch"], saved["ended"]["reason"], saved["ended"]["epoch"]) == (3, "early_stopped", 3)
     files = {p: p.read_bytes() for p in [run_dir / "metrics.json", run_dir / "checkpoints" / "last.pt"]}
 
     launch([*PLATEAU, "resume=auto", "hydra.run.dir=run"])

@@ -93,7 +93,7 @@ def test_a_pruned_trial_stops_every_rank_after_the_same_epoch_with_a_checkpoint(
         assert job_metrics["stop_reason"] == "pruned" and epoch == job_metrics["epoch"] < 3
         assert max(trial.intermediate_values) == epoch  # rank 0 reported each epoch up to the decision
         saved = torch.load(job_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["loop"]
-        assert saved["epoch"] == epoch and (saved["stopped"]["reason"], saved["stopped"]["epoch"]) == ("pruned", epoch)
+        assert saved["epoch"] == epoch and (saved["ended"]["reason"], saved["ended"]["epoch"]) == ("pruned", epoch)
         line = f"pruned after epoch {epoch}: the sweep's pruner stopped this trial"
         assert line in (job_dir / "train.log").read_text() and line in (job_dir / "train.rank1.log").read_text()
 

@@ -22,9 +22,9 @@ from src.components.tasks import Classification
 from src.config.schema import TrainerConfig
 from src.data.loaders import Data, GlobalBatchSampler, TensorBatchLoader
 from src.data.splits import DataSplits
-from src.loop.callback import Callback, Callbacks, Stop
-from src.loop.stopping import StopReason
-from src.loop.trainer import Stopped, Trainer, TrainParts, TrainState
+from src.loop.callback import Callback, Callbacks, EndRun
+from src.loop.outcome import Outcome
+from src.loop.trainer import Trainer, TrainParts, TrainState
 from src.parallel.distributed import DistEnv, Runtime
 from src.reports.reporting import Reporter
 
@@ -54,8 +54,8 @@ def test_early_stop_is_due_after_patience_epochs_without_improvement():
     assert not early_stop_due([0.5, 0.5], "max", 2, 0.0)
     assert early_stop_due([0.5, 0.5, 0.5], "max", 2, 0.0)
     assert early_stop_due([0.5, 0.4], "max", 1, 0.0)
-    assert StopReason.STOPPED.is_final and StopReason.COMPLETED.is_final
-    assert not StopReason.MAX_STEPS.is_final and not StopReason.PREEMPTED.is_final
+    assert Outcome.ENDED.is_final and Outcome.COMPLETED.is_final
+    assert not Outcome.MAX_STEPS.is_final and not Outcome.PREEMPTED.is_final
 
 
 def tiny_data() -> Data:
@@ -89,25 +89,30 @@ def resume(trainer: Trainer, path: Path) -> TrainState:
     return state
 
 
-EARLY_STOPPED = Stopped("early_stopped", 3, "early stopping had ended this run")
+EARLY_STOPPED = ("early_stopped", 3, "early stopping had ended this run")
+
+
+def ended(state: TrainState) -> tuple[str, int, str] | None:
+    """Why, after which epoch and by whom a callback ended the run (None: it did not)."""
+    return None if state.ended is None else (state.ended.reason, state.ended.epoch, state.ended.ended_by)
 
 
 def test_the_loop_stops_after_patience_epochs_and_a_resumed_run_trains_no_more(tmp_path: Path, caplog):
     trainer = plateau_trainer(tmp_path, patience=2)
     state = TrainState()
-    assert trainer.fit(state) is StopReason.STOPPED
-    assert (state.epoch, state.stopped, state.step) == (3, EARLY_STOPPED, 3 * STEPS)  # patience + 1 epochs
+    assert trainer.fit(state) is Outcome.ENDED
+    assert (state.epoch, ended(state), state.step) == (3, EARLY_STOPPED, 3 * STEPS)  # patience + 1 epochs
     summary = json.loads((tmp_path / "metrics.json").read_text())
     assert (summary["stop_reason"], summary["stopped_at_epoch"], summary["epoch"]) == ("early_stopped", 3, 3)
     assert summary["frozen_parameters"] == 0
     saved = checkpoint.read(tmp_path / "checkpoints" / "last.pt")  # the stopping epoch's checkpoint
-    assert (saved.loop["epoch"], saved.loop["stopped"]) == (3, vars(EARLY_STOPPED))
+    assert (saved.loop["epoch"], saved.loop["ended"]) == (3, vars(state.ended))
 
     resumed = plateau_trainer(tmp_path, patience=2)
     again = resume(resumed, tmp_path / "checkpoints" / "last.pt")
     written = (tmp_path / "metrics.json").read_bytes()
     with caplog.at_level("INFO"):
-        assert resumed.fit(again) is StopReason.STOPPED
+        assert resumed.fit(again) is Outcome.ENDED
     assert (again.epoch, again.step, len(again.history)) == (3, 3 * STEPS, 3)  # nothing trained
     assert (tmp_path / "metrics.json").read_bytes() == written
     assert "early stopping had ended this run after epoch 3: nothing more to train" in caplog.text
@@ -115,12 +120,12 @@ def test_the_loop_stops_after_patience_epochs_and_a_resumed_run_trains_no_more(t
 
 def test_without_patience_or_on_the_last_epoch_the_run_completes(tmp_path: Path):
     state = TrainState()
-    assert plateau_trainer(tmp_path / "off", patience=None, epochs=4).fit(state) is StopReason.COMPLETED
-    assert state.epoch == 4 and state.stopped is None
+    assert plateau_trainer(tmp_path / "off", patience=None, epochs=4).fit(state) is Outcome.COMPLETED
+    assert state.epoch == 4 and state.ended is None
     assert "stop_reason" not in json.loads((tmp_path / "off" / "metrics.json").read_text())
     state = TrainState()  # patience runs out exactly at the last epoch: the run completed all the same
-    assert plateau_trainer(tmp_path / "last", patience=2, epochs=3).fit(state) is StopReason.COMPLETED
-    assert state.stopped is None
+    assert plateau_trainer(tmp_path / "last", patience=2, epochs=3).fit(state) is Outcome.COMPLETED
+    assert state.ended is None
 
 
 class Judge(Callback):
@@ -132,25 +137,25 @@ class Judge(Callback):
     def on_epoch_end(self, run, record):
         self.shown.append([epoch["epoch"] for epoch in run.state.history])
         if record["epoch"] >= self.epoch:
-            return Stop("pruned", f"pruned after epoch {record['epoch']}", ended_by="the judge had ended this run")
+            return EndRun("pruned", f"pruned after epoch {record['epoch']}", ended_by="the judge had ended this run")
         return None
 
 
 def test_a_run_a_callback_stops_ends_after_that_epoch_with_its_checkpoint_and_trains_no_more(tmp_path: Path):
     judge = Judge(epoch=2)
     state = TrainState()
-    assert plateau_trainer(tmp_path, patience=None, judge=judge).fit(state) is StopReason.STOPPED
-    assert (state.epoch, state.stopped, state.step) == (2, Stopped("pruned", 2, "the judge had ended this run"),
+    assert plateau_trainer(tmp_path, patience=None, judge=judge).fit(state) is Outcome.ENDED
+    assert (state.epoch, ended(state), state.step) == (2, ("pruned", 2, "the judge had ended this run"),
                                                         2 * STEPS)
     assert judge.shown == [[1], [1, 2]]  # the whole history, after every epoch
     summary = json.loads((tmp_path / "metrics.json").read_text())
     assert (summary["stop_reason"], summary["stopped_at_epoch"], summary["epoch"]) == ("pruned", 2, 2)
     saved = checkpoint.read(tmp_path / "checkpoints" / "last.pt")
-    assert (saved.loop["epoch"], saved.loop["stopped"]["epoch"]) == (2, 2)
+    assert (saved.loop["epoch"], saved.loop["ended"]["epoch"]) == (2, 2)
 
     resumed = plateau_trainer(tmp_path, patience=None, judge=Judge(epoch=99))
     again = resume(resumed, tmp_path / "checkpoints" / "last.pt")
-    assert resumed.fit(again) is StopReason.STOPPED and again.epoch == 2
+    assert resumed.fit(again) is Outcome.ENDED and again.epoch == 2
 
 
 class FakeTrial:
@@ -179,12 +184,12 @@ def test_the_pruner_is_asked_after_every_epoch_but_the_last(monkeypatch, tmp_pat
     trial = pruning(monkeypatch, prune=False)
     state = TrainState()
     monkeypatch.setattr(OptunaPruning, "on_run_start", lambda self, run: None)  # the fake trial stays
-    assert plateau_trainer(tmp_path, patience=None, epochs=3, judge=trial).fit(state) is StopReason.COMPLETED
-    assert sorted(trial.trial.reported) == [1, 2] and state.stopped is None  # epoch 3, the last, not reported
+    assert plateau_trainer(tmp_path, patience=None, epochs=3, judge=trial).fit(state) is Outcome.COMPLETED
+    assert sorted(trial.trial.reported) == [1, 2] and state.ended is None  # epoch 3, the last, not reported
     pruned = pruning(monkeypatch, prune=True)
     state = TrainState()
-    assert plateau_trainer(tmp_path / "pruned", patience=None, epochs=3, judge=pruned).fit(state) is StopReason.STOPPED
-    assert state.stopped == Stopped("pruned", 1, "the sweep's pruner had ended this trial")
+    assert plateau_trainer(tmp_path / "pruned", patience=None, epochs=3, judge=pruned).fit(state) is Outcome.ENDED
+    assert ended(state) == ("pruned", 1, "the sweep's pruner had ended this trial")
 
 
 def test_pruning_is_off_outside_a_trial(monkeypatch):

@@ -129,4 +129,4 @@ def test_a_loop_state_loads_the_fields_it_knows_and_keeps_defaults_for_the_other
     state = TrainState()
     state.load_state_dict(old)
     assert (state.epoch, state.step, state.step_in_epoch, state.best) == (1, 25, 3, 0.5)
-    assert "stopped_early" not in vars(state) and state.stopped is None
+    assert "stopped_early" not in vars(state) and state.ended is None

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from src.common.errors import UsageError
-from src.loop.stopping import StopReason
+from src.loop.outcome import Outcome
 from src.reports.reporting import Reporter
 from src.reports.trackers import RunIdentity, Tracker
 from src.reports.trackers.csv_file import CSVTracker
@@ -43,10 +43,10 @@ class Recording(Tracker):
         self.closed.append((status, stop_reason))
 
 
-def fake_run(stopped=None) -> SimpleNamespace:
+def fake_run(ended=None) -> SimpleNamespace:
     parts = SimpleNamespace(saved_config=CONFIG, data=SimpleNamespace(train_sampler=SimpleNamespace(
         global_batch_size=64)))
-    return SimpleNamespace(parts=parts, state=SimpleNamespace(stopped=stopped))
+    return SimpleNamespace(parts=parts, state=SimpleNamespace(ended=ended))
 
 
 def opened(tmp_path: Path, tracker: Tracker, checkpoint: dict | None = None) -> Trackers:
@@ -107,16 +107,16 @@ def test_a_tracker_that_cannot_tell_what_it_holds_is_told_by_the_ledger(tmp_path
     assert other.logged == [({"train/loss": 0.9}, 10)]
 
 
-@pytest.mark.parametrize("reason, stopped, status", [
-    (StopReason.COMPLETED, None, ("FINISHED", "completed")),
-    (StopReason.STOPPED, SimpleNamespace(reason="pruned"), ("FINISHED", "pruned")),
-    (StopReason.PREEMPTED, None, ("KILLED", "preempted")),
-    (StopReason.MAX_STEPS, None, ("KILLED", "max_steps")),
+@pytest.mark.parametrize("outcome, ended, status", [
+    (Outcome.COMPLETED, None, ("FINISHED", "completed")),
+    (Outcome.ENDED, SimpleNamespace(reason="pruned"), ("FINISHED", "pruned")),
+    (Outcome.PREEMPTED, None, ("KILLED", "preempted")),
+    (Outcome.MAX_STEPS, None, ("KILLED", "max_steps")),
 ])
-def test_the_run_ends_as_the_loop_ended(tmp_path, reason, stopped, status):
+def test_the_run_ends_as_the_loop_ended(tmp_path, outcome, ended, status):
     tracker = Recording()
     trackers = opened(tmp_path, tracker)
-    trackers.on_run_end(fake_run(stopped), reason)
+    trackers.on_run_end(fake_run(ended), outcome)
     trackers.close()
     trackers.close()  # once
     assert tracker.closed == [status]

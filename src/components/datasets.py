@@ -230,6 +230,70 @@ def _random_rectangles(count: int, height: int, width: int, generator: torch.Gen
     return (inside_rows & inside_cols).float().unsqueeze(1)
 
 
+SHAPE_CLASSES = ("background", "disc", "square", "ring")
+
+
+def shapes(num_train: int = 512, num_val: int = 128, num_test: int = 128, image_size: Sequence[int] = (32, 32),
+           flip: bool = True, mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
+           seed: int = 0) -> DataSplits:
+    """Synthetic segmentation that runs anywhere: RGB images of 1 to 3 discs, squares and rings (each a random
+    colour and size) on a smooth random background, with masks of their classes (`SHAPE_CLASSES`; a later shape
+    covers an earlier one). Items are `(float32 image (3, H, W), int64 mask (H, W))`; training images and their
+    masks are flipped left-right together (`flip`), drawn per sample. Images in [0, 1] are normalised with `mean`
+    and `std` (None: 0.5 and 0.5; a pretrained backbone's via `${weights:...}`)."""
+    height, width = (int(x) for x in image_size)
+    generator = torch.Generator().manual_seed(seed)
+    images, masks = _draw_shapes(num_train + num_val + num_test, height, width, generator)
+    mean_t, std_t = (torch.tensor(v if v is not None else [0.5] * 3).view(3, 1, 1) for v in (mean, std))
+    images = (images - mean_t) / std_t
+    parts = torch.split(torch.arange(len(images)), [num_train, num_val, num_test])
+    train, val, test = (PairedFlips(images[index], masks[index], flip and name == "train")
+                        for name, index in zip(("train", "val", "test"), parts))
+    return DataSplits(train=train, val=val, test=test,
+                      info={**image_info(len(SHAPE_CLASSES), 3, height, width), "classes": list(SHAPE_CLASSES)},
+                      fields=("image", "mask"), target="mask")
+
+
+def _draw_shapes(count: int, height: int, width: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` images (count, 3, H, W) in [0, 1] and their int64 masks (count, H, W): up to three shapes each."""
+    coarse = torch.rand(count, 3, max(1, height // 8), max(1, width // 8), generator=generator)
+    images = 0.5 * torch.nn.functional.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)
+    masks = torch.zeros(count, height, width, dtype=torch.long)
+    rows = torch.arange(height, dtype=torch.float32).view(1, height, 1)
+    cols = torch.arange(width, dtype=torch.float32).view(1, 1, width)
+    shown = torch.randint(1, 4, (count,), generator=generator)
+    for slot in range(3):  # every image's slot-th shape at once
+        kind = torch.randint(1, len(SHAPE_CLASSES), (count, 1, 1), generator=generator)
+        radius = min(height, width) * (0.12 + 0.13 * torch.rand(count, 1, 1, generator=generator))
+        centre_r, centre_c = (torch.rand(count, 1, 1, generator=generator) * side for side in (height, width))
+        colour = 0.5 + 0.5 * torch.rand(count, 3, 1, 1, generator=generator)
+        distance = ((rows - centre_r) ** 2 + (cols - centre_c) ** 2).sqrt()
+        square = ((rows - centre_r).abs() <= radius) & ((cols - centre_c).abs() <= radius)
+        inside = torch.where(kind == 1, distance <= radius, torch.where(
+            kind == 2, square, (distance <= radius) & (distance >= 0.55 * radius)))
+        inside &= (slot < shown).view(count, 1, 1)
+        images = torch.where(inside.unsqueeze(1), colour, images)
+        masks = torch.where(inside, kind, masks)
+    return images, masks
+
+
+class PairedFlips(Dataset):
+    """(image, mask) pairs; with `flip`, both flipped left-right together with probability 1/2 (a draw from torch's
+    global generator, which the loader seeds per sample: the same flips on any world size and after a resume)."""
+
+    def __init__(self, images: torch.Tensor, masks: torch.Tensor, flip: bool) -> None:
+        self.images, self.masks, self.flip = images, masks, flip
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image, mask = self.images[index], self.masks[index]
+        if self.flip and bool(torch.rand(()) < 0.5):
+            image, mask = image.flip(-1), mask.flip(-1)
+        return image, mask
+
+
 PAD_TARGET = -100  # the target of a padding position: task=causal_lm's ignore_index (torch's default)
 
 

@@ -1,5 +1,6 @@
 """Tasks: what the loss is, over which unit, what the model's output must look like, and which sums the
-metrics are made of. Classification, binary and regression count samples; causal_lm counts tokens.
+metrics are made of. Classification, binary and regression count samples; causal_lm counts tokens, segmentation
+pixels.
 
 A task is a subclass of `src.loop.task.Task` (the contract the loop relies on, documented there)
 named by `conf/task/<name>.yaml`. Adding a task is one subclass (here or in any importable module)
@@ -40,8 +41,8 @@ class Classification(Task):
             raise UsageError(
                 f"task=classification takes one class index per sample (int64 targets of shape (N,)), but the target "
                 f"holds {str(target.dtype).removeprefix('torch.')} of shape {shape(target)} (the model returns "
-                f"{shape(outputs)}): for a class per position use a task of such targets (task=causal_lm for "
-                "tokens), or a dataset whose target is one class label per sample"
+                f"{shape(outputs)}): for a class per pixel (masks of shape (N, H, W)) use task=segmentation, for a "
+                "class per token task=causal_lm, or a dataset whose target is one class label per sample"
             )
         width = self.output_width or (outputs.shape[1] if outputs.dim() == 2 else None)
         if outputs.dim() != 2 or outputs.shape[0] != rows or outputs.shape[1] != width:
@@ -255,3 +256,75 @@ class CausalLM(Task):
         loss = ratio(sums["loss"], sums["count"])
         perplexity = math.exp(loss) if loss < 700 else math.inf  # nan stays nan
         return {"loss": loss, "perplexity": perplexity, "acc": ratio(sums["correct"], sums["count"])}
+
+
+class Segmentation(Task):
+    """A class per pixel: logits (N, C, H, W) against masks (N, H, W) of class indices, `ignore_index` where a pixel
+    is unlabelled. The unit is the labelled pixel: the loss of a step is the cross-entropy summed over every rank's
+    and micro-step's labelled pixels divided by their number. Metrics from whole-split sums of each class's
+    intersection and union, so exact on any world size: pixel accuracy, the IoU of each class (`iou_<c>`) and their
+    mean over the classes that occur in the targets or predictions (`miou`). A model that returns a dict
+    (torchvision's segmentation models) is read at `out`."""
+
+    metric_names = ("loss", "acc", "miou")
+    monitor, mode = "val/miou", "max"
+    unit = "pixels"
+    needs = ("num_classes", "class labels")
+
+    def __init__(self, ignore_index: int = 255, **options: Any) -> None:
+        super().__init__(**options)  # inputs, target, monitor, mode
+        self.ignore_index = ignore_index
+
+    def count(self, target: torch.Tensor) -> torch.Tensor:
+        return (target != self.ignore_index).sum()
+
+    def loss(self, outputs: Any, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(_logits(outputs).float(), target, ignore_index=self.ignore_index, reduction="sum")
+
+    def check_output(self, outputs: Any, target: torch.Tensor) -> None:
+        if target.dim() != 3 or target.is_floating_point():
+            raise UsageError(f"task=segmentation takes a class index per pixel (int64 masks of shape (N, H, W)), but "
+                             f"the target holds {str(target.dtype).removeprefix('torch.')} of shape {shape(target)}: "
+                             "choose a dataset of masks, or task=classification for one label per image")
+        logits, classes = _logits(outputs), self.output_width or "num_classes"
+        n, height, width = target.shape
+        if logits.dim() != 4 or (logits.shape[0], *logits.shape[2:]) != (n, height, width) or \
+                logits.shape[1] != (self.output_width or logits.shape[1]):
+            raise UsageError(f"task=segmentation takes logits of shape (N, num_classes, H, W) = ({n}, {classes}, "
+                             f"{height}, {width}) for masks of shape {shape(target)}, but the model returns "
+                             f"{shape(logits)}: build it with {self.output_setting}={classes} (its YAML's "
+                             "${data:num_outputs}) and upsample its logits to the mask's size")
+
+    def sum_shapes(self, info: Mapping[str, Any]) -> Shapes:
+        classes = (int(info["num_classes"]),)
+        return {"correct": (), "intersection": classes, "union": classes}
+
+    def sums(self, outputs: Any, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        # Per-class counts by scatter_add into classes + 1 bins (the last: unlabelled pixels): no host sync.
+        predicted, classes = _logits(outputs).argmax(dim=1), _logits(outputs).shape[1]
+        labelled = target != self.ignore_index
+        hit = (predicted == target) & labelled
+        intersection = _class_counts(torch.where(hit, target, classes), classes)
+        union = (_class_counts(torch.where(labelled, predicted, classes), classes)
+                 + _class_counts(torch.where(labelled, target, classes), classes) - intersection)
+        return {"correct": hit.sum(), "intersection": intersection, "union": union}
+
+    def compute(self, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        union = sums["union"]
+        iou = torch.where(union > 0, sums["intersection"] / union.clamp(min=1), torch.nan)
+        occurring = iou[union > 0]
+        return {**super().compute(sums), "acc": ratio(sums["correct"], sums["count"]),
+                "miou": float(occurring.mean()) if occurring.numel() else math.nan,
+                **{f"iou_{index}": float(value) for index, value in enumerate(iou)}}
+
+
+def _class_counts(index: torch.Tensor, classes: int) -> torch.Tensor:
+    """How many of `index`'s entries hold each class 0 .. classes - 1 (the bin `classes` is dropped)."""
+    flat = index.flatten()
+    return torch.zeros(classes + 1, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))[:classes]
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    """A segmentation model's logits: the tensor it returns, or its dict's `out` (torchvision's models)."""
+    return outputs["out"] if isinstance(outputs, Mapping) else outputs

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from sklearn import metrics as skm
 
 from src.common.errors import UsageError
-from src.components.tasks import Binary, CausalLM, Classification, Regression
+from src.components.tasks import Binary, CausalLM, Classification, Regression, Segmentation
 from src.loop.evaluation import metrics_of
 from src.loop.metrics import MetricSums
 
@@ -174,3 +174,60 @@ def test_causal_lm_takes_logits_in_batch_position_vocabulary_order():
     assert "model.num_outputs=7" in check(CausalLM(), (2, 5, 9), tokens, width=7)
     assert "token ids" in check(CausalLM(), (2, 5, 7), torch.zeros(2, 5), width=7)
     CausalLM().check_output(torch.zeros(2, 5, 7), tokens)
+
+
+# ---- segmentation: per-pixel cross-entropy over labelled pixels, exact IoU from whole-split sums ----------------
+
+
+def standalone_segmentation_metrics(logits: torch.Tensor, masks: torch.Tensor, ignore: int) -> dict[str, float]:
+    """Pixel accuracy, per-class IoU and mIoU of the whole split at once, from scikit-learn's confusion matrix."""
+    labelled = masks != ignore
+    predicted, actual = logits.argmax(dim=1)[labelled].numpy(), masks[labelled].numpy()
+    classes = logits.shape[1]
+    confusion = skm.confusion_matrix(actual, predicted, labels=list(range(classes)))
+    intersection = confusion.diagonal()
+    union = confusion.sum(axis=0) + confusion.sum(axis=1) - intersection
+    iou = {f"iou_{c}": intersection[c] / union[c] if union[c] else math.nan for c in range(classes)}
+    present = [value for value in iou.values() if not math.isnan(value)]
+    return {"acc": intersection.sum() / labelled.sum().item(), "miou": sum(present) / len(present), **iou}
+
+
+def test_segmentation_metrics_from_sums_equal_a_whole_split_recomputation_with_ignored_pixels():
+    torch.manual_seed(0)
+    classes, ignore = 5, 255
+    logits = torch.randn(23, classes, 6, 7)
+    masks = torch.randint(0, classes - 1, (23, 6, 7))  # class 4 never occurs in the targets
+    masks[torch.rand(23, 6, 7) < 0.2] = ignore
+    logits[:, 3] -= 100.0  # and class 3 is never predicted
+    task = Segmentation(ignore_index=ignore)
+    task.output_width = classes
+    task.check_output(logits, masks)
+    result = summed(task, {"num_classes": classes}, logits, masks)
+    expected = standalone_segmentation_metrics(logits, masks, ignore)
+    for name, value in expected.items():
+        assert result[name] == pytest.approx(value, abs=1e-12, nan_ok=True), name
+    assert math.isnan(result["iou_4"]) is False and result["iou_4"] == 0.0  # predicted, never true: IoU 0, counted
+    labelled = masks != ignore
+    assert result["count"] == int(labelled.sum())
+    loss = F.cross_entropy(logits, masks, ignore_index=ignore, reduction="sum") / labelled.sum()
+    assert result["loss"] == pytest.approx(float(loss), rel=1e-6)
+
+
+def test_segmentation_reads_a_dict_output_and_refuses_wrong_shapes_in_one_line():
+    task = Segmentation()
+    task.output_width, task.output_setting = 4, "model.num_outputs"
+    masks = torch.randint(0, 4, (2, 8, 8))
+    task.check_output({"out": torch.randn(2, 4, 8, 8), "aux": torch.randn(2, 4, 8, 8)}, masks)  # torchvision's
+    assert task.loss({"out": torch.zeros(2, 4, 8, 8)}, masks) == pytest.approx(2 * 64 * math.log(4), rel=1e-6)
+    with pytest.raises(UsageError, match=r"^task=segmentation takes logits of shape \(N, num_classes, H, W\) = "
+                                         r"\(2, 4, 8, 8\) for masks of shape \(2, 8, 8\), but the model returns "
+                                         r"\(2, 4, 4, 4\): build it with model.num_outputs=4 .* upsample"):
+        task.check_output(torch.randn(2, 4, 4, 4), masks)
+    with pytest.raises(UsageError, match=r"^task=segmentation takes a class index per pixel"):
+        task.check_output(torch.randn(2, 4), torch.randint(0, 4, (2,)))
+
+
+def test_classification_on_masks_names_task_segmentation():
+    task = Classification()
+    with pytest.raises(UsageError, match=r"for a class per pixel \(masks of shape \(N, H, W\)\) use task=segmentation"):
+        task.check_output(torch.randn(2, 4, 8, 8), torch.randint(0, 4, (2, 8, 8)))

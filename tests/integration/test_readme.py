@@ -267,3 +267,18 @@ def test_the_checkpoint_stall_benchmark_writes_its_table(tmp_path: Path):
         # Each value is rounded to 0.0005: the printed stalls give the ratio within 0.0005 (1 + ratio) / (sync - 0.0005)
         # of the unrounded one, which was rounded by 0.0005 in turn.
         assert ratio == pytest.approx(asynchronous / sync, abs=0.0005 + 0.0005 * (1 + ratio) / (sync - 0.0005))
+
+
+def test_the_rank_agreement_benchmark_writes_its_table(tmp_path: Path):
+    """A smoke run of `python benchmarks/rank_agreement.py` (1 optimizer step of the default run, 1 process against
+    2 ranks); the real numbers come from the full run (RANK_AGREEMENT.md, pasted into docs/trust.md)."""
+    table = tmp_path / "agreement.md"
+    check(run([sys.executable, str(REPO / "benchmarks" / "rank_agreement.py"), "--steps", "1", "--configs", "default",
+               "--output", str(table)], tmp_path))
+    text = table.read_text()
+    assert "torch " in text and "Measured " in text  # the date, the machine and the torch version
+    (row,) = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| default")]
+    assert int(row[2]) == 1
+    assert float(row[3]) < 1e-5  # one step: the two runs' weights differ by float rounding only
+    one, two = (float(value) for value in row[5].split("/"))
+    assert 0 <= one <= 1 and 0 <= two <= 1 and float(row[6]) == pytest.approx(abs(one - two), abs=1e-4)

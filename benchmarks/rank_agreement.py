@@ -6,8 +6,8 @@
 For each config and each of `--steps`, the real command line trains the digits recipe twice for that many optimizer
 steps (`trainer.max_steps`: the schedule is the whole run's, so these are the first N steps of the default run),
 `python train.py ...` and `torchrun --nproc_per_node=2 train.py ...`, global batch 64 in both (32 per rank), the same
-seed. It reports the largest absolute difference between the two `checkpoints/last.pt` weights (every floating
-tensor of the model's state_dict: parameters and BatchNorm running statistics) and their val metrics, evaluated by
+seed. It reports the largest absolute difference between the two `checkpoints/last.pt` models, over the trained
+parameters and over BatchNorm's running statistics (averaged, not trained), and their val metrics, evaluated by
 one `python eval.py -m checkpoint=... split=val` in one process (evaluation is exact on any world size, so what
 differs is training alone). The table is written with the date, the CPU model and the torch version.
 
@@ -32,6 +32,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+RUNNING_STATISTICS = ("running_mean", "running_var")  # BatchNorm's buffers: averaged, not trained
 
 # name -> train.py overrides on top of the default digits run (small CNN without biases before BatchNorm, sync-BN,
 # global batch 64, cosine schedule over 20 epochs of 22 steps).
@@ -60,10 +61,12 @@ def model_weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)["models"]["model"]
 
 
-def largest_difference(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """The largest |one - two| over every floating tensor, and the tensor's name."""
-    differences = {name: (one[name] - two[name]).abs().max().item()
-                   for name in one if one[name].is_floating_point()}
+def largest_difference(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor],
+                       statistics: bool) -> tuple[float, str]:
+    """The largest |one - two| over the trained parameters (statistics=False) or over BatchNorm's running statistics
+    (statistics=True), and the tensor's name."""
+    differences = {name: (one[name] - two[name]).abs().max().item() for name in one
+                   if one[name].is_floating_point() and name.endswith(RUNNING_STATISTICS) == statistics}
     name = max(differences, key=differences.get)
     return differences[name], name
 
@@ -94,9 +97,11 @@ def table_rows(configs: list[str], steps: list[int], workdir: Path) -> list[str]
     for config in configs:
         for step in steps:
             one, two = (checkpoints[config, step, world] for world in (1, 2))
-            difference, where = largest_difference(model_weights(one), model_weights(two))
-            rows.append(f"| {config} | {' '.join(CONFIGS[config]) or '(none: AdamW)'} | {step} | {difference:.1e} | "
-                        f"`{where}` | {val[one]['val/acc']:.4f} / {val[two]['val/acc']:.4f} | "
+            weights, statistics = model_weights(one), model_weights(two)
+            parameters, where = largest_difference(weights, statistics, statistics=False)
+            running, _ = largest_difference(weights, statistics, statistics=True)
+            rows.append(f"| {config} | {' '.join(CONFIGS[config]) or '(none: AdamW)'} | {step} | {parameters:.1e} | "
+                        f"`{where}` | {running:.1e} | {val[one]['val/acc']:.4f} / {val[two]['val/acc']:.4f} | "
                         f"{abs(val[one]['val/acc'] - val[two]['val/acc']):.4f} | "
                         f"{abs(val[one]['val/loss'] - val[two]['val/loss']):.1e} |")
     return rows
@@ -119,8 +124,9 @@ def main() -> None:
               f"(180 samples) evaluated by `eval.py` in one process.\n\n"
               f"Measured {date.today().isoformat()} on {cpu_model()} ({torch.get_num_threads()} torch threads), "
               f"torch {torch.__version__}, Python {platform.python_version()}, CPU, gloo.\n\n"
-              f"| config | overrides | optimizer steps | max abs weight difference | in | val acc, 1 process / 2 ranks "
-              f"| val acc difference | val loss difference |\n|---|---|---|---|---|---|---|---|\n"
+              f"| config | overrides | optimizer steps | max abs difference of the parameters | in | max abs difference "
+              f"of BatchNorm's running statistics | val acc, 1 process / 2 ranks | val acc difference "
+              f"| val loss difference |\n|---|---|---|---|---|---|---|---|---|\n"
               + "\n".join(rows) + "\n")
     args.output.write_text(report)
     print(report)

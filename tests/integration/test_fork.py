@@ -1,9 +1,9 @@
-"""A fork, as the README's "Fork it" shows it: a task, a model and a dataset in a module of the user's own
-(dict batches, keyword inputs, a metric of its own) and a callback in another (val samples in TensorBoard each
-epoch), YAMLs in a config folder of the user's own found through `hydra.searchpath`, trained on 2 ranks and
-evaluated by eval.py, with no file of the template changed.
+"""A fork, as the fork guide (docs/forking.md, "A whole fork") shows it: a task, a model and a dataset in a module of
+the user's own (dict batches, keyword inputs, a metric of its own) and a callback in another (val samples in
+TensorBoard each epoch), YAMLs in a config folder of the user's own found through `hydra.searchpath`, trained on 2
+ranks and evaluated by eval.py, with no file of the template changed.
 
-The code and YAMLs are taken from the README's blocks, so the README shows what runs."""
+The code and YAMLs are taken from the guide's blocks, so the guide shows what runs."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ pytestmark = pytest.mark.slow
 
 
 def readme_files() -> dict[str, str]:
-    """The README's fenced blocks whose first line is `# <path>` for mine*.py modules and conf/ YAMLs: path -> text."""
-    readme = (REPO / "README.md").read_text()
+    """The fork guide's fenced blocks whose first line is `# <path>` for mine*.py modules and conf/ YAMLs: path ->
+    text."""
+    readme = (REPO / "docs" / "forking.md").read_text()
     files = {}
     for block in re.findall(r"```(?:python|yaml)\n(.*?)```", readme, re.S):
         first, _, rest = block.partition("\n")
@@ -72,7 +73,7 @@ def test_a_forked_task_model_and_dataset_train_on_two_ranks_and_evaluate(tmp_pat
 
 
 def check_val_samples(workdir: Path, steps_per_epoch: int) -> None:
-    """The README's callback wrote, each epoch, a table of the first 4 val samples: their targets, and the outputs
+    """The guide's callback wrote, each epoch, a table of the first 4 val samples: their targets, and the outputs
     of that epoch's model (the last epoch's: those of the checkpoint's weights)."""
     sys.path.insert(0, str(workdir))
     try:

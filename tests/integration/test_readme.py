@@ -1,4 +1,4 @@
-"""The README's commands are real: each composes here, and the test named for it runs it.
+"""The commands of the README and of docs/ are real: each composes here, and the test named for it runs it.
 
 Commands that need GPUs, 8 processes or a cluster run in the named test scaled down (2 CPU
 processes, one epoch); SLURM runs through submitit's local executor, which shares its code path.
@@ -19,17 +19,24 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from src.config import schema  # noqa: F401 - registers the schema
-from src.parallel import launch
+from src.parallel import job  # noqa: F401 - registers ${run_timestamp:}, ${data:} ... as train.py does
 
-launch.register_resolvers()  # ${run_timestamp:}, ${data:} ... as train.py registers them
 
-README = (REPO / "README.md").read_text()
+# The README and the pages of docs/ it links: every command in them is listed below.
+GUIDE = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
-# Each README command -> where it is run (test file::function), scaled down if it needs hardware we lack.
+pytestmark = pytest.mark.template  # checks this template's own README, docs and benchmarks (a fork deselects them)
+
+# Each command of the README and docs/ -> where it is run (test file::function), scaled down if it needs hardware we
+# lack.
 EXERCISED_BY = {
     "make train": "test_train_modes.py::test_make_train_reaches_98_percent_on_the_default_config",
     'make train ARGS="model=mlp"': "test_train_modes.py::test_make_train_reaches_98_percent_on_the_default_config",
     "make test": ".ci/run",
+    # The inner loop runs a subset of the suite (unit tests and quick CLI checks, such as this one); a fork's run
+    # deselects the template's own checks: both are `make test` with other pytest arguments.
+    "make test-fast": "test_train_cli.py::test_help_lists_groups_and_cfg_job_prints_the_config_without_a_run_dir",
+    "make test ARGS='-m \"not template\"'": ".ci/run",
     "python benchmarks/run.py": "test_readme.py::test_the_benchmark_script_writes_its_table",
     "python benchmarks/chaos.py --trials 20 --seed 0": "test_chaos.py::test_three_chaos_trials_end_bitwise_equal",
     "python eval.py checkpoint=outputs/DATE/TIME/checkpoints/best.pt":
@@ -40,10 +47,12 @@ EXERCISED_BY = {
     "python train.py callbacks.ema.decay=0.999 trainer.monitor=val_ema/acc":
         "test_ema_cli.py::test_val_ema_is_reported_every_epoch_and_picks_best",
     "python train.py": "test_train_cli.py::test_single_process_run_dir_contract",
-    "python train.py --cfg job": "test_train_cli.py::test_help_lists_groups_and_cfg_job_skips_torch",
-    "python train.py --help": "test_train_cli.py::test_help_lists_groups_and_cfg_job_skips_torch",
+    "python train.py --cfg job": "test_train_cli.py::test_help_lists_groups_and_cfg_job_prints_the_config_without_a_run_dir",
+    "python train.py --help": "test_train_cli.py::test_help_lists_groups_and_cfg_job_prints_the_config_without_a_run_dir",
     "python train.py -m dist.nproc_per_node=2 optimizer=sgd,adam":
         "test_launch_cli.py::test_sweep_of_ddp_groups",
+    "python train.py -m optimizer.lr=0.1,0.01":
+        "test_sweeps_cli.py::test_a_grid_sweep_killed_during_job_3_continues_where_it_stopped",
     "python train.py -m hydra/sweeper=optuna hydra.sweeper.n_trials=20 'optimizer.lr=tag(log,interval(1e-4,1e-1))' "
     "'optimizer=choice(sgd,adamw)' dataset.batch_size=choice(32,64)":
         "test_sweeps_cli.py::test_the_study_in_optuna_db_holds_each_two_rank_jobs_result",
@@ -107,6 +116,7 @@ EXERCISED_BY = {
     "python train.py logger=csv":
         "test_trackers_cli.py::test_a_killed_rank_restarted_by_torchrun_is_one_run_with_each_step_once",
     "python benchmarks/checkpoint_stall.py": "test_readme.py::test_the_checkpoint_stall_benchmark_writes_its_table",
+    "python benchmarks/rank_agreement.py": "test_readme.py::test_the_rank_agreement_benchmark_writes_its_table",
     "python train.py experiment=gan_digits": "test_recipes_cli.py::test_gan_stopped_mid_epoch_resumes_bitwise",
     "torchrun --nproc_per_node=2 train.py experiment=gan_digits dist=fsdp":
         "test_recipes_cli.py::test_gan_under_fsdp_trains_bitwise_what_ddp_trains",
@@ -118,14 +128,15 @@ EXERCISED_BY = {
 }
 
 
-def readme_commands() -> set[str]:
-    """Commands in the README's bash blocks and inline code: make targets, tensorboard, and
-    python / torchrun commands that name a script (bare mentions such as `torchrun --standalone`
-    are prose, not commands)."""
+def readme_commands(text: str | None = None) -> set[str]:
+    """Commands in the bash blocks and inline code of `text` (default: the README and every page of docs/): make
+    targets, tensorboard, and python / torchrun commands that name a script (bare mentions such as
+    `torchrun --standalone` are prose, not commands)."""
+    text = "\n".join(path.read_text() for path in GUIDE) if text is None else text
     candidates = []
-    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         candidates += [re.split(r"\s+#", line)[0].strip() for line in block.splitlines()]
-    candidates += [code.strip() for code in re.findall(r"`([^`\n]+)`", README)]
+    candidates += [code.strip() for code in re.findall(r"`([^`\n]+)`", text)]
     return {
         command for command in candidates
         if re.match(r"(make \w|tensorboard )", command)
@@ -135,6 +146,34 @@ def readme_commands() -> set[str]:
 
 def test_every_readme_command_is_listed_with_the_test_that_runs_it():
     assert readme_commands() == set(EXERCISED_BY)
+
+
+def test_the_docs_pages_are_few_and_linked_from_the_readme():
+    """The README stays short (at most 250 lines) and indexes every page of docs/ (at most 10), each page's
+    commands counted above."""
+    readme = (REPO / "README.md").read_text()
+    pages = sorted(path.name for path in (REPO / "docs").glob("*.md"))
+    assert len(readme.splitlines()) <= 250 and 0 < len(pages) <= 10
+    assert [page for page in pages if f"](docs/{page})" not in readme] == []
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", text, flags=re.S), re.M)}
+
+
+def test_every_relative_link_of_the_guide_reaches_a_file_and_its_heading():
+    broken = []
+    for page in GUIDE:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists() or (anchor and anchor not in heading_anchors(file.read_text())):
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert broken == []
 
 
 @pytest.mark.parametrize("where", sorted(set(EXERCISED_BY.values())))
@@ -267,3 +306,19 @@ def test_the_checkpoint_stall_benchmark_writes_its_table(tmp_path: Path):
         # Each value is rounded to 0.0005: the printed stalls give the ratio within 0.0005 (1 + ratio) / (sync - 0.0005)
         # of the unrounded one, which was rounded by 0.0005 in turn.
         assert ratio == pytest.approx(asynchronous / sync, abs=0.0005 + 0.0005 * (1 + ratio) / (sync - 0.0005))
+
+
+def test_the_rank_agreement_benchmark_writes_its_table(tmp_path: Path):
+    """A smoke run of `python benchmarks/rank_agreement.py` (1 optimizer step of the default run, 1 process against
+    2 ranks); the real numbers come from the full run (RANK_AGREEMENT.md, pasted into docs/trust.md)."""
+    table = tmp_path / "agreement.md"
+    check(run([sys.executable, str(REPO / "benchmarks" / "rank_agreement.py"), "--steps", "1", "--configs", "default",
+               "--output", str(table)], tmp_path))
+    text = table.read_text()
+    assert "torch " in text and "Measured " in text  # the date, the machine and the torch version
+    (row,) = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| default")]
+    assert int(row[2]) == 1
+    # One step: the two runs' parameters and BatchNorm statistics differ by float rounding only.
+    assert float(row[3]) < 1e-5 and float(row[5]) < 1e-5
+    one, two = (float(value) for value in row[6].split("/"))
+    assert 0 <= one <= 1 and 0 <= two <= 1 and float(row[7]) == pytest.approx(abs(one - two), abs=1e-4)

@@ -24,6 +24,7 @@ class UsageError(Exception):
     """
 
     reported = False  # True when worker processes have already printed the message
+    local = False  # True when one rank alone may find it (a record only that rank reads): that rank prints it
 
 
 class WorkersReportedUsageError(UsageError):
@@ -63,7 +64,7 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
                 raise
             out_of_memory.add_note(_out_of_memory_hint(out_of_memory))
             raise out_of_memory from None  # torch's error, where it happened (not the wrapper Hydra put around it)
-        if is_main_process and not usage_error.reported:
+        if (is_main_process or usage_error.local) and not usage_error.reported:
             sys.stderr.write(f"error: {usage_error}\n")
             sys.stderr.flush()
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:

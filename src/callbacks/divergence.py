@@ -1,13 +1,9 @@
 """Stop a run whose loss became NaN or infinite, naming the step, instead of training on garbage.
 
-Checking the loss on the host every step would cost a device sync per step. Instead each
-step folds "was this loss finite?" into a device tensor (the first bad step, no sync), and
-the host looks at it where it already reads the loss: at log steps, at the end of an epoch,
-and before a checkpoint. A NaN anywhere makes the all-reduced loss sum NaN on every rank, so
-all ranks stop together, and no checkpoint of the broken state is ever written.
-
-`callbacks.divergence.detect_anomaly=true` (conf/callbacks/divergence.yaml) turns on autograd's anomaly
-mode and a check every step: the error then names the backward operation that made the NaN.
+Each step folds "was this loss finite?" into a device tensor (no host sync); the host checks it where it reads
+the loss anyway: at log steps, epoch ends and before a checkpoint, so no diverged state is ever saved. A NaN makes
+the all-reduced loss NaN on every rank, so all ranks stop together. `detect_anomaly=true` turns on autograd's
+anomaly mode and a check every step: the error then names the backward operation that made the NaN.
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ class NonFiniteLossWatch:
         self._first_bad_step = torch.where(bad, self._first_bad_step.clamp(max=step), self._first_bad_step)
 
     def check(self, loss: float) -> None:
-        """Raise if `loss`, an all-reduced value every rank holds, is not finite. Only then is
-        there a collective (every rank sees the same value, so every rank takes part)."""
+        """Raise if `loss`, an all-reduced value every rank holds, is not finite (only then a collective)."""
         if not math.isfinite(loss):
             self.check_now()
 
@@ -64,8 +59,6 @@ def diverged_message(step: int, what: str, names_the_op: bool = False) -> str:
 
 
 class DivergenceWatch(Callback):
-    """The NaN/inf watch of the module's docstring; `detect_anomaly`: autograd's anomaly mode, a check every step."""
-
     def __init__(self, detect_anomaly: bool) -> None:
         self.detect_anomaly = detect_anomaly
         self.watch: NonFiniteLossWatch | None = None

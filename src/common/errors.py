@@ -17,11 +17,8 @@ NON_MAIN_RANK_GRACE_S = 1.0  # how long other ranks wait, on a usage error, for 
 
 
 class UsageError(Exception):
-    """A mistake in the config, the command line or the files a run needs.
-
-    `train.py` and `eval.py` print the message alone (no traceback) and exit with code 2,
-    so the message must say what is wrong and what to change.
-    """
+    """A mistake in the config, the command line or the files a run needs: printed alone (no traceback), exit
+    code 2, so the message must say what is wrong and what to change."""
 
     reported = False  # True when worker processes have already printed the message
     local = False  # True when one rank alone may find it (a record only that rank reads): that rank prints it
@@ -45,14 +42,10 @@ def find_usage_error(error: BaseException) -> UsageError | None:
 
 @contextlib.contextmanager
 def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterator[None]:
-    """End the process with `error: <message>` on stderr and exit code 2 if the block raises a UsageError; any
-    other error propagates with its traceback; an allocation that found no memory (torch's error, also where Hydra's
-    instantiate wrapped it) with a note saying what shrinks a rank's share.
-
-    Every rank of a group usually hits the same mistake, so only the main process prints it. In a sweep the error
-    propagates instead: Hydra marks that job failed and runs the next. A worker restarted (torchrun
-    `--max-restarts`) after an attempt that stopped on a usage error stops again at once (src/common/retries.py).
-    """
+    """End the process with `error: <message>` on stderr (the main process's alone) and exit code 2 if the block
+    raises a UsageError; in a sweep it propagates instead (Hydra marks the job failed). Any other error propagates;
+    an allocation that found no memory unwrapped from Hydra's, with a note saying what shrinks a rank's share. A
+    worker restarted after a usage error stops again at once (src/common/retries.py)."""
     _exit_if_failed_for_good()
     try:
         yield
@@ -68,8 +61,7 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
             sys.stderr.write(f"error: {usage_error}\n")
             sys.stderr.flush()
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # Rank 0 reports the mistake every rank hit. Exiting at once would let torchrun's agent
-            # SIGTERM rank 0 before it has printed that line; a moment's grace lets it.
+            # Exiting at once would let torchrun's agent SIGTERM rank 0 before it has printed the line.
             time.sleep(NON_MAIN_RANK_GRACE_S)
         retries.record_final_failure(str(usage_error))  # a restart would stop on it again
         sys.exit(USAGE_ERROR_EXIT_CODE)
@@ -83,14 +75,12 @@ def _exit_if_failed_for_good() -> None:
         sys.exit(USAGE_ERROR_EXIT_CODE)
 
 
-# How an allocation that found no memory reads: Python's MemoryError, torch's CPU allocator ("can't allocate
-# memory"), CUDA's caching allocator ("CUDA out of memory").
+# How torch's CPU allocator and CUDA's caching allocator say an allocation found no memory.
 _NO_MEMORY = ("can't allocate memory", "out of memory")
 
 
 def _out_of_memory_hint(error: BaseException) -> str:
-    """What an allocation the process had no memory for adds under its traceback: the rank, the size asked for, the
-    process's memory limit and what shrinks a rank's share."""
+    """The note under an out-of-memory traceback: the rank, the size asked for, the memory limit, what to change."""
     asked = re.search(r"tried to allocate [\d.,]+ ?\w+", str(error), re.IGNORECASE)  # torch's allocators say
     detail = asked.group(0) if asked else type(error).__name__
     return (f"out of memory on rank {os.environ.get('RANK', '0')} ({detail}), {memory_limit()}: the model's training "
@@ -100,8 +90,7 @@ def _out_of_memory_hint(error: BaseException) -> str:
 
 
 def _out_of_memory(error: BaseException | None) -> BaseException | None:
-    """`error`, or the error it wraps (a model constructor's, inside Hydra's InstantiationException), if that
-    one is an allocation that found no memory; else None."""
+    """`error`, or the error it wraps (inside Hydra's InstantiationException), if that is an out-of-memory error."""
     while error is not None:
         if isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and
                                               any(words in str(error) for words in _NO_MEMORY)):

@@ -1,22 +1,10 @@
-"""Randomness per sample: every random draw that shapes sample i of epoch e comes from (seed, epoch, i).
+"""Randomness per sample: every random draw that shapes sample i of epoch e comes from (seed, epoch, i) alone, not
+from the rank, the DataLoader worker, the batch or the step a run resumed at.
 
-Augmentation then depends on nothing else: not on the rank or the DataLoader worker a sample lands on,
-not on the batch it shares, not on the step a run resumed at. 2 ranks draw what 1 process draws at the
-same global batch, `num_workers=0` what `num_workers=8` draws, a resumed run what the uninterrupted
-one drew. Two paths:
-
-- Datasets read through a DataLoader (`SeededSamples`): right before `dataset[i]`, torch's, Python's
-  and NumPy's global generators are seeded from (seed, epoch, i), so any transform that draws from
-  them (torchvision v1 or v2, your own) is covered. Seeding costs per sample (Python's `random.seed`
-  about 4 us, NumPy's 2, torch's 1), so each process seeds only the generators its dataset has been
-  seen to draw from: the others are set to one fixed state before a batch and checked after it, and a
-  batch that moved one is fetched again with that generator seeded per sample from then on. Every
-  sample is what seeding all three would give, at the cost of one batch fetched twice per generator.
-  The sampler's keys carry the epoch (`EpochKeys`: `(epoch, i)`), so persistent workers need no
-  message when an epoch starts. In the main process (`num_workers=0`) the generators are restored
-  after each batch: the trainer's own seeding of dropout, per rank and step on purpose, is left as it was.
-- uint8 images on the device (src/data/image_tensors.py): `sample_key` and `draw` compute a
-  counter-based hash of (seed, epoch, i) on the device for a whole batch at once, with no host sync.
+- Datasets read through a DataLoader (`SeededSamples`): torch's CPU, Python's and NumPy's global generators are
+  seeded from (seed, epoch, i) right before `dataset[i]`, so any transform that draws from them is covered.
+- uint8 images on the device (src/data/image_tensors.py): `sample_key` and `draw`, a counter-based hash of
+  (seed, epoch, i) computed on the device for a whole batch, with no host sync.
 
 Val samples draw from (seed, VAL_EPOCH, i): the same in every val pass.
 """
@@ -27,10 +15,8 @@ import contextlib
 import functools
 import hashlib
 import math
-import operator
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -94,64 +80,40 @@ def host_seed(seed: int, epoch: int, index: int) -> int:
 
 
 def host_seeds(seed: int, keys: Sequence[tuple[int, int]]) -> list[int]:
-    """`host_seed` of each (epoch, index) key, hashed for the whole batch at once with NumPy (int64 arrays:
-    the arithmetic never overflows): 0.3 us a key instead of 5."""
+    """`host_seed` of each (epoch, index) key, hashed for the whole batch at once with NumPy (int64 arrays: the
+    arithmetic never overflows)."""
     states = np.fromiter((_epoch_state(seed, epoch) for epoch, _ in keys), dtype=np.int64, count=len(keys))
     key = _index_key(states, np.fromiter((index for _, index in keys), dtype=np.int64, count=len(keys)))
     return ((draw(key, 0).astype(np.uint64) << np.uint64(32)) | draw(key, 1).astype(np.uint64)).tolist()
 
 
-@dataclass(frozen=True)
-class HostGenerator:
-    """One global generator a dataset's transforms may draw from: read, restore, compare and seed it."""
-
-    name: str
-    get_state: Callable[[], Any]
-    set_state: Callable[[Any], None]
-    same_state: Callable[[Any, Any], bool]
-    seed: Callable[[int], Any]  # from a 64-bit seed
-
-
-def _same_numpy_state(a: tuple, b: tuple) -> bool:
-    return a[0] == b[0] and a[2:] == b[2:] and np.array_equal(a[1], b[1])
-
-
-HOST_GENERATORS = (
-    # Not CUDA's: torch.manual_seed would queue a seed for every device, a stack trace each time (0.3 ms).
-    HostGenerator("torch", torch.get_rng_state, torch.set_rng_state, torch.equal,
-                  lambda seed: torch.default_generator.manual_seed(seed)),
-    HostGenerator("python", random.getstate, random.setstate, operator.eq, random.seed),
-    HostGenerator("numpy", np.random.get_state, np.random.set_state, _same_numpy_state,
-                  lambda seed: np.random.seed(seed & MASK32)),
-)
-UNSEEDED = 0x5EED  # the fixed seed of the generators a dataset has not been seen to draw from
-
-
-def seed_host_generators(seed: int, generators: Sequence[HostGenerator] = HOST_GENERATORS) -> None:
-    """Seed torch's CPU generator, Python's and NumPy's global ones (or those of `generators`)."""
-    for generator in generators:
-        generator.seed(seed)
+def seed_host_generators(seed: int) -> None:
+    """Seed torch's CPU generator, Python's and NumPy's global ones from a 64-bit seed. Not CUDA's: they are the
+    trainer's, seeded per rank and step for dropout."""
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed & MASK32)
 
 
 @contextlib.contextmanager
 def preserved_host_generators() -> Iterator[None]:
     """The block's draws leave torch's CPU, Python's and NumPy's global generators as they were."""
-    states = [generator.get_state() for generator in HOST_GENERATORS]
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
     try:
         yield
     finally:
-        for generator, state in zip(HOST_GENERATORS, states):
-            generator.set_state(state)
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
 
 
 class SeededSamples(Dataset):
-    """`dataset` read by (epoch, index) keys, each sample fetched with the host generators seeded
-    from (seed, epoch, index): those that `dataset` draws from, as learned batch by batch."""
+    """`dataset` read by (epoch, index) keys, each sample fetched with the host generators seeded from
+    (seed, epoch, index)."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset = dataset
         self.seed = seed
-        self.drawn_from: tuple[str, ...] = ()  # names of HOST_GENERATORS; each process learns its own
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -162,35 +124,19 @@ class SeededSamples(Dataset):
         return self.dataset[index]
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
-        """A batch's samples (what a DataLoader asks for); in the main process, the host generators
-        are as they were afterwards (saved and restored once a batch: about 0.13 ms)."""
+        """A batch's samples; in the main process (num_workers=0) the host generators are restored afterwards, so
+        the trainer's own seeding is left as it was."""
         with contextlib.nullcontext() if get_worker_info() is not None else preserved_host_generators():
-            return self._fetch(host_seeds(self.seed, keys), [index for _, index in keys])
-
-    def _fetch(self, seeds: Sequence[int], indices: Sequence[int]) -> list[Any]:
-        """The samples, fetched with the generators named in `drawn_from` seeded per sample. The others
-        start the batch in one fixed state; if the batch moved one, it joins `drawn_from` and the batch
-        is fetched again (at most once per generator and process)."""
-        while True:
-            seeded = [g for g in HOST_GENERATORS if g.name in self.drawn_from]
-            unseen = [g for g in HOST_GENERATORS if g.name not in self.drawn_from]
-            marks = []
-            for generator in unseen:
-                generator.seed(UNSEEDED)
-                marks.append(generator.get_state())
             samples = []
-            for seed, index in zip(seeds, indices):
-                seed_host_generators(seed, seeded)
+            for seed, (_, index) in zip(host_seeds(self.seed, keys), keys):
+                seed_host_generators(seed)
                 samples.append(self.dataset[index])
-            moved = [g.name for g, mark in zip(unseen, marks) if not g.same_state(g.get_state(), mark)]
-            if not moved:
-                return samples
-            self.drawn_from = (*self.drawn_from, *moved)
+            return samples
 
 
 class EpochKeys:
-    """A batch sampler's index lists as (epoch, index) keys; the epoch is the sampler's when an epoch's
-    iteration starts (`VAL_EPOCH` for samplers without one: evaluation's)."""
+    """A batch sampler's index lists as (epoch, index) keys (`VAL_EPOCH` for samplers without an epoch), so
+    persistent workers need no message when an epoch starts."""
 
     def __init__(self, batch_sampler: Iterable[list[int]]) -> None:
         self.batch_sampler = batch_sampler

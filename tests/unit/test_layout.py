@@ -129,8 +129,6 @@ DEFERRED = {
     "src/parallel/fsdp.py": {"torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict",
                              "torch.distributed.tensor"},  # sharded runs
     "src/parallel/ranks.py": {"submitit"},  # only in submitit's and srun's tasks
-    "src/reports/reporting.py": {"torch.utils.tensorboard", "torch.utils.tensorboard.summary"},  # runs that write
-    # TensorBoard events (not eval.py)
 }
 OWN = ["callbacks", "checkpoint", "config", "loop", "parallel", "reports"]
 

@@ -1,19 +1,11 @@
-"""Convert data into the Arrow layout `dataset=arrow` reads (the layout of Hugging Face `datasets`'
-`save_to_disk`, so `datasets.load_from_disk` reads it too; src/data/arrow_files.py).
+"""Convert data into the Arrow layout `dataset=arrow` reads (src/data/arrow_files.py).
 
     python -m src.data.convert image-folder SRC OUT   # SRC/train/<class>/*.png|jpg|... and SRC/val/<class>/...
     python -m src.data.convert parquet TRAIN VAL OUT  # TRAIN, VAL: a Parquet file or a folder of them each
 
-image-folder keeps each file's encoded bytes as they are (no re-encoding: the same pixels decode from
-them), in ImageFolder's order and with its labels (sorted class folders), so `dataset=arrow` on OUT
-trains what `dataset=image_folder` on SRC trains. Its splits are named `train` and `validation`.
-parquet copies the tables' columns (an image column holds `{bytes, path}` structs, as `datasets` writes
-them), with their `datasets` features when the files carry them.
-
-Atomic: everything is written into OUT.partial and renamed to OUT once complete, so a killed conversion
-leaves no OUT that looks whole (the next one removes the stale OUT.partial); an existing OUT is never
-overwritten. Bad input (a missing folder, a file that is not an image, an existing OUT) is one `error:`
-line and exit code 2.
+image-folder keeps each file's encoded bytes, in ImageFolder's order and with its labels, so `dataset=arrow` on
+OUT trains what `dataset=image_folder` on SRC trains. Written into OUT.partial and renamed to OUT once complete;
+an existing OUT is never overwritten. Bad input is one `error:` line and exit code 2.
 """
 
 from __future__ import annotations
@@ -27,6 +19,8 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from PIL import Image, UnidentifiedImageError
 
 from src.common.errors import USAGE_ERROR_EXIT_CODE, UsageError
 from src.common.files import fsync_directory
@@ -66,8 +60,6 @@ def class_names(source: Path) -> list[str]:
 
 def image_rows(folder: Path, classes: list[str]) -> Iterator[dict[str, Any]]:
     """Rows {image: {bytes, path}, label} of a split's files; a file PIL cannot identify is refused."""
-    from PIL import Image, UnidentifiedImageError
-
     count = 0
     for file, label in image_files(folder, classes):
         encoded = file.read_bytes()
@@ -111,8 +103,8 @@ def batches_of(rows: Iterable[dict[str, Any]], schema: Any) -> Iterator[Any]:
 
 
 def write_split(folder: Path, batches: Iterable[Any], schema: Any, shard_bytes: int = SHARD_BYTES) -> int:
-    """Write a split as save_to_disk does: shards of about `shard_bytes`, state.json, dataset_info.json.
-    Returns its row count."""
+    """Write a split as save_to_disk does (shards of about `shard_bytes`, state.json, dataset_info.json); returns
+    its row count."""
     import pyarrow as pa
 
     folder.mkdir(parents=True)
@@ -168,8 +160,7 @@ def parquet_batches(source: Path) -> tuple[Any, Iterator[Any]]:
 
 
 def convert(out: Path, splits: dict[str, tuple[Any, Iterable[Any]]]) -> dict[str, int]:
-    """Write `splits` ({name: (schema, record batches)}) as a dataset in `out`, atomically.
-    Returns the rows of each split."""
+    """Write `splits` ({name: (schema, record batches)}) as a dataset in `out`, atomically; returns their rows."""
     if out.exists():
         raise UsageError(f"{out} already exists: convert into a new folder (nothing was written)")
     partial = out.with_name(out.name + ".partial")

@@ -1,9 +1,6 @@
-"""Hydra's compose errors (unknown option or key, wrong type, unparsable override) as one `error:` line naming
-what to change, and exit code 2. Built from the attributes of the errors raised, not their wording: the group's
-options; the refused key's block, the type its dataclass declares, the override that set it. A key one level down
-is named in full, also in a group option not chosen (`logger.tracking_uri=x` -> `logger=mlflow ...`). An error no
-override sets is traced by composing without each group override in turn: to that option's file, or to a group the
-script does not choose. Anything else keeps Hydra's message, on one line. Imports no torch (`--cfg job` stays fast).
+"""Hydra's compose errors (unknown option or key, wrong type, unparsable override) as one `error:` line naming what
+to change, and exit code 2, built from the attributes of the errors raised, not their wording. An error no override
+sets is traced by composing without each group override in turn. Anything else keeps Hydra's message, on one line.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""Which settings a run records as its hyperparameters (TensorBoard's HParams tab).
-
-The HParams table lines up runs, and the jobs of a sweep, by their hyperparameters. Fed the whole
-flattened config it shows some 40 keys that never change (`dataset._target_`, `num_workers`,
-`split_seed`, ...) before the one a sweep varies. So a run records:
-
-- every setting its command line set: for a sweep's jobs, the keys the sweep varies (and the ones
-  the whole sweep fixed), with the value the run used. A group override (`optimizer=sgd`) is
-  recorded as the chosen option's name; a key that holds a block records each setting in it.
-- a few settings that tell runs apart even when nobody overrode them: the task, model, dataset,
-  optimizer and scheduler chosen, the learning rate, epochs, seed and the global batch size.
-
-Where the run reports (`logger=...`, conf/logger/) is no hyperparameter: it is never recorded.
-
-Importing this module does not import torch.
+"""Which settings a run records as its hyperparameters (TensorBoard's HParams tab, the trackers): every setting its
+command line set (a group override as the option's name, a block as each setting in it) and a few that tell runs
+apart when nobody overrode them; not the whole config, whose unchanging keys would bury the ones a sweep varies.
 """
 
 from __future__ import annotations
@@ -29,9 +17,8 @@ NOT_RECORDED = ("logger",)  # groups whose settings say where the run reports, n
 
 def run_hparams(config: Mapping[str, Any], overrides: Sequence[str], choices: Mapping[str, str | None],
                 global_batch_size: int) -> dict[str, Any]:
-    """The run's hyperparameters: the settings `overrides` (the run's command line) set, then the chosen
-    groups and keys above, then `global_batch_size` (samples per optimizer step over all ranks).
-    `config` is the run's resolved config, `choices` the option Hydra chose in each group."""
+    """The settings `overrides` set, then CHOSEN_GROUPS and CHOSEN_KEYS, then `global_batch_size`. `config`: the
+    run's resolved config; `choices`: the option Hydra chose in each group."""
     flat = flatten(config)
     recorded: dict[str, Any] = {}
     for override in OverridesParser.create().parse_overrides(list(overrides)):

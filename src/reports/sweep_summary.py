@@ -1,13 +1,7 @@
-"""A sweep's results at a glance: one row per job with its overrides and final metrics.
-
-A Hydra callback (registered in conf/config.yaml). After every job and at the end of a
-multirun it rewrites `summary.csv` and `summary.md` in the sweep dir from what the jobs
-wrote (their `.hydra/overrides.yaml` and `metrics.json`), sorted by the monitored metric,
-so the table is right whichever launcher or sweeper ran the jobs, even while a sweep runs
-and after a sweep run again has skipped its finished jobs. Each job's state is completed,
-pruned (with the epoch its trial was pruned after), failed (it raised: its `FAILED` file holds
-the error) or incomplete (src/sweeps/jobs.py). The best completed job's overrides end
-summary.md as a command that trains it again. Importing this module does not import torch.
+"""A sweep's results at a glance: a Hydra callback that, after every job and at the end of a multirun, rewrites
+`summary.csv` and `summary.md` in the sweep dir from what the jobs wrote (so it is right whichever launcher or
+sweeper ran them): one row per job with its state, overrides and final metrics, best first by the monitored
+metric, and a command that trains the best job again.
 """
 
 from __future__ import annotations
@@ -48,21 +42,18 @@ def job_row(job_dir: Path) -> dict[str, Any]:
 
 
 def _is_column(name: str) -> bool:
-    # A task that counts tokens (or pixels) names its throughput tokens_per_s and its val count val/num_tokens.
     return name in RUN_COLUMNS or name.endswith("_per_s") or (
         name.startswith(("val/", "test/", "val_ema/", "test_ema/", "train/")) and "/num_" not in name)
 
 
 def metric_columns(rows: list[dict[str, Any]], metric: str | None) -> list[str]:
-    """The monitored metric (a val/ one) and the test/ one of the same name beside it, the other val/, test/,
-    val_ema/ and test_ema/ (EMA weights) then train/ metrics the jobs' task computes, then epoch (and the epoch a
-    pruned job stopped after), and throughput. The jobs are ranked by val alone; test only reports."""
+    """The monitored metric and the test/ one of the same name beside it, the other metrics by split, epoch (and
+    the epoch a pruned job stopped after), and throughput (samples_per_s, or the jobs' own `*_per_s`)."""
     seen = [name for row in rows for name in row if _is_column(name) and name not in RUN_COLUMNS]
     beside = [f"test/{metric.split('/', 1)[1]}"] if metric and f"test/{metric.split('/', 1)[1]}" in seen else []
     splits = ("val/", "test/", "val_ema/", "test_ema/", "train/")
     ordered = [*([metric] if metric else []), *beside, *(n for split in splits for n in seen if n.startswith(split))]
     pruned = [PRUNED_COLUMN] if any(PRUNED_COLUMN in row for row in rows) else []
-    # The throughput in the jobs' unit: samples_per_s, or tokens_per_s (...) for a task that counts those.
     rates = [name for name in dict.fromkeys(name for row in rows for name in row) if name.endswith("_per_s")]
     return [*dict.fromkeys(ordered), RUN_COLUMNS[0], *pruned, *(rates or RUN_COLUMNS[1:])]
 
@@ -119,8 +110,7 @@ class SweepSummary(Callback):
     """Writes `summary.csv` and `summary.md` into the sweep dir; prints the table at the end."""
 
     def __init__(self, metric: str, mode: str) -> None:
-        self.metric = metric  # the task's monitored metric (trainer.monitor), unless overridden
-        self.mode = mode
+        self.metric, self.mode = metric, mode
 
     def write(self, sweep_dir: Path) -> str:
         rows = collect(sweep_dir, self.metric, self.mode)

@@ -1,18 +1,8 @@
-"""One tracker run per training run, whatever happens to it: the `logger`s' runs (src/reports/trackers/), opened
-by rank 0 when the loop starts, fed by the Reporter, and kept across restarts, resumes and sweeps.
-
-- Their ids are kept in the run dir (`trackers.json`) and in every checkpoint (this callback's state), so a
-  torchrun restart, `resume=auto` or a resumed sweep job continues the same tracker runs (the checkpoint's ids
-  first: `resume=PATH` may start in another run dir).
-- A step redone after a restart is not sent twice: each tracker says the last step it holds of each key
-  (MLflow from its server, the CSV from its file), or the ledger in `trackers.json` does (W&B offline), and
-  `log` skips every (key, step) up to it.
-- A sweep's jobs are runs of their own, grouped by the sweep dir.
-- A run ends FINISHED (its epochs done or a callback's stop, e.g. `pruned`, named as `stop_reason`), KILLED
-  (max_steps or preemption: a checkpoint to resume from) or FAILED (the loop raised).
-
-Scalars arrive already on the host, at log steps and epoch ends (the Reporter's `scalars`): nothing here syncs
-a device. Other ranks build no tracker and do nothing.
+"""One tracker run per training run: the `logger`s' runs (src/reports/trackers/), opened by rank 0, fed by the
+Reporter, and continued across restarts, resumes and sweep jobs by their ids, kept in the run dir (`trackers.json`)
+and in every checkpoint (the checkpoint's first). A step redone after a restart is not sent twice: each tracker
+says the last step it holds of each key, or the ledger in `trackers.json` does. A run ends FINISHED (its epochs
+done or a callback's stop), KILLED (a checkpoint to resume from) or FAILED.
 """
 
 from __future__ import annotations
@@ -38,7 +28,7 @@ IDS_FILE = "trackers.json"  # in the run dir: {"ids": {logger: run id}, "sent": 
 
 
 class Trackers(Callback):
-    """The run's trackers by logger name (none on ranks other than 0), as one callback named `trackers`."""
+    """The run's trackers by logger name (none on ranks other than 0), as one callback."""
 
     def __init__(self, trackers: Mapping[str, Tracker], identity: RunIdentity, overrides: Sequence[str] = (),
                  choices: Mapping[str, Any] | None = None) -> None:
@@ -60,8 +50,8 @@ class Trackers(Callback):
         self.ids = dict(state.get("ids", {}))
 
     def on_run_start(self, run: Run) -> None:
-        """The run's hyperparameters (the keys TensorBoard's HParams shows), for the trackers' runs, which open
-        when the first scalars come: by then a resumed run's checkpoint has given its ids (load_state_dict)."""
+        """The run's hyperparameters, for the trackers' runs, which open with the first scalars: by then a resumed
+        run's checkpoint has given its ids."""
         if not self.trackers:
             self.enabled = False  # not rank 0, or no tracker but TensorBoard
             return
@@ -88,7 +78,7 @@ class Trackers(Callback):
         self._write_ids_file()
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
-        """Send each scalar to each tracker that does not hold its key at `step` yet (the Reporter's)."""
+        """Send each scalar to each tracker that does not hold its key at `step` yet."""
         self._open_runs()
         if not self._open:
             return
@@ -115,7 +105,7 @@ class Trackers(Callback):
         self.close()
 
     def close(self) -> None:
-        """End every tracker's run as the loop ended (the Reporter's, after the final metrics)."""
+        """End every tracker's run as the loop ended."""
         self._open_runs()
         if not self._open:
             return
@@ -146,9 +136,8 @@ def identity_of(run_dir: Path, in_sweep: bool) -> RunIdentity:
 
 
 def build_trackers(logger_cfg: DictConfig, context: Any, is_main_process: bool) -> Trackers:
-    """The experiment trackers `logger` names besides TensorBoard (conf/logger/), built by rank 0 alone: a
-    package that is missing or a server that does not answer is one line here, before any work. `context`: the
-    job's RunContext (src/parallel/job.py)."""
+    """The trackers `logger` names besides TensorBoard, built by rank 0 alone (a missing package or a server that
+    does not answer is one line, before any work); `context`: the job's RunContext (src/parallel/job.py)."""
     built = {}
     for name, node in logger_cfg.items():
         if is_main_process and name != "tensorboard":  # TensorBoard is the Reporter's own

@@ -1,12 +1,6 @@
-"""logger=mlflow: the run as one MLflow run (needs `pip install mlflow-skinny==3.17.2` for a server, or the full
-`mlflow==3.17.2` for a local sqlite store).
-
-Built on rank 0 before the run does any work: a missing package, or a server that does not answer its
-`/health` within `timeout_s`, is one error line there. The client is MLflow's `MlflowClient`, not its
-process-global active run (`mlflow.start_run`): a multirun's jobs run one after another in one process, each its
-own run, and nothing of one job's is left to an exit handler. A run continued by id is set RUNNING again; the
-steps it already holds are read back from the server, so a restart's redone steps are not stored twice
-(MLflow would keep both).
+"""logger=mlflow: the run as one MLflow run. Through `MlflowClient`, not the process-global active run, since a
+multirun's jobs run one after another in one process. A server that does not answer its `/health` within
+`timeout_s` is one error line before any work.
 """
 
 from __future__ import annotations

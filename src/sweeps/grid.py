@@ -1,12 +1,7 @@
-"""The default `-m` sweeper: Hydra's grid (BasicSweeper), made resumable.
-
-Running the same command again with `hydra.sweep.dir=<that dir>` skips the jobs that finished (their
-rows stay in the summary), runs the others again in their own dirs, an interrupted one continuing from
-its `checkpoints/last.pt` (src/sweeps/jobs.py), and keeps every job's number and dir. A sweep dir whose
-jobs ran with other overrides is refused before anything is written. A sweep under torchrun (every rank
-runs this sweeper, each rank reading the job dirs at its own moment) stays Hydra's plain grid: resuming
-needs the sweep to start each job's group itself (dist.nproc_per_node, or a launcher). Hydra finds this class through
-hydra_plugins/ddp_template_sweepers.py (its plugins must live in that namespace).
+"""The default `-m` sweeper: Hydra's grid (BasicSweeper), made resumable. Running the same command again with
+`hydra.sweep.dir=<that dir>` skips the finished jobs and runs the others again in their own dirs (src/sweeps/jobs.py),
+keeping every job's number. Under torchrun (every rank sweeps, reading the job dirs at its own moment) it stays
+Hydra's plain grid.
 """
 
 from __future__ import annotations

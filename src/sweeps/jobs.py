@@ -1,13 +1,7 @@
-"""What a sweep's job dir says about its job, and how a sweep run again treats it.
-
-Shared by both sweepers (src/sweeps/grid.py, src/sweeps/optuna_sweeper.py) and the summary
-(src/reports/sweep_summary.py). A job is `completed` (every epoch, or ended early by a callback such as
-early stopping), `pruned` (stopped by the Optuna pruner, with a checkpoint), `failed` (it
-raised: the summary callback left a FAILED file) or `incomplete` (killed, preempted, or still running).
-Run again into the same sweep dir, a sweep skips completed and pruned jobs, and runs the others
-again in their own dirs: with `resume=auto` semantics (src/parallel/ranks.py resume_setting), so
-an interrupted job continues from its `checkpoints/last.pt`. A job dir whose overrides are not the
-job's belongs to another sweep and is refused, before anything is written.
+"""What a sweep's job dir says about its job, and how a sweep run again treats it: a job is `completed` (every
+epoch, or ended by a callback), `pruned`, `failed` (it raised: a FAILED file) or `incomplete` (killed, preempted or
+running). Run again, a sweep skips completed and pruned jobs and resumes the others in their dirs; a job dir
+whose overrides are not the job's belongs to another sweep and is refused.
 """
 
 from __future__ import annotations
@@ -74,6 +68,6 @@ def rerun_overrides(job_dir: Path, overrides: Sequence[str]) -> list[str]:
     if job_state(job_dir) is None:
         return list(overrides)
     (job_dir / FAILED_MARKER).unlink(missing_ok=True)
-    # Through `hydra.job.env_set`, which every launcher applies (and a job's workers inherit): `resume: null`
-    # then means `auto` for this job (src/parallel/ranks.py), and its overrides.yaml stays as it was.
+    # Through `hydra.job.env_set` (every launcher applies it): `resume: null` then means `auto` for this job
+    # (src/parallel/ranks.py), and its overrides.yaml stays as it was.
     return [*overrides, f"++hydra.job.env_set.{SWEEP_JOB_RESUMES}=1"]

@@ -1,12 +1,6 @@
-"""Pruning an Optuna trial that is a DDP group, the sweeper's side: where a trial's job finds its trial.
-
-The sweeper (src/sweeps/optuna_sweeper.py) tells a trial's job where its trial lives through three
-environment variables, set with `hydra.job.env_set` (every launcher applies it, and the workers a job
-starts inherit it), so the job's overrides.yaml holds only its task overrides. Only when they are set
-does the job's pruning callback act (src/callbacks/optuna_pruning.py): after every epoch but the last,
-before the epoch's checkpoint, which then records the decision. Rank 0 alone talks to the storage; its
-answer is agreed by every rank, so all ranks stop after the same epoch.
-"""
+"""Where a pruned Optuna trial's job finds its trial (src/callbacks/optuna_pruning.py): environment variables set
+with `hydra.job.env_set`, which every launcher applies and a job's workers inherit, so the job's overrides.yaml
+holds only its task overrides."""
 
 from __future__ import annotations
 

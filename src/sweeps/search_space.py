@@ -1,11 +1,6 @@
-"""A sweep's command line as an Optuna search space, in the grammar of Hydra's Optuna plugin.
-
-`key=choice(a,b)` or `key=a,b` -> a categorical; `key=range(lo,hi[,step])` -> integers (or floats on a
-step) from lo up to hi exclusive, as Hydra's range; `key=interval(lo,hi)` -> a float in [lo, hi];
-`key=tag(log,interval(lo,hi))` -> the same, sampled on a log scale. A plain `key=value` is passed to every
-trial unchanged. Anything else Hydra's grammar can say (glob, shuffle, other tags) names no distribution
-and is refused with one line. Optuna is imported only when a sweep builds its space.
-"""
+"""A sweep's command line as an Optuna search space, in the grammar of Hydra's Optuna plugin: `choice(a,b)` (or
+`a,b`), `range(lo,hi[,step])` (hi exclusive), `interval(lo,hi)`, `tag(log,interval(lo,hi))`; a plain `key=value`
+goes to every trial unchanged; anything else is refused with one line."""
 
 from __future__ import annotations
 
@@ -33,7 +28,7 @@ def split(overrides: list[Override]) -> tuple[dict[str, Any], list[str]]:
 
 def distribution(override: Override) -> Any:
     """The Optuna distribution an override's sweep stands for, or one error line naming the grammar."""
-    import optuna.distributions as dist
+    import optuna.distributions as dist  # an optional package
 
     value, key = override.value(), override.get_key_element()
     tags = set(getattr(value, "tags", set()))

@@ -27,38 +27,30 @@ from src.parallel.ranks import is_main_process, resume_setting
 
 
 def one_of(*allowed: str, or_null: bool = False) -> Rule:
-    def rule(value: Any) -> str | None:
-        if (value is None and or_null) or (value is not None and str(value) in allowed):
-            return None
-        return f"is not one of {', '.join(allowed)}" + (" (or null)" if or_null else "")
-
-    return rule
+    problem = f"is not one of {', '.join(allowed)}" + (" (or null)" if or_null else "")
+    return lambda value: None if (value is None and or_null) or (value is not None and str(value) in allowed) \
+        else problem
 
 
 def at_least(minimum: int, or_null: bool = False) -> Rule:
-    def rule(value: Any) -> str | None:
-        if (value is None and or_null) or (value is not None and value >= minimum):
-            return None
-        return f"must be at least {minimum}" + (" (or null)" if or_null else "")
+    problem = f"must be at least {minimum}" + (" (or null)" if or_null else "")
+    return lambda value: None if (value is None and or_null) or (value is not None and value >= minimum) else problem
 
-    return rule
+
+def _is_number(value: Any) -> bool:
+    # Also a type check: `optimizer.lr=abc` (an open group) gets this far.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def number_or_null(zero_allowed: bool) -> Rule:
-    def rule(value: Any) -> str | None:
-        # Also a type check: `optimizer.lr=abc` (an open group) gets this far.
-        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if value is None or (is_number and (value >= 0 if zero_allowed else value > 0)):
-            return None
-        return "must be a number >= 0" if zero_allowed else "must be a positive number"
-
-    return rule
+    problem = "must be a number >= 0" if zero_allowed else "must be a positive number"
+    return lambda value: None if value is None or (_is_number(value) and (value > 0 or zero_allowed and value == 0)) \
+        else problem
 
 
 def fraction_or_null(value: Any) -> str | None:
     """A number strictly between 0 and 1, or null."""
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return None if value is None or (is_number and 0 < value < 1) else "must be in (0, 1) (or null)"
+    return None if value is None or (_is_number(value) and 0 < value < 1) else "must be in (0, 1) (or null)"
 
 
 def port_or_null(value: Any) -> str | None:
@@ -83,18 +75,6 @@ def precision_setting(default: Any) -> Any:
     return setting(default, one_of(*PRECISIONS, or_null=default is None))
 
 
-def device_setting() -> Any:
-    return setting("auto", one_of(*DEVICES))
-
-
-def backend_setting() -> Any:
-    return setting("auto", one_of(*BACKENDS))
-
-
-def timeout_setting() -> Any:
-    return setting(1800.0, number_or_null(zero_allowed=False))
-
-
 # -- train.py's settings --------------------------------------------------------------------------
 
 
@@ -111,7 +91,7 @@ class TrainerConfig:
     # norm to this value; null = no clipping
     compile: bool = False  # wrap the model in torch.compile (TorchInductor)
     log_every_steps: int = setting(50, at_least(1))  # optimizer steps between TensorBoard train/* scalars
-    device: str = device_setting()  # auto: cuda:LOCAL_RANK if a GPU is visible, else cpu | cpu | cuda
+    device: str = setting("auto", one_of(*DEVICES))  # auto: cuda:LOCAL_RANK if a GPU is visible, else cpu | cpu | cuda
     save_checkpoints: bool = True  # write checkpoints/last.pt every epoch and best.pt on improvement
     monitor: str | None = "${task.monitor}"  # val/<name> or train/<name>: decides best.pt, what train.py returns
     # and sweeps sort by; default: the task's; null: no best.pt
@@ -161,11 +141,11 @@ class DistConfig:
     strategy: str = setting("ddp", one_of(*STRATEGIES))  # ddp: every rank holds the whole model, checkpoints are
     # one .pt | fsdp: FSDP2, each rank holds 1/world_size of it, checkpoints are sharded directories
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
-    backend: str = backend_setting()  # auto: nccl on GPUs, gloo on CPU | nccl | gloo
+    backend: str = setting("auto", one_of(*BACKENDS))  # auto: nccl on GPUs, gloo on CPU | nccl | gloo
     sync_bn: bool = True  # BatchNorm statistics over the global batch; false = per-rank statistics
     find_unused_parameters: bool = False  # set true if some parameters get no gradient in a step (slower)
-    timeout_s: float = timeout_setting()  # seconds a collective may wait for the other ranks until this rank's
-    # first optimizer step (start-up may hold ranks apart for long)
+    timeout_s: float = setting(1800.0, number_or_null(zero_allowed=False))  # seconds a collective may wait for
+    # the other ranks until this rank's first optimizer step (start-up may hold ranks apart for long)
     step_timeout_s: float | None = setting(300.0, number_or_null(zero_allowed=False))  # the same after the first
     # step: a hung rank stops the group this soon; more than the longest gap between collectives (a checkpoint,
     # an eval pass); null: timeout_s all run
@@ -211,15 +191,15 @@ class EvalTrainerConfig:
     """eval.py's `trainer` keys."""
 
     precision: Any = precision_setting(None)  # null: the checkpoint's trainer.precision | 32 | bf16 | 16
-    device: str = device_setting()  # auto: cuda:LOCAL_RANK if a GPU is visible, else cpu | cpu | cuda
+    device: str = setting("auto", one_of(*DEVICES))  # auto: cuda:LOCAL_RANK if a GPU is visible, else cpu | cpu | cuda
 
 
 @dataclass
 class EvalDistConfig:
     """eval.py's `dist` keys: the process group under torchrun."""
 
-    backend: str = backend_setting()  # auto: nccl on GPUs, gloo on CPU | nccl | gloo
-    timeout_s: float = timeout_setting()  # seconds a collective may wait for the other ranks
+    backend: str = setting("auto", one_of(*BACKENDS))  # auto: nccl on GPUs, gloo on CPU | nccl | gloo
+    timeout_s: float = setting(1800.0, number_or_null(zero_allowed=False))  # seconds a collective may wait
 
 
 @dataclass

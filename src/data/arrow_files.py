@@ -1,6 +1,5 @@
-"""Datasets larger than RAM: Arrow files in the layout of Hugging Face `datasets`' `save_to_disk`, read with
-pyarrow alone, memory-mapped (file-backed pages: a rank's anonymous memory does not grow with the data) and read
-by index.
+"""Datasets larger than RAM: Arrow files in the layout of `datasets`' `save_to_disk`, memory-mapped (file-backed
+pages: a rank's anonymous memory does not grow with the data) and read by index. Imported by `dataset=arrow` alone.
 
     DIR/dataset_dict.json                   {"splits": ["train", "validation"]}
     DIR/<split>/data-00000-of-00003.arrow   Arrow IPC streams holding the split's rows, in order
@@ -18,6 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from PIL import Image
 from torch.utils.data import Dataset
 
@@ -67,8 +68,6 @@ class ArrowSplit:
     def _open(self) -> Any:
         """Memory-map every shard's record batches in this process (once); returns the split's schema. Sets
         `offsets` (the row where each record batch starts, then the total), each batch's shard and its first row."""
-        import pyarrow as pa
-
         if self._opened_in == os.getpid():
             return self._schema
         self._batches, self.offsets, self._batch_file, self._file_start = [], [0], [], []
@@ -114,8 +113,6 @@ class ArrowSplit:
 
 def _is_image(feature: dict[str, Any] | None, field: Any) -> bool:
     """An Image feature; without features, a struct of `bytes` and `path` (what an Image is stored as)."""
-    import pyarrow as pa
-
     if feature is not None:
         return feature.get("_type") == IMAGE
     return pa.types.is_struct(field.type) and sorted(f.name for f in field.type) == ["bytes", "path"]
@@ -203,9 +200,6 @@ def check_columns(split: ArrowSplit, names: Sequence[str], setting: str) -> None
 def target_info(splits: Sequence[ArrowSplit], name: str) -> dict[str, Any]:
     """What the target column provides: `num_classes` for a ClassLabel or integers (the largest label + 1),
     `num_targets` (1) for floats."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     feature = splits[0].features.get(name) or {}
     if feature.get("_type") == "ClassLabel":
         return {"num_classes": len(feature["names"])}

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from PIL import Image, UnidentifiedImageError
 
 from src.common.errors import USAGE_ERROR_EXIT_CODE, UsageError
@@ -76,21 +78,14 @@ def image_rows(folder: Path, classes: list[str]) -> Iterator[dict[str, Any]]:
 
 def image_schema(classes: list[str]) -> Any:
     """Arrow schema of an image folder's rows, with the `datasets` features in its metadata."""
-    import pyarrow as pa
-
     features = {"image": {"_type": "Image"}, "label": {"names": classes, "_type": "ClassLabel"}}
     image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    return pa.schema([("image", image), ("label", pa.int64())], metadata=_features_metadata(features))
-
-
-def _features_metadata(features: dict[str, Any] | None) -> dict[bytes, bytes]:
-    return {} if features is None else {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
+    metadata = {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
+    return pa.schema([("image", image), ("label", pa.int64())], metadata=metadata)
 
 
 def batches_of(rows: Iterable[dict[str, Any]], schema: Any) -> Iterator[Any]:
     """Record batches of image rows: BATCH_ROWS rows, or fewer that hold BATCH_BYTES of images."""
-    import pyarrow as pa
-
     chunk, size = [], 0
     for row in rows:
         chunk.append(row)
@@ -105,8 +100,6 @@ def batches_of(rows: Iterable[dict[str, Any]], schema: Any) -> Iterator[Any]:
 def write_split(folder: Path, batches: Iterable[Any], schema: Any, shard_bytes: int = SHARD_BYTES) -> int:
     """Write a split as save_to_disk does (shards of about `shard_bytes`, state.json, dataset_info.json); returns
     its row count."""
-    import pyarrow as pa
-
     folder.mkdir(parents=True)
     shards, writer, rows, written = [], None, 0, 0
     for batch in batches:
@@ -143,8 +136,6 @@ def _write_split_metadata(folder: Path, shard_names: list[str], schema: Any) -> 
 
 def parquet_batches(source: Path) -> tuple[Any, Iterator[Any]]:
     """(schema, record batches) of a Parquet file, or of a folder's *.parquet files in name order."""
-    import pyarrow.parquet as pq
-
     files = sorted(source.glob("*.parquet")) if source.is_dir() else [source]
     if not files or not all(file.is_file() for file in files):
         raise UsageError(f"{source}: no Parquet file there (give a .parquet file or a folder of them)")
@@ -170,7 +161,8 @@ def convert(out: Path, splits: dict[str, tuple[Any, Iterable[Any]]]) -> dict[str
         rows = {name: write_split(partial / name, batches, schema) for name, (schema, batches) in splits.items()}
         (partial / "dataset_dict.json").write_text(json.dumps({"splits": list(splits)}))
         for file in partial.rglob("*.*"):
-            _fsync(file)
+            with open(file, "rb") as written:
+                os.fsync(written.fileno())
         for folder in [partial, *(partial / name for name in splits)]:
             fsync_directory(folder)
     except BaseException:
@@ -179,11 +171,6 @@ def convert(out: Path, splits: dict[str, tuple[Any, Iterable[Any]]]) -> dict[str
     partial.rename(out)
     fsync_directory(out.parent)
     return rows
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as file:
-        os.fsync(file.fileno())
 
 
 def convert_image_folder(source: Path, out: Path) -> dict[str, int]:

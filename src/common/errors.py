@@ -21,7 +21,7 @@ class UsageError(Exception):
     code 2, so the message must say what is wrong and what to change."""
 
     reported = False  # True when worker processes have already printed the message
-    local = False  # True when one rank alone may find it (a record only that rank reads): that rank prints it
+    local = False  # True when one rank alone may find it: that rank prints it
 
 
 class WorkersReportedUsageError(UsageError):
@@ -30,14 +30,16 @@ class WorkersReportedUsageError(UsageError):
     reported = True
 
 
+def _chain(error: BaseException | None) -> Iterator[BaseException]:
+    """`error` and the errors behind it (Hydra's instantiate wraps what a builder raises)."""
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def find_usage_error(error: BaseException) -> UsageError | None:
-    """The UsageError behind `error`, if any (Hydra's instantiate wraps what a builder raises)."""
-    current: BaseException | None = error
-    while current is not None:
-        if isinstance(current, UsageError):
-            return current
-        current = current.__cause__ or current.__context__
-    return None
+    """The UsageError behind `error`, if any."""
+    return next((e for e in _chain(error) if isinstance(e, UsageError)), None)
 
 
 @contextlib.contextmanager
@@ -89,14 +91,10 @@ def _out_of_memory_hint(error: BaseException) -> str:
             "(torchrun --nproc_per_node=N) or a smaller per-rank batch")
 
 
-def _out_of_memory(error: BaseException | None) -> BaseException | None:
-    """`error`, or the error it wraps (inside Hydra's InstantiationException), if that is an out-of-memory error."""
-    while error is not None:
-        if isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and
-                                              any(words in str(error) for words in _NO_MEMORY)):
-            return error
-        error = error.__cause__ or error.__context__
-    return None
+def _out_of_memory(error: BaseException) -> BaseException | None:
+    """The out-of-memory error behind `error`, if any."""
+    return next((e for e in _chain(error) if isinstance(e, MemoryError) or (
+        isinstance(e, RuntimeError) and any(words in str(e) for words in _NO_MEMORY))), None)
 
 
 def memory_limit() -> str:

@@ -173,34 +173,24 @@ def convert(out: Path, splits: dict[str, tuple[Any, Iterable[Any]]]) -> dict[str
     return rows
 
 
-def convert_image_folder(source: Path, out: Path) -> dict[str, int]:
-    classes = class_names(source)
-    schema = image_schema(classes)
-    splits = {name: (schema, batches_of(image_rows(source / folder, classes), schema))
-              for folder, name in SPLITS.items()}
-    return convert(out, splits)
-
-
-def convert_parquet(train: Path, val: Path, out: Path) -> dict[str, int]:
-    return convert(out, {"train": parquet_batches(train), "validation": parquet_batches(val)})
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m src.data.convert", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    folder = commands.add_parser("image-folder", help="SRC/train/<class>/* and SRC/val/<class>/* -> OUT")
-    folder.add_argument("source", type=Path)
-    folder.add_argument("out", type=Path)
-    parquet = commands.add_parser("parquet", help="TRAIN and VAL Parquet files (or folders of them) -> OUT")
-    parquet.add_argument("train", type=Path)
-    parquet.add_argument("val", type=Path)
-    parquet.add_argument("out", type=Path)
+    for command, arguments, summary in (
+            ("image-folder", ("source", "out"), "SRC/train/<class>/* and SRC/val/<class>/* -> OUT"),
+            ("parquet", ("train", "val", "out"), "TRAIN and VAL Parquet files (or folders of them) -> OUT")):
+        subparser = commands.add_parser(command, help=summary)
+        for argument in arguments:
+            subparser.add_argument(argument, type=Path)
     args = parser.parse_args(argv)
     try:
         if args.command == "image-folder":
-            rows = convert_image_folder(args.source, args.out)
+            classes = class_names(args.source)
+            schema = image_schema(classes)
+            rows = convert(args.out, {name: (schema, batches_of(image_rows(args.source / folder, classes), schema))
+                                      for folder, name in SPLITS.items()})
         else:
-            rows = convert_parquet(args.train, args.val, args.out)
+            rows = convert(args.out, {"train": parquet_batches(args.train), "validation": parquet_batches(args.val)})
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return USAGE_ERROR_EXIT_CODE

@@ -23,8 +23,7 @@ from src.data.sample_randomness import VAL_EPOCH, EpochKeys, SeededSamples, samp
 from src.data.splits import DataSplits
 from src.parallel.distributed import main_process_first
 
-# Keys of a `dataset` config read by the loaders; all others go to its `_target_` builder.
-LOADER_KEYS = ("batch_size", "val_batch_size", "num_workers")
+LOADER_KEYS = ("batch_size", "val_batch_size", "num_workers")  # a `dataset` config's keys that its builder does not get
 
 
 class GlobalBatchSampler:
@@ -48,13 +47,11 @@ class GlobalBatchSampler:
         self.steps_per_epoch = num_samples // global_batch_size
         if max_steps_per_epoch is not None:
             self.steps_per_epoch = min(self.steps_per_epoch, max_steps_per_epoch)
-        self.epoch = 0
-        self.start_step = 0
+        self.epoch, self.start_step = 0, 0
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         """Pick the epoch's permutation, and the step to start from (a resumed epoch skips the steps it trained)."""
-        self.epoch = epoch
-        self.start_step = start_step
+        self.epoch, self.start_step = epoch, start_step
 
     def permutation(self) -> torch.Tensor:
         if not self.shuffle:
@@ -119,13 +116,9 @@ class TensorBatchLoader:
 
     def __init__(self, dataset: TensorDataset, batch_sampler: Iterable[list[int]], device: torch.device,
                  seed: int = 0, augment: bool = False) -> None:
-        if isinstance(dataset, ImageTensorDataset):
-            dataset = dataset.to(device)  # with its normalisation constants
-        self.images = dataset if isinstance(dataset, ImageTensorDataset) else None
-        self.tensors = [t.to(device) for t in dataset.tensors]  # a no-op for tensors already there
-        self.batch_sampler = batch_sampler
-        self.device = device
-        self.seed = seed
+        self.images = dataset.to(device) if isinstance(dataset, ImageTensorDataset) else None  # and its constants
+        self.tensors = [t.to(device) for t in (dataset if self.images is None else self.images).tensors]
+        self.batch_sampler, self.device, self.seed = batch_sampler, device, seed
         self.augments = augment and self.images is not None and self.images.augments
 
     def __len__(self) -> int:

@@ -46,26 +46,23 @@ def _times(x: Word, constant: int) -> Word:
     return (x * (constant & 0xFFFF) + (((x * (constant >> 16)) & 0xFFFF) << 16)) & MASK32
 
 
-@functools.lru_cache(maxsize=64)
-def _epoch_state(seed: int, epoch: int) -> int:
-    """The hash state after absorbing the run's seed and the epoch (64-bit two's complement, 2 words each)."""
-    state = _START
-    for value in (seed, epoch):
+def _absorb(state: Word, *values: Word) -> Word:
+    """The hash state after absorbing `values` (64-bit two's complement, 2 words each; ints, tensors or arrays)."""
+    for value in values:
         for word in (value & MASK32, (value >> 32) & MASK32):
             state = mix32(state ^ word)
     return state
 
 
+@functools.lru_cache(maxsize=64)
+def _epoch_state(seed: int, epoch: int) -> int:
+    return _absorb(_START, seed, epoch)
+
+
 def sample_key(seed: int, epoch: int, index: Word) -> Word:
     """A 32-bit key determined by (seed, epoch, sample index) alone. `index` may be an int64 tensor
     of indices, on any device: the keys are then computed there, elementwise."""
-    return _index_key(_epoch_state(seed, epoch), index)
-
-
-def _index_key(state: Word, index: Word) -> Word:
-    """The key after absorbing the sample index (two words) into an epoch's hash state."""
-    state = mix32(state ^ (index & MASK32))
-    return mix32(state ^ ((index >> 32) & MASK32))
+    return _absorb(_epoch_state(seed, epoch), index)
 
 
 def draw(key: Word, number: int) -> Word:
@@ -83,7 +80,7 @@ def host_seeds(seed: int, keys: Sequence[tuple[int, int]]) -> list[int]:
     """`host_seed` of each (epoch, index) key, hashed for the whole batch at once with NumPy (int64 arrays: the
     arithmetic never overflows)."""
     states = np.fromiter((_epoch_state(seed, epoch) for epoch, _ in keys), dtype=np.int64, count=len(keys))
-    key = _index_key(states, np.fromiter((index for _, index in keys), dtype=np.int64, count=len(keys)))
+    key = _absorb(states, np.fromiter((index for _, index in keys), dtype=np.int64, count=len(keys)))
     return ((draw(key, 0).astype(np.uint64) << np.uint64(32)) | draw(key, 1).astype(np.uint64)).tolist()
 
 
@@ -157,14 +154,9 @@ STEP_DRAWS = 0x57E9  # the domain of a step's draws, apart from every (seed, epo
 
 @functools.lru_cache(maxsize=256)
 def _stream_state(seed: int, step: int, stream: str) -> int:
-    """The hash state after absorbing the run's seed, the step (VAL_EPOCH: an evaluation) and the stream's name
-    (64-bit two's complement, 2 words each)."""
-    state = _epoch_state(seed, STEP_DRAWS)
+    """The hash state after absorbing the run's seed, the step (VAL_EPOCH: an evaluation) and the stream's name."""
     name = int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=8).digest(), "little")
-    for value in (step, name):
-        for word in (value & MASK32, (value >> 32) & MASK32):
-            state = mix32(state ^ word)
-    return state
+    return _absorb(_epoch_state(seed, STEP_DRAWS), step, name)
 
 
 def uniform_per_sample(seed: int, step: int, stream: str, positions: torch.Tensor, shape: Sequence[int],
@@ -173,7 +165,7 @@ def uniform_per_sample(seed: int, step: int, stream: str, positions: torch.Tenso
     positions[i]) alone, so any rank, batch or world size that holds the same sample draws the same values, with no
     host sync. Word j of a row is `draw(key, j)`."""
     count = math.prod(shape)
-    keys = _index_key(_stream_state(seed, step, stream), positions.to(torch.int64))
+    keys = _absorb(_stream_state(seed, step, stream), positions.to(torch.int64))
     words = draw(keys[:, None], torch.arange(count, device=positions.device, dtype=torch.int64)[None, :])
     return ((words.double() + 0.5) / 2.0**32).to(dtype).view(len(positions), *shape)
 

@@ -116,8 +116,7 @@ class Reporter:
 
     def __init__(self, run_dir: Path, is_main_process: bool, tensorboard: bool = True, progress: bool = False,
                  trackers: Trackers | None = None) -> None:
-        self.run_dir = run_dir
-        self.is_main_process = is_main_process
+        self.run_dir, self.is_main_process = run_dir, is_main_process
         self._tensorboard = is_main_process and tensorboard
         self._trackers = trackers if is_main_process else None
         self._writer: Any = None
@@ -164,7 +163,7 @@ class Reporter:
             self._events().add_text(tag, text, global_step=step)
 
     def file(self, name: str, text: str) -> None:
-        """A file of the run dir (say, a table as CSV), replaced atomically."""
+        """A file of the run dir, replaced atomically (a reader never sees half a file)."""
         if self.is_main_process:
             write_text_atomically(self.run_dir / name, text)
 
@@ -176,17 +175,14 @@ class Reporter:
         if not self._tensorboard:
             return
         metrics = {f"hparam/{k}": v for k, v in final_metrics.items() if math.isfinite(v)}
-        experiment, session_start, session_end = hparams_summary(dict(hparams), metrics)
         file_writer = self._events()._get_file_writer()
-        for summary in (experiment, session_start, session_end):
+        for summary in hparams_summary(dict(hparams), metrics):  # the experiment, the session's start and end
             file_writer.add_summary(summary)
         for tag, value in metrics.items():
             self._events().add_scalar(tag, value)
 
     def write_metrics(self, summary: Mapping[str, Any]) -> None:
-        """Replace metrics.json atomically, so a reader never sees half a file."""
-        if self.is_main_process:
-            write_text_atomically(self.run_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
+        self.file("metrics.json", json.dumps(summary, indent=2) + "\n")
 
     def close(self) -> None:
         """Flush the events and end the trackers' runs, as the loop ended."""

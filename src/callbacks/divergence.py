@@ -1,10 +1,6 @@
-"""Stop a run whose loss became NaN or infinite, naming the step, instead of training on garbage.
-
-Each step folds "was this loss finite?" into a device tensor (no host sync); the host checks it where it reads
-the loss anyway: at log steps, epoch ends and before a checkpoint, so no diverged state is ever saved. A NaN makes
-the all-reduced loss NaN on every rank, so all ranks stop together. `detect_anomaly=true` turns on autograd's
-anomaly mode and a check every step: the error then names the backward operation that made the NaN.
-"""
+"""Stop a run whose loss became NaN or infinite, naming the step. Each step folds "was this loss finite?" into a
+device tensor (no host sync), checked where the host reads the loss anyway and before every checkpoint, so no
+diverged state is saved. `detect_anomaly=true`: autograd's anomaly mode, which names the backward op."""
 
 from __future__ import annotations
 
@@ -22,7 +18,7 @@ _NEVER = 2**62  # "no bad step yet"; larger than any step count
 
 
 class TrainingDiverged(UsageError):
-    """The training loss stopped being finite; the message says at which step and what to try."""
+    """The training loss stopped being finite."""
 
 
 class NonFiniteLossWatch:
@@ -49,7 +45,6 @@ class NonFiniteLossWatch:
 
 
 def diverged_message(step: int, what: str, names_the_op: bool = False) -> str:
-    """One line: what went wrong at which step, and what to try."""
     where = "the warning above shows its forward call" if names_the_op else (
         "callbacks.divergence.detect_anomaly=true names the operation")
     return (

@@ -1,13 +1,7 @@
-"""EMA weights: an exponential moving average of a model's parameters, updated after every optimizer step,
-validated every epoch as `val_ema/<metric>` and saved in every checkpoint. After optimizer step s:
-
-    ema = d x ema + (1 - d) x weights,   d = decay x min(1, s / warmup_steps)   (d = decay without warmup)
-
-Buffers (BatchNorm statistics) are the live model's, not averaged. The average is of the parameters where they
-live (this rank's shards under dist=fsdp), so every rank computes the same average with no communication; it
-is evaluated by swapping it into the model for the pass. Not torch's AveragedModel: its update reads a counter
-on the host every step (a sync), it keeps a second copy of the module, and it has no warmup.
-"""
+"""EMA weights: after optimizer step s, ema = d x ema + (1 - d) x weights, d = decay x min(1, s / warmup_steps),
+validated every epoch as `val_ema/<metric>` and saved in every checkpoint. Buffers are the live model's. The
+average is of each rank's own parameters (its shards under dist=fsdp): no communication, no second module copy,
+no host sync (torch's AveragedModel reads a counter on the host every step)."""
 
 from __future__ import annotations
 
@@ -46,7 +40,6 @@ class EmaWeights:
 
     @torch.no_grad()
     def update(self, step: int) -> None:
-        """Move the average towards the model's parameters after optimizer step `step`."""
         torch._foreach_lerp_(self._local_average(), self._local_parameters(), 1.0 - self.decay_at(step))
 
     @contextlib.contextmanager

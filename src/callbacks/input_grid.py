@@ -14,7 +14,6 @@ from src.reports.images import image_grid
 
 
 class InputGrid(Callback):
-    """The first `count` samples of the first training step, their first model input each."""
 
     def __init__(self, count: int) -> None:
         check_arguments(count=(count, at_least(1)))

@@ -1,9 +1,5 @@
-"""`perf/mfu` and `memory/peak_allocated_gib`: how well a run uses its GPUs, at every log step.
-
-MFU: the model's training FLOPs per sample (counted once, on a meta-device copy, from the first micro-batch's
-shapes) x samples/s / the GPUs' dense peak for the run's precision. Only on GPUs listed in `PEAK_TFLOPS`:
-elsewhere the callback disables itself at run start.
-"""
+"""`perf/mfu` (the model's training FLOPs per sample, counted once on a meta-device copy, x samples/s / the GPUs'
+dense peak) and `memory/peak_allocated_gib`, at every log step; only on GPUs listed in `PEAK_TFLOPS`."""
 
 from __future__ import annotations
 
@@ -55,7 +51,6 @@ def peak_flops(device_name: str, precision: str, tf32: bool) -> float | None:
 
 
 def device_peak(device: torch.device, precision: str) -> float | None:
-    """`peak_flops` of `device` (None on the CPU)."""
     if device.type != "cuda":
         return None
     return peak_flops(torch.cuda.get_device_name(device), str(precision), torch.backends.cuda.matmul.allow_tf32)
@@ -95,7 +90,6 @@ class Utilization:
         self.flops_per_sample = training_flops_per_sample(model, example_inputs, micro_batch_size) if counted else 0.0
 
     def scalars(self, samples_per_s: float) -> dict[str, float]:
-        """This window's MFU and the peak memory allocated on this device since the run began."""
         if self.peak is None:
             return {}
         return {"perf/mfu": mfu(self.flops_per_sample, samples_per_s, self.peak, self.world_size),

@@ -38,7 +38,6 @@ def _chain(error: BaseException | None) -> Iterator[BaseException]:
 
 
 def find_usage_error(error: BaseException) -> UsageError | None:
-    """The UsageError behind `error`, if any."""
     return next((e for e in _chain(error) if isinstance(e, UsageError)), None)
 
 
@@ -92,7 +91,6 @@ def _out_of_memory_hint(error: BaseException) -> str:
 
 
 def _out_of_memory(error: BaseException) -> BaseException | None:
-    """The out-of-memory error behind `error`, if any."""
     return next((e for e in _chain(error) if isinstance(e, MemoryError) or (
         isinstance(e, RuntimeError) and any(words in str(e) for words in _NO_MEMORY))), None)
 

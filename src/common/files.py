@@ -40,7 +40,6 @@ def fsync_directory(directory: Path) -> None:
 
 
 def write_text_atomically(path: Path, text: str, shared: bool = False) -> None:
-    """Write `text` (UTF-8) to `path` atomically and durably (`shared`: see `atomic_file`)."""
     with atomic_file(path, shared) as file:
         file.write(text.encode("utf-8"))
 

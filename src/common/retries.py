@@ -1,9 +1,6 @@
-"""Failures a restart cannot fix end the run at once, instead of being retried `--max-restarts` times.
-
-A worker that stops on a UsageError records the message (src/common/errors.py); a restarted worker of the same
-launcher finds it when its job starts, prints it again and exits, so no restart trains a step. The record is a
-file named after the launcher process (pid and start time): seen by that launcher's restarts only.
-"""
+"""Failures a restart cannot fix end the run at once, instead of being retried `--max-restarts` times: a worker
+that stops on a UsageError records it in a file named after its launcher process (pid and start time), and a
+restarted worker of that launcher exits on it (src/common/errors.py)."""
 
 from __future__ import annotations
 

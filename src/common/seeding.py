@@ -9,7 +9,6 @@ import torch
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (every device) with `seed`."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -1,8 +1,5 @@
-"""`${data:FIELD}` in a model YAML: a field of what the dataset provides (its `info`, and the task's `num_outputs`),
-e.g. `in_features: ${data:num_features}`. Once the dataset is built, `fill` writes the values into the run's model
-config, so the saved config holds them; before that (`--cfg job --resolve`) the resolver says where a value will
-come from. A field the dataset does not provide is one error line naming both sides.
-"""
+"""`${data:FIELD}` in a model YAML: a field of what the dataset provides (its `info`, and the task's
+`num_outputs`), written into the run's model config once the dataset is built (`fill`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Hydra's compose errors (unknown option or key, wrong type, unparsable override) as one `error:` line naming what
-to change, and exit code 2, built from the attributes of the errors raised, not their wording. An error no override
-sets is traced by composing without each group override in turn. Anything else keeps Hydra's message, on one line.
+to change, built from the errors' attributes, not their wording; anything else keeps Hydra's message, on one line.
 """
 
 from __future__ import annotations

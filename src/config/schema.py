@@ -1,11 +1,7 @@
-"""Every `trainer` and `dist` setting, declared once: its name, type, default, meaning (the comment beside it) and,
-where the type lets more through than the setting takes, its rule (the field's metadata). conf/config.yaml names
-`train_schema` first in its defaults list, so these defaults are the config's; eval.py's schema reuses them.
-
-Types are checked by Hydra at compose time (src/config/hydra_errors.py words its errors); values types cannot
-express (`trainer.epochs=0`) by `check_train_config` / `check_eval_config` when the run starts, from the rules.
-The groups whose options name a `_target_` (model, dataset, optimizer, scheduler) stay open, each option with its
-own keys; the few values there that matter have a rule in `OPEN_GROUP_RULES`.
+"""Every `trainer` and `dist` setting, declared once: its type, default, meaning (the comment beside it) and the
+rule its value must pass where the type lets more through (checked when the run starts: `check_train_config`).
+conf/config.yaml names `train_schema` first in its defaults list; eval.py's schema reuses the declarations. The
+groups whose options name a `_target_` stay open; the few values there that matter are in `OPEN_GROUP_RULES`.
 """
 
 from __future__ import annotations
@@ -49,7 +45,6 @@ def number_or_null(zero_allowed: bool) -> Rule:
 
 
 def fraction_or_null(value: Any) -> str | None:
-    """A number strictly between 0 and 1, or null."""
     return None if value is None or (_is_number(value) and 0 < value < 1) else "must be in (0, 1) (or null)"
 
 
@@ -157,7 +152,6 @@ class DistConfig:
 
 @dataclass
 class TrainSchema:
-    """conf/config.yaml: train.py's config."""
 
     task: Any
     model: Any
@@ -188,7 +182,6 @@ OPEN_GROUP_RULES: dict[str, Rule] = {
 
 @dataclass
 class EvalTrainerConfig:
-    """eval.py's `trainer` keys."""
 
     precision: Any = precision_setting(None)  # null: the checkpoint's trainer.precision | 32 | bf16 | 16
     device: str = setting("auto", one_of(*DEVICES))  # auto: cuda:LOCAL_RANK if a GPU is visible, else cpu | cpu | cuda
@@ -204,7 +197,6 @@ class EvalDistConfig:
 
 @dataclass
 class EvalSchema:
-    """conf/eval.yaml: eval.py's config."""
 
     checkpoint: str
     trusted_targets: list[str]

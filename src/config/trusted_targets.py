@@ -1,9 +1,6 @@
-"""Checkpoints are data, never code: a `_target_` read from a checkpoint's saved config (a crafted one could name
-`torch.load` of a pickle) must be trusted by the user: named by an option of a config group in the run's config
-folders (conf/ and `file://` folders of `hydra.searchpath`), listed in `trusted_targets`, or, for a resumed run,
-named by the run's own config. Anything else, and any interpolation in a saved config (train.py saves it
-resolved), ends the run with one line before anything is built.
-"""
+"""Checkpoints are data, never code: a `_target_` a saved config names must be named by an option of the run's
+config groups, listed in `trusted_targets`, or (resuming) named by the run's own config; a saved config with an
+interpolation is refused too. Else the run ends with one line before anything is built."""
 
 from __future__ import annotations
 

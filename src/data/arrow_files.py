@@ -1,5 +1,5 @@
-"""Datasets larger than RAM: Arrow files in the layout of `datasets`' `save_to_disk`, memory-mapped (file-backed
-pages: a rank's anonymous memory does not grow with the data) and read by index. Imported by `dataset=arrow` alone.
+"""Datasets larger than RAM, imported by `dataset=arrow` alone: `datasets`' `save_to_disk` layout, memory-mapped
+and read by index.
 
     DIR/dataset_dict.json                   {"splits": ["train", "validation"]}
     DIR/<split>/data-00000-of-00003.arrow   Arrow IPC streams holding the split's rows, in order
@@ -29,9 +29,8 @@ IMAGE = "Image"  # the `_type` of an image feature: struct<bytes: binary, path: 
 
 
 class CorruptRecordError(UsageError):
-    """A row that cannot be read: one line naming the split, its index, the shard file and the row there. Raised in
-    a DataLoader worker, it is rebuilt from the worker's whole traceback: the message keeps its last line, ours.
-    Only the rank whose sampler holds the record finds it, so that rank prints it (`local`)."""
+    """A row that cannot be read, in one line; rebuilt from a DataLoader worker's traceback, its last line. Only
+    the rank whose sampler holds the record finds it, so that rank prints it (`local`)."""
 
     local = True
 
@@ -66,8 +65,7 @@ class ArrowSplit:
         return {**self.__dict__, "_batches": [], "_opened_in": None}  # a spawned worker maps the files anew
 
     def _open(self) -> Any:
-        """Memory-map every shard's record batches in this process (once); returns the split's schema. Sets
-        `offsets` (the row where each record batch starts, then the total), each batch's shard and its first row."""
+        """Memory-map every shard's record batches in this process (once); returns the split's schema."""
         if self._opened_in == os.getpid():
             return self._schema
         self._batches, self.offsets, self._batch_file, self._file_start = [], [0], [], []
@@ -91,13 +89,11 @@ class ArrowSplit:
         return self._schema
 
     def record_batches(self) -> list[Any]:
-        """The split's record batches, memory-mapped, in row order."""
         self._open()
         return self._batches
 
     def values(self, index: int, columns: Sequence[str]) -> tuple[list[Any], str]:
-        """Row `index`'s values of `columns` (images as encoded bytes), and where it is ("data-00001-of-00003.arrow
-        row 17")."""
+        """Row `index`'s values of `columns` (images as encoded bytes), and where it is, for error messages."""
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} of a split of {len(self)} rows")
         self._open()
@@ -119,8 +115,7 @@ def _is_image(feature: dict[str, Any] | None, field: Any) -> bool:
 
 
 def _value(column: Any, row: int, is_image: bool) -> Any:
-    """One cell: an image's encoded bytes (read from its path where it has none, as `datasets` does), else the
-    Python value."""
+    """One cell: an image's encoded bytes (read from its path where it has none), else the Python value."""
     if not is_image:
         return column[row].as_py()
     encoded = column.field("bytes")[row].as_py()
@@ -139,8 +134,7 @@ def decode_image(encoded: bytes) -> Any:
 
 
 class ArrowSamples(Dataset):
-    """The rows of a split as tuples of `columns`' values, image columns decoded and passed through
-    `image_transform`."""
+    """The rows of a split as tuples of `columns`' values, images decoded and passed through `image_transform`."""
 
     def __init__(self, split: ArrowSplit, columns: Sequence[str], image_transform: Callable[[Any], Any]) -> None:
         self.split = split
@@ -167,7 +161,6 @@ class ArrowSamples(Dataset):
 
 
 def listed_splits(root: Path) -> list[str]:
-    """The names of the splits of the dataset saved in `root`."""
     if not root.is_dir():
         raise DatasetNotFoundError(f"dataset folder {root} not found: give dataset.root the folder that "
                                    "python -m src.data.convert (or datasets' save_to_disk) wrote")
@@ -190,7 +183,6 @@ def open_splits(root: Path, names: Sequence[str]) -> list[ArrowSplit]:
 
 
 def check_columns(split: ArrowSplit, names: Sequence[str], setting: str) -> None:
-    """Refuse a column name the split does not have, naming the setting and the columns it has."""
     unknown = [name for name in names if name not in split.columns]
     if unknown:
         raise UsageError(f"{setting}: {', '.join(map(repr, unknown))} is not a column of {split.folder} "
@@ -198,8 +190,7 @@ def check_columns(split: ArrowSplit, names: Sequence[str], setting: str) -> None
 
 
 def target_info(splits: Sequence[ArrowSplit], name: str) -> dict[str, Any]:
-    """What the target column provides: `num_classes` for a ClassLabel or integers (the largest label + 1),
-    `num_targets` (1) for floats."""
+    """`num_classes` for a ClassLabel or integer target column (the largest label + 1), `num_targets` for floats."""
     feature = splits[0].features.get(name) or {}
     if feature.get("_type") == "ClassLabel":
         return {"num_classes": len(feature["names"])}

@@ -1,11 +1,7 @@
-"""Convert data into the Arrow layout `dataset=arrow` reads (src/data/arrow_files.py).
+"""Convert data into the Arrow layout `dataset=arrow` reads (src/data/arrow_files.py), atomically (via OUT.partial).
 
     python -m src.data.convert image-folder SRC OUT   # SRC/train/<class>/*.png|jpg|... and SRC/val/<class>/...
     python -m src.data.convert parquet TRAIN VAL OUT  # TRAIN, VAL: a Parquet file or a folder of them each
-
-image-folder keeps each file's encoded bytes, in ImageFolder's order and with its labels, so `dataset=arrow` on
-OUT trains what `dataset=image_folder` on SRC trains. Written into OUT.partial and renamed to OUT once complete;
-an existing OUT is never overwritten. Bad input is one `error:` line and exit code 2.
 """
 
 from __future__ import annotations
@@ -98,8 +94,7 @@ def batches_of(rows: Iterable[dict[str, Any]], schema: Any) -> Iterator[Any]:
 
 
 def write_split(folder: Path, batches: Iterable[Any], schema: Any, shard_bytes: int = SHARD_BYTES) -> int:
-    """Write a split as save_to_disk does (shards of about `shard_bytes`, state.json, dataset_info.json); returns
-    its row count."""
+    """Write a split as save_to_disk does (shards of about `shard_bytes` and its JSON files); returns its rows."""
     folder.mkdir(parents=True)
     shards, writer, rows, written = [], None, 0, 0
     for batch in batches:

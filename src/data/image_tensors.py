@@ -1,7 +1,5 @@
-"""Image datasets small enough to live on the training device as uint8 tensors (MNIST, CIFAR-10): a batch is one
-index_select, normalised and augmented on the device (src.data.loaders.TensorBatchLoader), each sample's crop and
-flip drawn from a hash of (seed, epoch, its index) (src/data/sample_randomness.py).
-"""
+"""Image datasets small enough to live on the training device as uint8 tensors: a batch is one index_select,
+normalised and augmented on the device, each sample's crop and flip drawn from (seed, epoch, its index)."""
 
 from __future__ import annotations
 
@@ -14,8 +12,7 @@ from src.data.sample_randomness import draw
 
 
 class ImageTensorDataset(TensorDataset):
-    """uint8 images (N, C, H, W) and int64 labels, with their normalisation and augmentation. Indexing gives
-    `(normalised float32 image, label)`, not augmented."""
+    """uint8 images (N, C, H, W) and int64 labels; indexing gives `(normalised float32 image, label)`."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: Sequence[float], std: Sequence[float],
                  crop_padding: int = 0, flip: bool = False) -> None:
@@ -33,7 +30,6 @@ class ImageTensorDataset(TensorDataset):
         return self.crop_padding > 0 or self.flip
 
     def to(self, device: torch.device) -> ImageTensorDataset:
-        """The same dataset with its images, labels and normalisation constants on `device`."""
         images, labels = (t.to(device) for t in self.tensors)
         return ImageTensorDataset(images, labels, self.mean.flatten(), self.std.flatten(), self.crop_padding, self.flip)
 
@@ -46,8 +42,8 @@ class ImageTensorDataset(TensorDataset):
         return images.float().div_(255).sub_(self.mean).div_(self.std)
 
     def augment(self, images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """torchvision's RandomCrop(size, crop_padding) (black padding) and, if `flip`, RandomHorizontalFlip, of each
-        normalised image; image j's draws come from `keys[j]` alone (its `sample_key`, on the images' device)."""
+        """torchvision's RandomCrop(size, crop_padding) and, if `flip`, RandomHorizontalFlip, of each normalised
+        image, image j's drawn from `keys[j]` (its `sample_key`, on the images' device)."""
         if not self.augments:
             return images
         n, c, h, w = images.shape

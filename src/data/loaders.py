@@ -27,13 +27,9 @@ LOADER_KEYS = ("batch_size", "val_batch_size", "num_workers")  # a `dataset` con
 
 
 class GlobalBatchSampler:
-    """This rank's micro-batches (lists of sample indices) for one epoch.
-
-    Step s covers samples perm[s*G : (s+1)*G] of a permutation drawn from (seed, epoch), G the global batch size.
-    With W ranks and k accumulation micro-steps, rank r's micro-batch m of that step is the b = G/(W*k) samples
-    from s*G + (m*W + r)*b. The ragged tail of fewer than G samples is dropped, so every rank takes every step.
-    `max_steps_per_epoch` cuts every epoch short (a debugging limit).
-    """
+    """This rank's micro-batches for one epoch: step s covers samples perm[s*G : (s+1)*G] of a permutation drawn
+    from (seed, epoch); with W ranks and k accumulation micro-steps, rank r's micro-batch m is the b = G/(W*k)
+    samples from s*G + (m*W + r)*b. The ragged tail is dropped, so every rank takes every step."""
 
     def __init__(self, num_samples: int, global_batch_size: int, rank: int, world_size: int, grad_accum: int = 1,
                  shuffle: bool = True, seed: int = 0, max_steps_per_epoch: int | None = None) -> None:
@@ -74,7 +70,7 @@ class GlobalBatchSampler:
 
 class EvalShardSampler:
     """This rank's evaluation batches: a contiguous shard, never padded (unlike DistributedSampler), so metrics
-    summed over ranks count each sample once. `max_batches` keeps a shard's first batches only (a debugging limit)."""
+    summed over ranks count each sample once."""
 
     def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int,
                  max_batches: int | None = None) -> None:
@@ -110,9 +106,8 @@ def per_rank_micro_batch_size(global_batch_size: int, world_size: int, grad_accu
 
 
 class TensorBatchLoader:
-    """Batches of an in-memory TensorDataset, copied to the device once and gathered there by index: a batch is
-    the tuple of the dataset's tensors. uint8 image datasets are normalised there, and with `augment` augmented
-    from (seed, the sampler's epoch, each sample's index)."""
+    """Batches of an in-memory TensorDataset, copied to the device once and gathered there by index (uint8 images
+    normalised there, and augmented with `augment`)."""
 
     def __init__(self, dataset: TensorDataset, batch_sampler: Iterable[list[int]], device: torch.device,
                  seed: int = 0, augment: bool = False) -> None:
@@ -138,8 +133,7 @@ class TensorBatchLoader:
 
 def make_loader(dataset: Dataset, batch_sampler: Iterable[list[int]], device: torch.device, num_workers: int,
                 seed: int, augment: bool = False) -> Iterable[Any]:
-    """A loader over `batch_sampler`: TensorDatasets on the device, others through a DataLoader whose samples draw
-    from (seed, epoch, index) (src/data/sample_randomness.py)."""
+    """A loader over `batch_sampler`: TensorDatasets on the device, others through a DataLoader of `SeededSamples`."""
     if isinstance(dataset, TensorDataset):
         return TensorBatchLoader(dataset, batch_sampler, device, seed, augment)
     generator = torch.Generator().manual_seed(seed)  # the workers' base seed, not drawn from torch's global one
@@ -149,7 +143,6 @@ def make_loader(dataset: Dataset, batch_sampler: Iterable[list[int]], device: to
 
 @dataclass
 class Data:
-    """The run's data: its splits, the training sampler and this rank's loaders."""
 
     splits: DataSplits
     train_sampler: GlobalBatchSampler
@@ -173,8 +166,7 @@ class Data:
 
 def build_data(dataset_cfg: DictConfig, rank: int, world_size: int, device: torch.device, seed: int,
                trainer: TrainerConfig | None = None) -> Data:
-    """Build the dataset named by `dataset_cfg` and this rank's loaders, cut as `trainer.limit_train_batches`,
-    `limit_val_batches` and `overfit_batches` say."""
+    """The dataset `dataset_cfg` names and this rank's loaders, cut as `trainer`'s limits say."""
     trainer = trainer or TrainerConfig()
     global_batch_size = int(dataset_cfg.batch_size)
     per_rank_micro_batch_size(global_batch_size, world_size, trainer.grad_accum)  # refuse before a download
@@ -198,8 +190,7 @@ def build_data(dataset_cfg: DictConfig, rank: int, world_size: int, device: torc
 
 def make_eval_loader(dataset: Dataset, global_batch_size: int, rank: int, world_size: int, device: torch.device,
                      num_workers: int, seed: int, max_batches: int | None = None) -> tuple[Iterable[Any], int]:
-    """This rank's shard of `dataset` for evaluation (no augmentation, `max_batches` batches at most), and the index
-    of its first sample."""
+    """This rank's evaluation loader of `dataset` and the index of its first sample."""
     sampler = EvalShardSampler(len(dataset), val_batch_size(global_batch_size, world_size), rank, world_size,
                                max_batches)
     return make_loader(dataset, sampler, device, num_workers, seed), sampler.start
@@ -234,7 +225,6 @@ def build_splits(dataset_cfg: DictConfig) -> DataSplits:
 
 def make_val_loader(splits: DataSplits, global_batch_size: int, rank: int, world_size: int, device: torch.device,
                     num_workers: int, seed: int, max_batches: int | None = None) -> Iterable[Any]:
-    """This rank's shard of the val split (`make_eval_loader`'s loader)."""
     return make_eval_loader(splits.val, global_batch_size, rank, world_size, device, num_workers, seed, max_batches)[0]
 
 

@@ -1,12 +1,7 @@
-"""Randomness per sample: every random draw that shapes sample i of epoch e comes from (seed, epoch, i) alone, not
-from the rank, the DataLoader worker, the batch or the step a run resumed at.
-
-- Datasets read through a DataLoader (`SeededSamples`): torch's CPU, Python's and NumPy's global generators are
-  seeded from (seed, epoch, i) right before `dataset[i]`, so any transform that draws from them is covered.
-- uint8 images on the device (src/data/image_tensors.py): `sample_key` and `draw`, a counter-based hash of
-  (seed, epoch, i) computed on the device for a whole batch, with no host sync.
-
-Val samples draw from (seed, VAL_EPOCH, i): the same in every val pass.
+"""Randomness per sample: every draw that shapes sample i of epoch e comes from (seed, epoch, i) alone, not from
+the rank, worker, batch or resume step. DataLoader datasets (`SeededSamples`) get torch's CPU, Python's and NumPy's
+global generators seeded from it; uint8 images on the device hash it there (`sample_key`, `draw`). Val samples
+draw from (seed, VAL_EPOCH, i).
 """
 
 from __future__ import annotations
@@ -31,8 +26,7 @@ Word = TypeVar("Word", int, torch.Tensor)  # a 32-bit word: a Python int, or an 
 
 
 def mix32(x: Word) -> Word:
-    """lowbias32 (C. Wellons' hash prospector): a bijection of 32-bit words in which every input bit
-    flips about half the output bits. The same arithmetic on Python ints and on int64 tensors."""
+    """lowbias32 (C. Wellons' hash prospector), the same arithmetic on Python ints and int64 tensors."""
     x = x ^ (x >> 16)
     x = _times(x, 0x7FEB_352D)
     x = x ^ (x >> 15)
@@ -41,8 +35,7 @@ def mix32(x: Word) -> Word:
 
 
 def _times(x: Word, constant: int) -> Word:
-    """x * constant mod 2^32, multiplied in 16-bit halves: no product exceeds 2^49, so an int64 tensor
-    never overflows (signed overflow is not something to rely on across devices)."""
+    """x * constant mod 2^32 in 16-bit halves: no product exceeds 2^49, so an int64 tensor never overflows."""
     return (x * (constant & 0xFFFF) + (((x * (constant >> 16)) & 0xFFFF) << 16)) & MASK32
 
 
@@ -60,8 +53,7 @@ def _epoch_state(seed: int, epoch: int) -> int:
 
 
 def sample_key(seed: int, epoch: int, index: Word) -> Word:
-    """A 32-bit key determined by (seed, epoch, sample index) alone. `index` may be an int64 tensor
-    of indices, on any device: the keys are then computed there, elementwise."""
+    """A 32-bit key of (seed, epoch, sample index) alone; `index` may be an int64 tensor, on any device."""
     return _absorb(_epoch_state(seed, epoch), index)
 
 
@@ -77,16 +69,14 @@ def host_seed(seed: int, epoch: int, index: int) -> int:
 
 
 def host_seeds(seed: int, keys: Sequence[tuple[int, int]]) -> list[int]:
-    """`host_seed` of each (epoch, index) key, hashed for the whole batch at once with NumPy (int64 arrays: the
-    arithmetic never overflows)."""
+    """`host_seed` of each (epoch, index) key, hashed for the whole batch at once with NumPy."""
     states = np.fromiter((_epoch_state(seed, epoch) for epoch, _ in keys), dtype=np.int64, count=len(keys))
     key = _absorb(states, np.fromiter((index for _, index in keys), dtype=np.int64, count=len(keys)))
     return ((draw(key, 0).astype(np.uint64) << np.uint64(32)) | draw(key, 1).astype(np.uint64)).tolist()
 
 
 def seed_host_generators(seed: int) -> None:
-    """Seed torch's CPU generator, Python's and NumPy's global ones from a 64-bit seed. Not CUDA's: they are the
-    trainer's, seeded per rank and step for dropout."""
+    """Seed torch's CPU generator, Python's and NumPy's from a 64-bit seed; not CUDA's (the trainer's dropout)."""
     torch.default_generator.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed & MASK32)
@@ -105,8 +95,7 @@ def preserved_host_generators() -> Iterator[None]:
 
 
 class SeededSamples(Dataset):
-    """`dataset` read by (epoch, index) keys, each sample fetched with the host generators seeded from
-    (seed, epoch, index)."""
+    """`dataset` read by (epoch, index) keys, the host generators seeded from (seed, epoch, index) for each."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset = dataset
@@ -121,8 +110,7 @@ class SeededSamples(Dataset):
         return self.dataset[index]
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
-        """A batch's samples; in the main process (num_workers=0) the host generators are restored afterwards, so
-        the trainer's own seeding is left as it was."""
+        """A batch's samples; in the main process the host generators are restored afterwards."""
         with contextlib.nullcontext() if get_worker_info() is not None else preserved_host_generators():
             samples = []
             for seed, (_, index) in zip(host_seeds(self.seed, keys), keys):
@@ -132,8 +120,7 @@ class SeededSamples(Dataset):
 
 
 class EpochKeys:
-    """A batch sampler's index lists as (epoch, index) keys (`VAL_EPOCH` for samplers without an epoch), so
-    persistent workers need no message when an epoch starts."""
+    """A batch sampler's index lists as (epoch, index) keys (`VAL_EPOCH` for samplers without an epoch)."""
 
     def __init__(self, batch_sampler: Iterable[list[int]]) -> None:
         self.batch_sampler = batch_sampler
@@ -161,9 +148,8 @@ def _stream_state(seed: int, step: int, stream: str) -> int:
 
 def uniform_per_sample(seed: int, step: int, stream: str, positions: torch.Tensor, shape: Sequence[int],
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Uniform draws in (0, 1), `(len(positions), *shape)` on `positions`' device: row i from (seed, step, stream,
-    positions[i]) alone, so any rank, batch or world size that holds the same sample draws the same values, with no
-    host sync. Word j of a row is `draw(key, j)`."""
+    """Uniform draws in (0, 1), `(len(positions), *shape)` on `positions`' device, row i from (seed, step, stream,
+    positions[i]) alone, with no host sync; word j of a row is `draw(key, j)`."""
     count = math.prod(shape)
     keys = _absorb(_stream_state(seed, step, stream), positions.to(torch.int64))
     words = draw(keys[:, None], torch.arange(count, device=positions.device, dtype=torch.int64)[None, :])

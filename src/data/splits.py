@@ -14,12 +14,8 @@ from src.common.errors import UsageError
 
 @dataclass(frozen=True)
 class DataSplits:
-    """A dataset's splits, what it provides (`info`: shapes, class count, ...) and the names of its samples' parts.
-    `val` makes every choice; `test` (None: none) is evaluated once, when training ends.
-
-    `fields`: the names of a sample's parts, in order for tuple samples, the keys for dict samples (None: unnamed,
-    the last is the target). `target`: the field the task learns to predict (None: the last field).
-    """
+    """A dataset's splits (`test`: None if it has none), what it provides (`info`) and its samples' parts: `fields`
+    (tuple positions or dict keys; None: unnamed) and the `target` field (None: the last)."""
 
     train: Dataset
     val: Dataset
@@ -47,5 +43,4 @@ def image_info(num_classes: int, channels: int, height: int, width: int) -> dict
 
 
 class DatasetNotFoundError(UsageError, RuntimeError):
-    """The dataset's files are missing, unreadable or could not be downloaded: one line naming the folder and the
-    files to put there."""
+    """The dataset's files are missing, unreadable or could not be downloaded."""

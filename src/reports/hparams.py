@@ -1,7 +1,5 @@
-"""Which settings a run records as its hyperparameters (TensorBoard's HParams tab, the trackers): every setting its
-command line set (a group override as the option's name, a block as each setting in it) and a few that tell runs
-apart when nobody overrode them; not the whole config, whose unchanging keys would bury the ones a sweep varies.
-"""
+"""Which settings a run records as its hyperparameters: every setting its command line set and a few that tell runs
+apart (CHOSEN_GROUPS, CHOSEN_KEYS), not the whole config, whose unchanging keys would bury what a sweep varies."""
 
 from __future__ import annotations
 
@@ -17,8 +15,7 @@ NOT_RECORDED = ("logger",)  # groups whose settings say where the run reports, n
 
 def run_hparams(config: Mapping[str, Any], overrides: Sequence[str], choices: Mapping[str, str | None],
                 global_batch_size: int) -> dict[str, Any]:
-    """The settings `overrides` set, then CHOSEN_GROUPS and CHOSEN_KEYS, then `global_batch_size`. `config`: the
-    run's resolved config; `choices`: the option Hydra chose in each group."""
+    """The settings `overrides` set, CHOSEN_GROUPS (by option name), CHOSEN_KEYS and `global_batch_size`."""
     flat = flatten(config)
     recorded: dict[str, Any] = {}
     for override in OverridesParser.create().parse_overrides(list(overrides)):

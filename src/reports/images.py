@@ -6,8 +6,7 @@ import torch
 
 
 def image_grid(images: torch.Tensor, min_side: int = 32) -> torch.Tensor:
-    """A (3, H, W) grid in [0, 1] of `images` (N, C, H, W), eight to a row, each min-max scaled on its own and
-    enlarged by a whole factor to at least `min_side` pixels."""
+    """A (3, H, W) grid in [0, 1] of `images`, eight to a row, each min-max scaled and enlarged to `min_side`."""
     factor = -(-min_side // min(images.shape[-2:]))
     images = images.float().repeat_interleave(factor, dim=-2).repeat_interleave(factor, dim=-1)
     low = images.amin(dim=(1, 2, 3), keepdim=True)
@@ -16,8 +15,7 @@ def image_grid(images: torch.Tensor, min_side: int = 32) -> torch.Tensor:
 
 
 def tile(images: torch.Tensor, columns: int, padding: int, pad_value: float) -> torch.Tensor:
-    """(N, C, H, W) images, C = 1 or 3, as one RGB (3, H', W') grid of `columns` per row, with `padding` pixels of
-    `pad_value` around each: torchvision's make_grid."""
+    """(N, C, H, W) images, C = 1 or 3, as one RGB grid of `columns` per row: torchvision's make_grid."""
     count, _, height, width = images.shape
     columns = min(columns, count)
     rows = -(-count // columns)

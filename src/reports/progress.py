@@ -16,8 +16,7 @@ def shows_progress(enabled: bool, is_main_process: bool, stream: TextIO) -> bool
 
 
 def progress_bar(desc: str, total: int, done: int, stream: TextIO | None) -> tqdm:
-    """A bar of `total` steps, `done` of them already, drawn on `stream` (None: disabled); it disappears at close,
-    where the epoch's log line takes its place."""
+    """A bar of `total` steps, `done` of them already, on `stream` (None: disabled); gone when closed."""
     return tqdm(total=total, initial=done, desc=desc, unit="step", file=stream, leave=False, dynamic_ncols=True,
                 disable=stream is None)
 

@@ -1,8 +1,5 @@
-"""What a run leaves behind for people: log files, progress bars, TensorBoard events, metrics.json and the run
-dir's other files, and the trackers of the `logger` group (src/reports/tracking.py), all through the `Reporter`.
-Rank 0 prints INFO and writes `train.log`; every other rank writes `train.rank<R>.log` and prints warnings only.
-A record logged with `extra={"console": False}` goes to the log files only.
-"""
+"""What a run leaves behind for people, all through the `Reporter`: log files (rank 0's `train.log`, others'
+`train.rank<R>.log`), progress bars, TensorBoard events, metrics.json, the run dir's files, the trackers."""
 
 from __future__ import annotations
 
@@ -58,8 +55,7 @@ class _ConsoleHandler(logging.StreamHandler):
 def log_run_start(run_dir: Path, runtime: Any, modules: Mapping[str, nn.Module], data: Any, grad_accum: int,
                   config: Mapping[str, Any], overrides: Sequence[str] = (), print_config: bool = False,
                   unit: str = "samples") -> None:
-    """Log the overrides, the resolved config (on the console too with `print_config`) and a one-line summary of the
-    run; `unit`: what the task's loss and metrics are averaged over."""
+    """Log the overrides, the resolved config and a one-line summary of the run; `unit`: what metrics average over."""
     log = logging.getLogger("train")
     log.info("overrides: %s", " ".join(overrides) or "none (the defaults of conf/config.yaml)")
     log.info("config:\n%s", OmegaConf.to_yaml(config).rstrip(), extra={"console": print_config})
@@ -109,10 +105,8 @@ def model_summary(modules: Mapping[str, nn.Module]) -> str:
 
 
 class Reporter:
-    """Progress bars (`progress`: when stdout is a terminal), TensorBoard events, metrics.json and the run dir's
-    other files, and the `trackers`' scalars, from the main process only: elsewhere every method does nothing.
-    With `tensorboard=False` there is no `tb/` dir; else it is made by the first event, so a run refused before
-    any leaves none."""
+    """Progress bars, TensorBoard events, metrics.json, the run dir's files and the `trackers`, from the main process
+    only. The `tb/` dir is made by the first event, so a run refused before any leaves none."""
 
     def __init__(self, run_dir: Path, is_main_process: bool, tensorboard: bool = True, progress: bool = False,
                  trackers: Trackers | None = None) -> None:
@@ -153,12 +147,10 @@ class Reporter:
         return self._tensorboard
 
     def image(self, tag: str, image: torch.Tensor, step: int) -> None:
-        """A (3, H, W) image in [0, 1] under `tag` in TensorBoard."""
         if self._tensorboard:
             self._events().add_image(tag, image, global_step=step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
-        """Markdown under `tag` in TensorBoard's text tab."""
         if self._tensorboard:
             self._events().add_text(tag, text, global_step=step)
 
@@ -168,8 +160,7 @@ class Reporter:
             write_text_atomically(self.run_dir / name, text)
 
     def hparams(self, hparams: Mapping[str, Any], final_metrics: Mapping[str, float]) -> None:
-        """The run's hyperparameters with its final metrics, in its own event file (TensorBoard's HParams tab, where
-        a sweep's jobs line up); the trackers get the final metrics."""
+        """The run's hyperparameters with its final metrics, in its own event file; the trackers get the metrics."""
         if self._trackers is not None:
             self._trackers.log_final(final_metrics)
         if not self._tensorboard:
@@ -185,7 +176,6 @@ class Reporter:
         self.file("metrics.json", json.dumps(summary, indent=2) + "\n")
 
     def close(self) -> None:
-        """Flush the events and end the trackers' runs, as the loop ended."""
         if self._writer is not None:
             self._writer.close()
         if self._trackers is not None:

@@ -1,8 +1,5 @@
-"""A sweep's results at a glance: a Hydra callback that, after every job and at the end of a multirun, rewrites
-`summary.csv` and `summary.md` in the sweep dir from what the jobs wrote (so it is right whichever launcher or
-sweeper ran them): one row per job with its state, overrides and final metrics, best first by the monitored
-metric, and a command that trains the best job again.
-"""
+"""A Hydra callback that rewrites the sweep dir's `summary.csv` and `summary.md` after every job, from what the jobs
+wrote: one row per job, best first by the monitored metric, and the command that trains the best one again."""
 
 from __future__ import annotations
 
@@ -27,7 +24,6 @@ SPLITS = ("val/", "test/", "val_ema/", "test_ema/", "train/")  # the metrics' pr
 
 
 def job_row(job_dir: Path) -> dict[str, Any]:
-    """One job's overrides, status and final metrics, read from its dir."""
     metrics, status = jobs.read_metrics(job_dir), jobs.job_state(job_dir)
     row: dict[str, Any] = {"job": job_dir.name, "status": status, "overrides": " ".join(jobs.saved_overrides(job_dir))}
     row.update({name: value for name, value in metrics.items() if _is_column(name)})
@@ -43,8 +39,7 @@ def _is_column(name: str) -> bool:
 
 
 def metric_columns(rows: list[dict[str, Any]], metric: str | None) -> list[str]:
-    """The monitored metric and the test/ one of the same name beside it, the other metrics by split, epoch (and
-    the epoch a pruned job stopped after), and throughput (samples_per_s, or the jobs' own `*_per_s`)."""
+    """The monitored metric and its test/ twin, the other metrics by split, epoch (pruned_epoch), throughput."""
     seen = [name for row in rows for name in row if _is_column(name) and name not in RUN_COLUMNS]
     beside = [f"test/{metric.split('/', 1)[1]}"] if metric and f"test/{metric.split('/', 1)[1]}" in seen else []
     ordered = [*([metric] if metric else []), *beside, *(n for split in SPLITS for n in seen if n.startswith(split))]
@@ -54,8 +49,7 @@ def metric_columns(rows: list[dict[str, Any]], metric: str | None) -> list[str]:
 
 
 def collect(sweep_dir: Path, metric: str | None, mode: str) -> list[dict[str, Any]]:
-    """Rows of every job under `sweep_dir`: completed jobs best first (by job number without a `metric`), then the
-    others."""
+    """Rows of every job under `sweep_dir`: completed jobs best first, then the others."""
     rows = [job_row(path.parent.parent) for path in sweep_dir.glob("*/.hydra/overrides.yaml")]
     sign = -1 if mode == "max" else 1
 
@@ -98,7 +92,6 @@ def _format(value: Any) -> str:
 
 
 class SweepSummary(Callback):
-    """Writes `summary.csv` and `summary.md` into the sweep dir; prints the table at the end."""
 
     def __init__(self, metric: str, mode: str) -> None:
         self.metric, self.mode = metric, mode

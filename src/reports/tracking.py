@@ -1,9 +1,5 @@
-"""One tracker run per training run: the `logger`s' runs (src/reports/trackers/), opened by rank 0, fed by the
-Reporter, and continued across restarts, resumes and sweep jobs by their ids, kept in the run dir (`trackers.json`)
-and in every checkpoint (the checkpoint's first). A step redone after a restart is not sent twice: each tracker
-says the last step it holds of each key, or the ledger in `trackers.json` does. A run ends FINISHED (its epochs
-done or a callback's stop), KILLED (a checkpoint to resume from) or FAILED.
-"""
+"""One tracker run per training run: the `logger`s' runs, opened by rank 0 and continued across restarts, resumes
+and sweep jobs by their ids (in `trackers.json` and every checkpoint). A step a restart redoes is not sent twice."""
 
 from __future__ import annotations
 
@@ -50,8 +46,7 @@ class Trackers(Callback):
         self.ids = dict(state.get("ids", {}))
 
     def on_run_start(self, run: Run) -> None:
-        """The run's hyperparameters, for the trackers' runs, which open with the first scalars: by then a resumed
-        run's checkpoint has given its ids."""
+        """The hyperparameters for the trackers' runs, which open with the first scalars (after a resume's ids)."""
         if not self.trackers:
             self.enabled = False  # not rank 0, or no tracker but TensorBoard
             return
@@ -105,7 +100,6 @@ class Trackers(Callback):
         self.close()
 
     def close(self) -> None:
-        """End every tracker's run as the loop ended."""
         self._open_runs()
         if not self._open:
             return
@@ -123,7 +117,6 @@ class Trackers(Callback):
 
 
 def read_ids_file(run_dir: Path) -> dict[str, Any]:
-    """trackers.json of `run_dir` ({} if the run has none yet)."""
     path = run_dir / IDS_FILE
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -136,8 +129,7 @@ def identity_of(run_dir: Path, in_sweep: bool) -> RunIdentity:
 
 
 def build_trackers(logger_cfg: DictConfig, context: Any, is_main_process: bool) -> Trackers:
-    """The trackers `logger` names besides TensorBoard, built by rank 0 alone (a missing package or a server that
-    does not answer is one line, before any work); `context`: the job's RunContext (src/parallel/job.py)."""
+    """The trackers `logger` names besides TensorBoard, built by rank 0 alone, before any work."""
     built = {}
     for name, node in logger_cfg.items():
         if is_main_process and name != "tensorboard":  # TensorBoard is the Reporter's own

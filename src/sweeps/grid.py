@@ -1,8 +1,5 @@
-"""The default `-m` sweeper: Hydra's grid (BasicSweeper), made resumable. Running the same command again with
-`hydra.sweep.dir=<that dir>` skips the finished jobs and runs the others again in their own dirs (src/sweeps/jobs.py),
-keeping every job's number. Under torchrun (every rank sweeps, reading the job dirs at its own moment) it stays
-Hydra's plain grid.
-"""
+"""The default `-m` sweeper: Hydra's grid, resumable (a sweep run again skips finished jobs and resumes the others
+in their dirs); under torchrun, where every rank sweeps, Hydra's plain grid."""
 
 from __future__ import annotations
 
@@ -54,8 +51,7 @@ class ResumableGridSweeper(BasicSweeper):
         return pending
 
     def batches(self, pending: dict[int, list[str]]) -> list[tuple[int, list[Sequence[str]]]]:
-        """Runs of consecutive job numbers (a launcher numbers a batch's jobs from its first), at most
-        `max_batch_size` jobs each."""
+        """Runs of consecutive job numbers, at most `max_batch_size` jobs each."""
         runs: list[tuple[int, list[Sequence[str]]]] = []
         for num, overrides in pending.items():
             full = self.max_batch_size is not None and runs and len(runs[-1][1]) >= self.max_batch_size

@@ -1,8 +1,5 @@
-"""What a sweep's job dir says about its job, and how a sweep run again treats it: a job is `completed` (every
-epoch, or ended by a callback), `pruned`, `failed` (it raised: a FAILED file) or `incomplete` (killed, preempted or
-running). Run again, a sweep skips completed and pruned jobs and resumes the others in their dirs; a job dir
-whose overrides are not the job's belongs to another sweep and is refused.
-"""
+"""What a sweep's job dir says about its job (`completed`, `pruned`, `failed`, `incomplete`), and how a sweep run
+again treats it: finished jobs skipped, others resumed in their dirs, another sweep's dir refused."""
 
 from __future__ import annotations
 
@@ -63,8 +60,7 @@ def check_same_job(job_dir: Path, overrides: Sequence[str]) -> None:
 
 
 def rerun_overrides(job_dir: Path, overrides: Sequence[str]) -> list[str]:
-    """The overrides to run a job with: as given; for a job run again in its dir, told to resume there
-    (its FAILED file, from the attempt that raised, removed: the summary shows the new attempt)."""
+    """The overrides to run a job with; a job run again in its dir is told to resume (its FAILED file removed)."""
     if job_state(job_dir) is None:
         return list(overrides)
     (job_dir / FAILED_MARKER).unlink(missing_ok=True)

@@ -1,10 +1,6 @@
-"""`hydra/sweeper=optuna`: a hyperparameter search whose study lives in a real database (`<sweep dir>/optuna.db`).
-
-This process asks Optuna for each trial's values and launches the trial as one Hydra job with them as overrides,
-through the configured launcher, so every rank of a trial that is a DDP group reads the same values: no rank
-samples. The objective is what train.py returns (the last `trainer.monitor` value). Running the same command
-again with `hydra.sweep.dir=<that dir>` continues the study up to `n_trials`; a trial whose run died is asked
-again with the same values, its job resuming in its own dir.
+"""`hydra/sweeper=optuna`: this process asks Optuna for each trial's values and launches the trial as one Hydra job
+with them as overrides, so no rank samples; the objective is what train.py returns. The study lives in
+`<sweep dir>/optuna.db`: the same command continues it, a trial whose run died asked again with its values.
 """
 
 from __future__ import annotations
@@ -130,15 +126,14 @@ class OptunaSweeper(Sweeper):
                              "pick a new hydra.sweep.dir")
 
     def build_sampler(self, trials_so_far: int) -> Any:
-        """The sampler; a continued study's is seeded with seed + its trials so far, so that it does not draw the
-        values of the study's first trials again."""
+        """The sampler, seeded with seed + trials so far: a continued study draws no first trial's values again."""
         seed = None if self.seed is None else self.seed + trials_so_far
         samplers = _optuna().samplers
         return samplers.RandomSampler(seed=seed) if self.sampler == "random" else samplers.TPESampler(seed=seed)
 
     def settle_unfinished_trials(self, study: Any) -> None:
-        """Trials a killed sweep left RUNNING: told their job's result if it finished; else recorded as failed
-        (`died`) and asked again with the same values, to resume in the same job dir."""
+        """Trials a killed sweep left RUNNING: told their job's result if it finished, else failed (`died`) and
+        asked again with the same values."""
         Trial, TrialState = _optuna().trial.Trial, _optuna().trial.TrialState
 
         for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -205,8 +200,7 @@ def _optuna() -> Any:
 
 
 def counted_trials(study: Any) -> int:
-    """Trials that count toward n_trials: completed, pruned, and failed by raising (a failing search still ends);
-    not the attempts that died with a killed sweep (they are asked again)."""
+    """Trials that count toward n_trials: all finished ones but those that died with a killed sweep."""
     return sum(t.state.name in ("COMPLETE", "PRUNED") or (t.state.name == "FAIL" and not t.user_attrs.get("died"))
                for t in study.get_trials(deepcopy=False))
 

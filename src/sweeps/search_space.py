@@ -1,6 +1,5 @@
-"""A sweep's command line as an Optuna search space, in the grammar of Hydra's Optuna plugin: `choice(a,b)` (or
-`a,b`), `range(lo,hi[,step])` (hi exclusive), `interval(lo,hi)`, `tag(log,interval(lo,hi))`; a plain `key=value`
-goes to every trial unchanged; anything else is refused with one line."""
+"""A sweep's command line as an Optuna search space, in the grammar of Hydra's Optuna plugin (`GRAMMAR`); a plain
+`key=value` goes to every trial."""
 
 from __future__ import annotations
 
@@ -50,7 +49,6 @@ def distribution(override: Override) -> Any:
 
 
 def trial_overrides(params: dict[str, Any], fixed: list[str]) -> list[str]:
-    """A trial's command-line overrides: its sampled values, then the fixed ones."""
     return [*(f"{key}={_format(value)}" for key, value in params.items()), *fixed]
 
 

@@ -15,7 +15,6 @@ from src.common.errors import UsageError
 
 @dataclass(frozen=True)
 class RunIdentity:
-    """How a tracker names and groups the run."""
 
     name: str  # the run dir, as the tracker shows the run
     run_dir: Path
@@ -27,8 +26,7 @@ class Tracker:
     """One tracker's run, on rank 0."""
 
     def open(self, run_id: str | None, identity: RunIdentity, params: Mapping[str, Any]) -> str | None:
-        """Start a run with the hyperparameters `params`, or continue the run `run_id`; returns its id (None:
-        nothing to keep)."""
+        """Start a run with `params`, or continue the run `run_id`; returns its id (None: nothing to keep)."""
         raise NotImplementedError
 
     def sent_steps(self) -> dict[str, int] | None:

@@ -1,7 +1,5 @@
-"""logger=mlflow: the run as one MLflow run. Through `MlflowClient`, not the process-global active run, since a
-multirun's jobs run one after another in one process. A server that does not answer its `/health` within
-`timeout_s` is one error line before any work.
-"""
+"""logger=mlflow: the run as one MLflow run, through `MlflowClient` (not the process-global active run: a
+multirun's jobs share one process); a server that does not answer `/health` is one error line."""
 
 from __future__ import annotations
 

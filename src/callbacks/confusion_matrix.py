@@ -29,9 +29,8 @@ class ConfusionMatrix(Callback):
 
 
 def confusion_heatmap(counts: torch.Tensor, max_side: int = 512) -> torch.Tensor:
-    """A (3, H, W) image in [0, 1] of a C x C confusion matrix (rows: true class): a cell's colour is the share of
-    its true class predicted as its column, from EMPTY_CELL_RGB (none) to FULL_CELL_RGB (all), so a good model
-    shows a dark diagonal whatever the class sizes. Cells of up to 32 pixels, about `max_side` pixels in all."""
+    """A (3, H, W) image in [0, 1] of a C x C confusion matrix, each row normalised: a cell's colour is the share
+    of its true class predicted as its column, from EMPTY_CELL_RGB (none) to FULL_CELL_RGB (all)."""
     classes = counts.shape[0]
     shares = counts.double() / counts.sum(dim=1, keepdim=True).clamp(min=1)  # a class never seen: all white
     empty, full = torch.tensor(EMPTY_CELL_RGB), torch.tensor(FULL_CELL_RGB)

@@ -13,8 +13,7 @@ from src.loop.callback import Callback, EndRun, Run
 
 
 def epochs_without_improvement(values: list[float], mode: str, min_delta: float) -> int:
-    """Epochs since `values` (one per epoch) last improved on their best by more than `min_delta` in the direction
-    `mode` (max | min). The best moves only on such an improvement: a drift of small gains is no improvement."""
+    """Epochs since `values` last beat their best by more than `min_delta` in the direction `mode` (max | min)."""
     best, since = None, 0
     for value in values:
         if best is None or (value > best + min_delta if mode == "max" else value < best - min_delta):

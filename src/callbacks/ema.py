@@ -23,8 +23,7 @@ SPLIT, TEST_SPLIT = "val_ema", "test_ema"  # the prefixes of the EMA weights' va
 
 
 class EmaWeights:
-    """The EMA of `model`'s parameters (`average`, by name, sharded like them); its state_dict has the model's
-    keys: the averaged parameters and the model's buffers."""
+    """The EMA of `model`'s parameters (`average`, sharded like them); its state_dict has the model's keys."""
 
     def __init__(self, model: nn.Module, decay: float, warmup_steps: int = 0) -> None:
         self.model = model

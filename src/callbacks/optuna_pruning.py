@@ -48,8 +48,7 @@ def _open_trial() -> Any:
 
 
 def build_pruner(optuna: Any, spec: Mapping[str, Any]) -> Any:
-    """The pruner the sweeper configured (`spec`: conf/hydra/sweeper/optuna.yaml's `pruner*` keys): Optuna's
-    MedianPruner or HyperbandPruner."""
+    """The pruner the sweeper configured (`spec`: conf/hydra/sweeper/optuna.yaml's `pruner*` keys)."""
     if spec["name"] == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=1 + spec["warmup_epochs"])
     return optuna.pruners.MedianPruner(n_startup_trials=spec["startup_trials"], n_warmup_steps=spec["warmup_epochs"])

@@ -15,8 +15,7 @@ from src.loop.callback import Callback, Run, Step
 
 
 class Profiler(Callback):
-    """Skip `wait` optimizer steps (allocator and kernel warm-up would dominate), warm up on `warmup`, record
-    `active`."""
+    """Skip `wait` optimizer steps (warm-up would dominate), warm up on `warmup`, record `active`."""
 
     def __init__(self, wait: int, warmup: int, active: int) -> None:
         check_arguments(wait=(wait, at_least(0)), warmup=(warmup, at_least(0)), active=(active, at_least(1)))

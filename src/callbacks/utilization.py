@@ -39,8 +39,7 @@ GIB = 2**30
 
 
 def peak_flops(device_name: str, precision: str, tf32: bool) -> float | None:
-    """Dense peak FLOP/s of one `device_name` GPU at `trainer.precision` (32 | bf16 | 16), or None if the GPU or
-    that precision is not in `PEAK_TFLOPS`; `tf32`: whether precision 32 runs matmuls as TF32."""
+    """Dense peak FLOP/s of a `device_name` GPU at `trainer.precision` (32 | bf16 | 16), None if not listed."""
     name = device_name.lower()
     for pattern, peaks in PEAK_TFLOPS:
         if re.search(pattern, name):
@@ -58,10 +57,8 @@ def device_peak(device: torch.device, precision: str) -> float | None:
 
 def training_flops_per_sample(model: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]],
                               batch_size: int) -> float:
-    """FLOPs of one training sample: a forward and backward of a `batch_size` micro-batch of model `inputs`
-    (positional, keyword; meta tensors), divided. FlopCounterMode counts matmuls and convolutions only, on a
-    meta-device copy of `model` (no memory, the real model untouched), in eval mode so that sync-BN does not
-    all-reduce."""
+    """FLOPs of one training sample (matmuls and convolutions, forward and backward), counted on a meta-device
+    copy of `model` in eval mode (no memory; sync-BN does not all-reduce) from model `inputs` (meta tensors)."""
     # deepcopy takes memo entries as the copies of those objects: meta twins of the weights.
     meta = {id(t): nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad) for t in model.parameters()}
     meta.update({id(t): torch.empty_like(t, device="meta") for t in model.buffers()})
@@ -79,8 +76,7 @@ def mfu(flops_per_sample: float, samples_per_s: float, peak_flops_per_device: fl
 
 
 class Utilization:
-    """`perf/mfu` and `memory/peak_allocated_gib` for each log window; the FLOPs counted once, here. On the CPU or
-    an unlisted GPU nothing is counted and `scalars` is empty."""
+    """`perf/mfu` and `memory/peak_allocated_gib` of each log window; none on the CPU or an unlisted GPU."""
 
     def __init__(self, model: nn.Module, device: torch.device, precision: str, world_size: int,
                  example_inputs: tuple[tuple[Any, ...], dict[str, Any]] | None, micro_batch_size: int) -> None:

@@ -17,8 +17,7 @@ NON_MAIN_RANK_GRACE_S = 1.0  # how long other ranks wait, on a usage error, for 
 
 
 class UsageError(Exception):
-    """A mistake in the config, the command line or the files a run needs: printed alone (no traceback), exit
-    code 2, so the message must say what is wrong and what to change."""
+    """A mistake in the config, the command line or the files a run needs: printed alone, exit code 2."""
 
     reported = False  # True when worker processes have already printed the message
     local = False  # True when one rank alone may find it: that rank prints it
@@ -43,10 +42,8 @@ def find_usage_error(error: BaseException) -> UsageError | None:
 
 @contextlib.contextmanager
 def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterator[None]:
-    """End the process with `error: <message>` on stderr (the main process's alone) and exit code 2 if the block
-    raises a UsageError; in a sweep it propagates instead (Hydra marks the job failed). Any other error propagates;
-    an allocation that found no memory unwrapped from Hydra's, with a note saying what shrinks a rank's share. A
-    worker restarted after a usage error stops again at once (src/common/retries.py)."""
+    """Exit with `error: <message>` (printed by the main process) and code 2 if the block raises a UsageError;
+    in a sweep it propagates (Hydra marks the job failed). An out-of-memory error propagates with a note."""
     _exit_if_failed_for_good()
     try:
         yield

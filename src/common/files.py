@@ -15,8 +15,8 @@ NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota
 
 @contextlib.contextmanager
 def atomic_file(path: Path, shared: bool = False) -> Iterator[BinaryIO]:
-    """A binary file to write `path`'s new content into; it replaces `path` when the block ends. `shared`: other
-    processes may write `path` at the same time (a temp file per pid; the last rename wins)."""
+    """A binary file whose content replaces `path` when the block ends. `shared`: other processes may write `path`
+    at the same time (a temp file per pid; the last rename wins)."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp" if shared else f"{path.name}.tmp")
     try:
         with open(tmp, "wb") as file:

@@ -24,6 +24,6 @@ def seed_generators(seed: int, device: torch.device) -> None:
 
 
 def step_seed(seed: int, rank: int, step: int) -> int:
-    """A distinct, reproducible seed for each (run seed, rank, optimizer step), for that step's dropout (per rank on
-    purpose). Never change it: a resumed run must draw exactly what the interrupted one would have."""
+    """A seed for each (run seed, rank, optimizer step): that step's dropout. Never change it: a resumed run must
+    draw what the interrupted one would have."""
     return (seed * 1_000_003 + rank * 10_007 + step) % 2**63

@@ -19,8 +19,7 @@ _HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
 
 
 class SettingError(UsageError):
-    """Arguments a component refused by its own rules: (argument, value, what is wrong) each; `errors_named` adds
-    the config key."""
+    """Arguments a component refused: (argument, value, what is wrong) each."""
 
     def __init__(self, problems: list[tuple[str, Any, str]]) -> None:
         self.problems = problems
@@ -40,9 +39,8 @@ def check_arguments(**checked: tuple[Any, Rule]) -> None:
 
 @contextlib.contextmanager
 def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[str] = ()) -> Iterator[None]:
-    """Build `node` (the config at `key`, e.g. `callbacks.ema`) inside the block; an argument its target does not
-    take or misses, or a value it refuses, is one line naming `key`. `passed_elsewhere`: keys of the node that are
-    not the target's arguments."""
+    """Build `node` (the config at `key`) inside the block: an argument its target does not take or misses, or a
+    value it refuses, is one line naming `key`; `passed_elsewhere`: the node's keys that are not arguments."""
     try:
         yield
     except InstantiationException as error:
@@ -58,8 +56,7 @@ def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[s
 
 
 def argument_names(target: str) -> tuple[list[str], bool] | None:
-    """The parameters of the callable `target` names, and whether it takes `**kwargs`; None if it cannot be
-    imported or has no readable signature."""
+    """The parameters of `target`'s callable and whether it takes `**kwargs`; None if they cannot be read."""
     try:
         parameters = inspect.signature(get_object(target)).parameters.values()
     except Exception:  # say nothing rather than guess
@@ -96,8 +93,7 @@ def argument_mismatch(key: str, node: Mapping[str, Any], passed_elsewhere: Itera
 
 
 def named(node: Mapping[str, Any], key: str, default_name: str = "model") -> dict[str, Any]:
-    """The configs of a group that takes one (a node with a `_target_`, named `default_name`) or several by name
-    (`model: {generator: {_target_: ...}, ...}`)."""
+    """The configs of a group that takes one (a node with a `_target_`, named `default_name`) or several by name."""
     if "_target_" in node:
         return {default_name: node}
     if not node or not all(isinstance(value, Mapping) and "_target_" in value for value in node.values()):
@@ -107,8 +103,7 @@ def named(node: Mapping[str, Any], key: str, default_name: str = "model") -> dic
 
 
 def per_model(node: Mapping[str, Any], key: str, models: Iterable[str]) -> dict[str, Any]:
-    """For each model, its config of group `key` (optimizer, scheduler): the one config, or the model's own when
-    `key` names one per model."""
+    """For each model, its config of group `key`: the one config, or the model's own when `key` names one each."""
     models = list(models)
     if "_target_" in node:
         return {name: node for name in models}

@@ -24,8 +24,7 @@ def _placeholder(name: str) -> str:
 
 
 def fill(model_cfg: DictConfig, fields: Mapping[str, Any], dataset_name: str) -> DictConfig:
-    """`model_cfg` with each `${data:FIELD}` replaced by `fields[FIELD]` (what the dataset `dataset_name`
-    provides), or one error line naming the key, the field and what the dataset provides instead."""
+    """`model_cfg` with each `${data:FIELD}` replaced by `fields[FIELD]`, or one error line naming both sides."""
     return OmegaConf.create(_filled(OmegaConf.to_container(model_cfg, resolve=False), fields, dataset_name, "model"))
 
 
@@ -47,8 +46,7 @@ def _filled(node: Any, fields: Mapping[str, Any], dataset_name: str, where: str)
 
 
 def used_by(model_cfg: DictConfig, fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields `model_cfg` (as composed) takes as `${data:FIELD}`, with their values in `fields`: saved with a
-    checkpoint, so eval.py can refuse data of another shape in one line."""
+    """The fields `model_cfg` takes as `${data:FIELD}`, with their values: saved with a checkpoint, for eval.py."""
     names = sorted(set(_FIELD.findall(OmegaConf.to_yaml(model_cfg))))
     return {name: fields[name] for name in names if name in fields}
 
@@ -64,8 +62,7 @@ def check_same(saved: Mapping[str, Any] | None, fields: Mapping[str, Any], what:
 
 
 def fill_model_config(cfg: DictConfig, fields: dict[str, Any], dataset: str) -> dict[str, Any]:
-    """Write what the dataset and task provide into `cfg.model`'s `${data:FIELD}`s, and return the run's resolved
-    config as checkpoints save it, with the fields the model takes (`data_fields`)."""
+    """Fill `cfg.model`'s `${data:FIELD}`s; returns the run's resolved config with its `data_fields`."""
     used = used_by(cfg.model, fields)
     filled = fill(cfg.model, fields, f"dataset={dataset}")
     with open_dict(cfg):

@@ -31,8 +31,8 @@ _full_error_set_here = False
 
 @contextlib.contextmanager
 def one_line_config_errors(is_main_process: bool, config_name: str) -> Iterator[None]:
-    """Run a `@hydra.main` function of conf/`config_name` with its config errors as one line. Hydra raises them
-    only with HYDRA_FULL_ERROR=1: set here until `config_composed()` (a user's own keeps Hydra's traceback)."""
+    """Run a `@hydra.main` function with its config errors as one line: Hydra raises them only with
+    HYDRA_FULL_ERROR=1, set here until `config_composed()` (a user's own keeps Hydra's traceback)."""
     global _full_error_set_here
     if os.environ.get(_FULL_ERROR) == "1":
         yield
@@ -136,8 +136,7 @@ def unknown_key_message(error: OmegaConfBaseException, source: str, script: str,
 
 
 def _one_level_down(node: DictConfig, parent: str, key: str, dirs: list[Path]) -> tuple[str, str | None] | None:
-    """(block, None) if exactly one block of `node` holds `key`; (block, option) if instead one block that a
-    YAML of the config group `parent` adds does (conf/logger/mlflow.yaml: the mlflow block, option mlflow)."""
+    """(block, None) if one block of `node` holds `key`; (block, option) if one a YAML of group `parent` adds does."""
     found = {str(k): None for k, v in OmegaConf.to_container(node).items() if isinstance(v, dict) and key in v}
     for file in sorted(f for d in dirs if parent for f in (d / parent.replace(".", "/")).glob("*.yaml")):
         blocks = {} if "@package" in file.read_text() else OmegaConf.to_container(OmegaConf.load(file))

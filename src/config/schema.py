@@ -65,8 +65,7 @@ BACKENDS = ("auto", "nccl", "gloo")
 
 
 def precision_setting(default: Any) -> Any:
-    """`trainer.precision`: 32 | bf16 | 16. Typed Any: a str node would turn 32 into "32". A null default (eval.py:
-    the checkpoint's) allows null."""
+    """Typed Any: a str node would turn 32 into "32". A null default (eval.py: the checkpoint's) allows null."""
     return setting(default, one_of(*PRECISIONS, or_null=default is None))
 
 
@@ -75,41 +74,31 @@ def precision_setting(default: Any) -> Any:
 
 @dataclass
 class TrainerConfig:
-    """The `trainer` block: how the loop trains, checkpoints and reports. Built directly (tests),
-    `monitor`/`monitor_mode` stay the interpolations below: pass them."""
+    """The `trainer` block. Built directly (tests), `monitor`/`monitor_mode` stay interpolations: pass them."""
 
     epochs: int = setting(20, at_least(1))  # passes over the training set
     precision: Any = precision_setting(32)  # 32 | bf16 | 16 (fp16 autocast with gradient scaling; for GPUs)
-    grad_accum: int = setting(1, at_least(1))  # micro-steps per optimizer step; dataset.batch_size stays the
-    # global batch per step
-    grad_clip: float | None = setting(None, number_or_null(zero_allowed=False))  # clip the global gradient L2
-    # norm to this value; null = no clipping
+    grad_accum: int = setting(1, at_least(1))  # micro-steps per optimizer step; dataset.batch_size is the global batch
+    grad_clip: float | None = setting(None, number_or_null(zero_allowed=False))  # max global gradient L2 norm
     compile: bool = False  # wrap the model in torch.compile (TorchInductor)
     log_every_steps: int = setting(50, at_least(1))  # optimizer steps between TensorBoard train/* scalars
     device: str = setting("auto", one_of(*DEVICES))  # auto: cuda:LOCAL_RANK if a GPU is visible, else cpu | cpu | cuda
     save_checkpoints: bool = True  # write checkpoints/last.pt every epoch and best.pt on improvement
-    monitor: str | None = "${task.monitor}"  # val/<name> or train/<name>: decides best.pt, what train.py returns
-    # and sweeps sort by; default: the task's; null: no best.pt
-    monitor_mode: str = setting("${task.mode}", one_of("max", "min"))  # whether a larger or a smaller monitor
-    # value is better; default: the task's
+    monitor: str | None = "${task.monitor}"  # val/NAME or train/NAME deciding best.pt and sweeps; null: none
+    monitor_mode: str = setting("${task.mode}", one_of("max", "min"))  # max | min: which monitor value is better
     test: bool = True  # when training ends (not on preemption), evaluate the chosen weights once on the test split
-    checkpoint_every_steps: int | None = setting(None, at_least(1, or_null=True))  # also checkpoint mid-epoch
-    # every N optimizer steps (null: at epoch ends only)
-    async_checkpoint: bool = False  # a save waits only for a copy of the state in host memory (kept between
-    # saves) and is written in the background; at most one in flight
+    checkpoint_every_steps: int | None = setting(None, at_least(1, or_null=True))  # also mid-epoch (null: epoch ends)
+    async_checkpoint: bool = False  # a save waits only for a host copy, written in the background
     keep_last: int = setting(2, at_least(1))  # newest mid-epoch checkpoints kept as checkpoints/step_<N>.pt
-    max_steps: int | None = setting(None, at_least(1, or_null=True))  # stop after this many optimizer steps in
-    # all, with a checkpoint (continue with resume=auto); null: all epochs
+    max_steps: int | None = setting(None, at_least(1, or_null=True))  # stop after N steps, with a checkpoint
     limit_train_batches: int | None = setting(None, at_least(1, or_null=True))  # optimizer steps per epoch at most
     limit_val_batches: int | None = setting(None, at_least(1, or_null=True))  # val batches per rank at most
-    overfit_batches: int = setting(0, at_least(0))  # >0: train AND validate on the first N global batches of the
-    # train split (0: off)
+    overfit_batches: int = setting(0, at_least(0))  # >0: train AND validate on the first N global batches
     progress: bool = True  # rank-0 progress bars (when stdout is a terminal)
     channels_last: bool = False  # NHWC memory format for the model and images
     tf32: bool = True  # allow TensorFloat-32 matmuls/convolutions on Ampere+ GPUs
     deterministic: bool = False  # deterministic cuDNN algorithms; false lets cudnn.benchmark pick the fastest
-    freeze: list[str] = field(default_factory=list)  # parameter-name prefixes whose parameters get no gradient and
-    # no optimizer state (a prefix matching no parameter is an error); BatchNorm statistics still update
+    freeze: list[str] = field(default_factory=list)  # parameter-name prefixes to freeze (no gradients)
 
 
 STRATEGIES = ("ddp", "fsdp")  # a full copy of the model per rank | the model sharded over the ranks (FSDP2)
@@ -121,38 +110,28 @@ class FsdpConfig:
 
     wrap: list[str] = field(default_factory=list)  # class names of the modules sharded as units, then the root;
     # []: auto, the root's children of at least min_unit_params parameters; [root]: the whole model as one unit
-    min_unit_params: int = setting(1_000_000, at_least(0))  # with wrap=[]: a smaller child is no unit of its own
-    # (each unit costs collectives its memory may not repay); 0: every child that holds parameters
-    reshard_after_forward: bool = True  # free the gathered parameters after each unit's forward (least memory);
-    # false keeps them to the backward (one all-gather less)
+    min_unit_params: int = setting(1_000_000, at_least(0))  # with wrap=[]: the smallest child that is a unit (0: any)
+    reshard_after_forward: bool = True  # free gathered parameters after each unit's forward (least memory)
     cpu_offload: bool = False  # keep shards, gradients and optimizer state in host memory (GPUs only)
 
 
 @dataclass
 class DistConfig:
-    """The `dist` group: data-parallel training when the launcher starts more than one process; a single process
-    ignores these keys except `strategy` (its checkpoint format)."""
+    """The `dist` group; a single process ignores these keys except `strategy` (its checkpoint format)."""
 
-    strategy: str = setting("ddp", one_of(*STRATEGIES))  # ddp: every rank holds the whole model, checkpoints are
-    # one .pt | fsdp: FSDP2, each rank holds 1/world_size of it, checkpoints are sharded directories
+    strategy: str = setting("ddp", one_of(*STRATEGIES))  # ddp: whole model per rank | fsdp: FSDP2, sharded
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     backend: str = setting("auto", one_of(*BACKENDS))  # auto: nccl on GPUs, gloo on CPU | nccl | gloo
     sync_bn: bool = True  # BatchNorm statistics over the global batch; false = per-rank statistics
     find_unused_parameters: bool = False  # set true if some parameters get no gradient in a step (slower)
-    timeout_s: float = setting(1800.0, number_or_null(zero_allowed=False))  # seconds a collective may wait for
-    # the other ranks until this rank's first optimizer step (start-up may hold ranks apart for long)
-    step_timeout_s: float | None = setting(300.0, number_or_null(zero_allowed=False))  # the same after the first
-    # step: a hung rank stops the group this soon; more than the longest gap between collectives (a checkpoint,
-    # an eval pass); null: timeout_s all run
-    nproc_per_node: int = setting(1, at_least(1))  # >1: `python train.py` starts this many local workers as one
-    # DDP group (ignored under torchrun)
-    master_port: int | None = setting(None, port_or_null)  # with nproc_per_node>1: the rendezvous port (null: a
-    # free port the OS picks)
+    timeout_s: float = setting(1800.0, number_or_null(zero_allowed=False))  # collective wait (s) until the first step
+    step_timeout_s: float | None = setting(300.0, number_or_null(zero_allowed=False))  # after it (null: timeout_s)
+    nproc_per_node: int = setting(1, at_least(1))  # >1: `python train.py` starts N local workers (not under torchrun)
+    master_port: int | None = setting(None, port_or_null)  # rendezvous port with nproc_per_node>1 (null: free)
 
 
 @dataclass
 class TrainSchema:
-
     task: Any
     model: Any
     dataset: Any
@@ -182,7 +161,6 @@ OPEN_GROUP_RULES: dict[str, Rule] = {
 
 @dataclass
 class EvalTrainerConfig:
-
     precision: Any = precision_setting(None)  # null: the checkpoint's trainer.precision | 32 | bf16 | 16
     device: str = setting("auto", one_of(*DEVICES))  # auto: cuda:LOCAL_RANK if a GPU is visible, else cpu | cpu | cuda
 
@@ -197,7 +175,6 @@ class EvalDistConfig:
 
 @dataclass
 class EvalSchema:
-
     checkpoint: str
     trusted_targets: list[str]
     dataset: Any
@@ -267,8 +244,7 @@ def _refuse(problems: list[str]) -> None:
 
 
 class CheckBeforeWriting(Callback):
-    """Refuse a bad value, or a fresh run into a run dir that already holds one, before Hydra writes `.hydra/`
-    there (it does before the task function starts)."""
+    """Refuse a bad value, or a fresh run into a run dir that holds one, before Hydra writes `.hydra/` there."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Hydra turns a callback's exception into a warning and goes on; SystemExit it lets through.

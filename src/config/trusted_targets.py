@@ -52,8 +52,7 @@ def targets_of_config_groups(dirs: Iterable[Path]) -> set[str]:
 
 
 def trusted(listed: Iterable[str], own_config: Any = None) -> set[str]:
-    """The targets a saved config may name: the config groups', those `listed` in `trusted_targets`,
-    and those of `own_config` (the config the user composed for this run)."""
+    """The targets a saved config may name: the config groups', those `listed`, and those of `own_config`."""
     return targets_of_config_groups(config_dirs()) | set(map(str, listed)) | {
         str(target) for _, target in targets_in(own_config)
     }
@@ -65,8 +64,7 @@ def interpolations_in(node: Any) -> Iterator[tuple[str, str]]:
 
 
 def check_saved_config(saved: Any, path: Path, allowed: set[str]) -> None:
-    """Refuse a config read from `path` that names a `_target_` outside `allowed`, or holds an interpolation (which
-    could build one when resolved, e.g. `${oc.create:{_target_: ...}}`)."""
+    """Refuse a config read from `path` that names a `_target_` outside `allowed`, or holds an interpolation."""
     if not isinstance(saved, dict):
         raise UsageError(f"checkpoint {path} holds no saved config (a dict); it was not written by train.py")
     for key, value in interpolations_in(saved):

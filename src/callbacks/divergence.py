@@ -47,10 +47,8 @@ class NonFiniteLossWatch:
 def diverged_message(step: int, what: str, names_the_op: bool = False) -> str:
     where = "the warning above shows its forward call" if names_the_op else (
         "callbacks.divergence.detect_anomaly=true names the operation")
-    return (
-        f"{what} at optimizer step {step}; the run stopped without saving that state. Try a lower "
-        f"optimizer.lr or trainer.grad_clip=1.0; {where}"
-    )
+    return (f"{what} at optimizer step {step}; the run stopped without saving that state. Try a lower "
+            f"optimizer.lr or trainer.grad_clip=1.0; {where}")
 
 
 class DivergenceWatch(Callback):
@@ -61,8 +59,7 @@ class DivergenceWatch(Callback):
         self._step = 0  # the last optimizer step taken
 
     def on_run_start(self, run: Run) -> None:
-        self.watch = NonFiniteLossWatch(run.parts.runtime.device)
-        self._step = run.state.step
+        self.watch, self._step = NonFiniteLossWatch(run.parts.runtime.device), run.state.step
         if self.detect_anomaly:
             self._anomaly_mode = torch.autograd.set_detect_anomaly(True)  # on until the run ends
 

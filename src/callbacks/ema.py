@@ -26,16 +26,12 @@ class EmaWeights:
     """The EMA of `model`'s parameters (`average`, sharded like them); its state_dict has the model's keys."""
 
     def __init__(self, model: nn.Module, decay: float, warmup_steps: int = 0) -> None:
-        self.model = model
-        self.decay = decay
-        self.warmup_steps = warmup_steps
+        self.model, self.decay, self.warmup_steps = model, decay, warmup_steps
         self.average = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
 
     def decay_at(self, step: int) -> float:
         """The decay of optimizer step `step` (1 = the run's first)."""
-        if self.warmup_steps == 0:
-            return self.decay
-        return self.decay * min(1.0, step / self.warmup_steps)
+        return self.decay if self.warmup_steps == 0 else self.decay * min(1.0, step / self.warmup_steps)
 
     @torch.no_grad()
     def update(self, step: int) -> None:

@@ -14,7 +14,6 @@ from src.reports.images import image_grid
 
 
 class InputGrid(Callback):
-
     def __init__(self, count: int) -> None:
         check_arguments(count=(count, at_least(1)))
         self.count = count

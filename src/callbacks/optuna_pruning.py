@@ -1,6 +1,6 @@
 """Pruning an Optuna trial that is a DDP group: after every epoch but the last, rank 0 reports the monitored value
 to the trial and asks its pruner; every rank stops on rank 0's answer. Inert unless the sweeper set the trial's
-environment variables (src/sweeps/pruning.py)."""
+environment variables (src/sweeps/jobs.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from src.loop.callback import Callback, EndRun, Run
-from src.sweeps.pruning import STORAGE_ENV, STUDY_ENV, TRIAL_ENV
+from src.sweeps.jobs import STORAGE_ENV, STUDY_ENV, TRIAL_ENV
 
 
 class OptunaPruning(Callback):
     def __init__(self) -> None:
-        self.enabled = TRIAL_ENV in os.environ
-        self.trial: Any = None
+        self.enabled, self.trial = TRIAL_ENV in os.environ, None
 
     def on_run_start(self, run: Run) -> None:
         if run.parts.runtime.is_main_process:  # rank 0 alone talks to the storage

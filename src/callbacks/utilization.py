@@ -15,10 +15,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from src.data.batches import tree_map
 from src.loop.callback import Callback, Run, Step
 
-# Dense peak TFLOP/s (no 2:4 sparsity) per GPU, by the precision of its matmuls: "fp32" on CUDA cores, "tf32" /
-# "bf16" / "fp16" on tensor cores with fp32 accumulation. A precision a GPU lacks is absent (fp32 models on
-# pre-Ampere GPUs fall back to "fp32"). Patterns match torch.cuda.get_device_name() lower-cased, first match wins.
-# Sources: NVIDIA's datasheets (sparse tensor-core figures halved) and the Ampere GA102 / Ada whitepapers.
+# Dense peak TFLOP/s per GPU (first pattern matching the lower-cased device name) by matmul precision; a precision a
+# GPU lacks is absent (tf32 falls back to fp32). Sources: NVIDIA's datasheets (sparse figures halved), whitepapers.
 PEAK_TFLOPS: tuple[tuple[str, Mapping[str, float]], ...] = (
     (r"h[12]00 nvl", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}),
     (r"h100.*(pcie|hbm2e)", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5}),
@@ -103,8 +101,7 @@ class MFU(Callback):
 
     def on_run_start(self, run: Run) -> None:
         self.peak = device_peak(run.parts.runtime.device, run.config.precision)
-        self.enabled = self.peak is not None
-        self._run = run
+        self.enabled, self._run = self.peak is not None, run
 
     def on_step_end(self, step: Step) -> None:
         if self.example_inputs is None:

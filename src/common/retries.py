@@ -30,12 +30,8 @@ def record_final_failure(message: str) -> None:
 
 def final_failure() -> str | None:
     """In a restarted worker: the usage error an earlier attempt of this launcher stopped on, if any."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-        return None
-    path = _record_path()
-    if path is None or not path.exists():
-        return None
-    return path.read_text(encoding="utf-8")
+    path = _record_path() if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) else None
+    return path.read_text(encoding="utf-8") if path is not None and path.exists() else None
 
 
 def _record_path() -> Path | None:

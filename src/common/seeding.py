@@ -15,7 +15,8 @@ def seed_everything(seed: int) -> None:
 
 
 def seed_generators(seed: int, device: torch.device) -> None:
-    """Seed Python, NumPy, the CPU and `device`'s generator (not every device's, as `torch.manual_seed` does)."""
+    """Seed Python, NumPy, the CPU and `device`'s generator; torch.manual_seed would also queue a seed (with a stack
+    trace) for every uninitialised device type, every step."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.default_generator.manual_seed(seed)

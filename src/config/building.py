@@ -31,7 +31,6 @@ class SettingError(UsageError):
 
 
 def check_arguments(**checked: tuple[Any, Rule]) -> None:
-    """Raise a `SettingError` for every `argument=(value, rule)` whose value breaks its rule."""
     problems = [(name, value, problem) for name, (value, rule) in checked.items() if (problem := rule(value))]
     if problems:
         raise SettingError(problems)

@@ -15,12 +15,9 @@ _FIELD = re.compile(r"\$\{data:(\w+)\}")
 
 
 def register_resolver() -> None:
-    OmegaConf.register_new_resolver("data", _placeholder, replace=True)
-
-
-def _placeholder(name: str) -> str:
-    """A `${data:FIELD}` resolved before the dataset is built, e.g. by `--cfg job --resolve`."""
-    return f"<{name}: filled in at run time from the dataset and task>"
+    """`${data:FIELD}` resolved before the dataset is built (`--cfg job --resolve`) says where it will come from."""
+    OmegaConf.register_new_resolver("data", lambda name: f"<{name}: filled in at run time from the dataset and task>",
+                                    replace=True)
 
 
 def fill(model_cfg: DictConfig, fields: Mapping[str, Any], dataset_name: str) -> DictConfig:

@@ -27,6 +27,7 @@ from src.config import building
 CONF = Path(__file__).resolve().parents[2] / "conf"
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 _full_error_set_here = False
+SWEEP_GRAMMAR = "choice(a,b,...), range(start,stop[,step]), interval(low,high) or tag(log,interval(low,high))"
 
 
 @contextlib.contextmanager
@@ -55,6 +56,7 @@ def config_composed() -> None:
     if _full_error_set_here:
         os.environ.pop(_FULL_ERROR, None)
         _full_error_set_here = False
+SWEEP_GRAMMAR = "choice(a,b,...), range(start,stop[,step]), interval(low,high) or tag(log,interval(low,high))"
 
 
 def describe_config_error(error: Exception, script: str, overrides: list[str], config_name: str,
@@ -62,9 +64,8 @@ def describe_config_error(error: Exception, script: str, overrides: list[str], c
     """One line saying what is wrong with the command line's `overrides` or a config file, and what to change."""
     if isinstance(error, OverrideParseException):
         if unknown := re.search(r"Unknown function '(\w+)'", error.message):  # e.g. another tool's loguniform(...)
-            return (f"{error.override}: {unknown.group(1)}(...) is not a function of Hydra's override grammar; a "
-                    "sweep takes choice(a,b,...), range(start,stop[,step]), interval(low,high) or "
-                    "tag(log,interval(low,high))")
+            return f"{error.override}: {unknown.group(1)}(...) is not a function of Hydra's override grammar; a " \
+                   f"sweep takes {SWEEP_GRAMMAR}"
         return (f"cannot parse the override {error.override!r} ({error.message.splitlines()[0]}); quote values holding "
                 "special characters, e.g. key='a value' (https://hydra.cc/docs/advanced/override_grammar/basic/)")
     if isinstance(error, MissingConfigException) and error.options and error.missing_cfg_file:

@@ -19,8 +19,6 @@ from src.common.errors import UsageError, exit_on_usage_error
 from src.config.building import Rule
 from src.parallel.ranks import is_main_process, resume_setting
 
-# -- rules: what a value may be, beyond its type ----------------------------------------------------
-
 
 def one_of(*allowed: str, or_null: bool = False) -> Rule:
     problem = f"is not one of {', '.join(allowed)}" + (" (or null)" if or_null else "")
@@ -68,8 +66,6 @@ def precision_setting(default: Any) -> Any:
     """Typed Any: a str node would turn 32 into "32". A null default (eval.py: the checkpoint's) allows null."""
     return setting(default, one_of(*PRECISIONS, or_null=default is None))
 
-
-# -- train.py's settings --------------------------------------------------------------------------
 
 
 @dataclass
@@ -188,8 +184,6 @@ class EvalSchema:
 ConfigStore.instance().store(name="train_schema", node=TrainSchema)
 ConfigStore.instance().store(name="eval_schema", node=EvalSchema)
 
-
-# -- layer 3: values ------------------------------------------------------------------------------
 
 
 def check_train_config(cfg: DictConfig) -> None:

@@ -27,7 +27,6 @@ def _entries(node: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
 
 
 def targets_in(node: Any) -> Iterator[tuple[str, Any]]:
-    """Every `(key, target)` of a `_target_` anywhere in `node`."""
     if isinstance(node, (DictConfig, ListConfig)):
         node = OmegaConf.to_container(node, resolve=False)
     return ((dotted, value) for dotted, key, value in _entries(node) if key == "_target_")
@@ -42,7 +41,6 @@ def config_dirs() -> list[Path]:
 
 
 def targets_of_config_groups(dirs: Iterable[Path]) -> set[str]:
-    """The `_target_`s named by the options (YAML files) of GROUPS in `dirs`."""
     targets: set[str] = set()
     for directory in dirs:
         for group in GROUPS:

@@ -137,10 +137,8 @@ class ArrowSamples(Dataset):
     """The rows of a split as tuples of `columns`' values, images decoded and passed through `image_transform`."""
 
     def __init__(self, split: ArrowSplit, columns: Sequence[str], image_transform: Callable[[Any], Any]) -> None:
-        self.split = split
-        self.columns = list(columns)
+        self.split, self.columns, self.image_transform = split, list(columns), image_transform
         self.images = split.image_columns & set(columns)
-        self.image_transform = image_transform
 
     def __len__(self) -> int:
         return len(self.split)
@@ -173,7 +171,6 @@ def column(split: ArrowSplit, name: str) -> list[Any]:
 
 
 def open_splits(root: Path, names: Sequence[str]) -> list[ArrowSplit]:
-    """The splits `names` of the dataset saved in `root`, with one-line errors for what is missing."""
     listed = listed_splits(root)
     for name in names:
         if name not in listed:

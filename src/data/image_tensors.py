@@ -22,8 +22,7 @@ class ImageTensorDataset(TensorDataset):
         channels = images.shape[1]
         self.mean = torch.as_tensor(mean, dtype=torch.float32, device=images.device).view(1, channels, 1, 1)
         self.std = torch.as_tensor(std, dtype=torch.float32, device=images.device).view(1, channels, 1, 1)
-        self.crop_padding = crop_padding
-        self.flip = flip
+        self.crop_padding, self.flip = crop_padding, flip
 
     @property
     def augments(self) -> bool:

@@ -143,7 +143,6 @@ def make_loader(dataset: Dataset, batch_sampler: Iterable[list[int]], device: to
 
 @dataclass
 class Data:
-
     splits: DataSplits
     train_sampler: GlobalBatchSampler
     train_loader: Iterable[Any]

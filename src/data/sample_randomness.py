@@ -98,8 +98,7 @@ class SeededSamples(Dataset):
     """`dataset` read by (epoch, index) keys, the host generators seeded from (seed, epoch, index) for each."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
-        self.dataset = dataset
-        self.seed = seed
+        self.dataset, self.seed = dataset, seed
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]

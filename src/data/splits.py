@@ -37,7 +37,6 @@ IMAGE_FIELDS = {"fields": ("image", "label"), "target": "label"}  # (image, clas
 
 
 def image_info(num_classes: int, channels: int, height: int, width: int) -> dict[str, Any]:
-    """What an image classification dataset provides: the image shape, its size flattened and the class count."""
     return {"num_classes": num_classes, "in_channels": channels, "image_size": [height, width],
             "num_features": channels * height * width}
 

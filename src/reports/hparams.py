@@ -19,10 +19,8 @@ def run_hparams(config: Mapping[str, Any], overrides: Sequence[str], choices: Ma
     flat = flatten(config)
     recorded: dict[str, Any] = {}
     for override in OverridesParser.create().parse_overrides(list(overrides)):
-        if override.is_delete():
-            continue
         key = override.key_or_group
-        if key.split(".")[0] in NOT_RECORDED:
+        if override.is_delete() or key.split(".")[0] in NOT_RECORDED:
             continue
         if key in choices:  # a group override: the option's name
             recorded[key] = str(choices[key])
@@ -41,8 +39,6 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
             flat.update(flatten(value, f"{name}."))
-        elif isinstance(value, (bool, int, float, str)):
-            flat[name] = value
         else:
-            flat[name] = str(value)
+            flat[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
     return flat

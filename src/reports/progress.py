@@ -11,7 +11,6 @@ T = TypeVar("T")
 
 
 def shows_progress(enabled: bool, is_main_process: bool, stream: TextIO) -> bool:
-    """Whether to draw bars: `trainer.progress` is on, this is the main process and `stream` is a terminal."""
     return enabled and is_main_process and stream.isatty()
 
 

@@ -34,12 +34,10 @@ def setup_logging(run_dir: Path, rank: int, name: str = "train") -> None:
         root.removeHandler(handler)
     root.setLevel(logging.INFO)
     filename = f"{name}.log" if rank == 0 else f"{name}.rank{rank}.log"
-    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / filename)]
     console = _ConsoleHandler(sys.stdout if rank == 0 else sys.stderr)
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     console.addFilter(lambda record: getattr(record, "console", True))
-    handlers.append(console)
-    for handler in handlers:
+    for handler in (logging.FileHandler(run_dir / filename), console):
         handler.setFormatter(logging.Formatter(_FORMAT if rank == 0 else f"[rank {rank}]{_FORMAT}"))
         root.addHandler(handler)
 

@@ -92,7 +92,6 @@ def _format(value: Any) -> str:
 
 
 class SweepSummary(Callback):
-
     def __init__(self, metric: str, mode: str) -> None:
         self.metric, self.mode = metric, mode
 

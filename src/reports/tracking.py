@@ -28,15 +28,13 @@ class Trackers(Callback):
 
     def __init__(self, trackers: Mapping[str, Tracker], identity: RunIdentity, overrides: Sequence[str] = (),
                  choices: Mapping[str, Any] | None = None) -> None:
-        self.trackers = dict(trackers)
-        self.identity = identity
+        self.trackers, self.identity = dict(trackers), identity
         self.overrides, self.choices = tuple(overrides), dict(choices or {})
         self.ids: dict[str, str] = {}  # each tracker's run id, from the checkpoint and then from `open`
         self.sent: dict[str, dict[str, int]] = {}  # the last step each tracker holds of each key
         self._ledger: set[str] = set()  # the trackers whose `sent` only trackers.json knows
         self._status: tuple[str, str | None] | None = None  # how the run ended, when `close` comes
-        self._last_step = 0
-        self._open = False
+        self._last_step, self._open = 0, False
         self._params: dict[str, Any] | None = None  # the run's hyperparameters, until the trackers' runs open
 
     def state_dict(self) -> dict[str, Any]:
@@ -123,9 +121,8 @@ def read_ids_file(run_dir: Path) -> dict[str, Any]:
 
 def identity_of(run_dir: Path, in_sweep: bool) -> RunIdentity:
     """A run's name, and a sweep job's group: its sweep dir (the job dir's parent, hydra.sweep.dir)."""
-    if in_sweep:
-        return RunIdentity(str(run_dir), run_dir, group=str(run_dir.parent), job=run_dir.name)
-    return RunIdentity(str(run_dir), run_dir)
+    group, job = (str(run_dir.parent), run_dir.name) if in_sweep else (None, None)
+    return RunIdentity(str(run_dir), run_dir, group=group, job=job)
 
 
 def build_trackers(logger_cfg: DictConfig, context: Any, is_main_process: bool) -> Trackers:

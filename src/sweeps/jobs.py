@@ -10,10 +10,15 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.common.errors import UsageError
+from src.parallel.job import quote_override
 from src.parallel.ranks import SWEEP_JOB_RESUMES
 
 FAILED_MARKER = "FAILED"  # written into a job dir by the summary callback when the job raised
 FINISHED = ("completed", "pruned")
+# Where a pruned Optuna trial's job finds its trial (src/callbacks/optuna_pruning.py), set like SWEEP_JOB_RESUMES.
+STORAGE_ENV = "DDP_TEMPLATE_OPTUNA_STORAGE"  # the study's storage URL
+STUDY_ENV = "DDP_TEMPLATE_OPTUNA_STUDY"  # its name
+TRIAL_ENV = "DDP_TEMPLATE_OPTUNA_TRIAL"  # the trial's id in the storage
 
 
 def job_state(job_dir: Path) -> str | None:
@@ -64,6 +69,13 @@ def rerun_overrides(job_dir: Path, overrides: Sequence[str]) -> list[str]:
     if job_state(job_dir) is None:
         return list(overrides)
     (job_dir / FAILED_MARKER).unlink(missing_ok=True)
-    # Through `hydra.job.env_set` (every launcher applies it): `resume: null` then means `auto` for this job
-    # (src/parallel/ranks.py), and its overrides.yaml stays as it was.
+    # Through `hydra.job.env_set` (every launcher applies it): its overrides.yaml stays as it was.
     return [*overrides, f"++hydra.job.env_set.{SWEEP_JOB_RESUMES}=1"]
+
+
+def trial_env(storage: str, study_name: str, trial_id: int, pruner: str) -> list[str]:
+    """The `hydra.job.env_set` overrides that let a trial's job report to its trial (none: no pruner)."""
+    if pruner == "none":
+        return []
+    values = {STORAGE_ENV: storage, STUDY_ENV: study_name, TRIAL_ENV: str(trial_id)}
+    return [f"++hydra.job.env_set.{key}={quote_override(value)}" for key, value in values.items()]

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.common.errors import UsageError
 from src.parallel import ranks
-from src.sweeps import jobs, pruning, search_space
+from src.sweeps import jobs, search_space
 
 log = logging.getLogger(__name__)
 
@@ -61,32 +61,28 @@ class OptunaSweeper(Sweeper):
 
     def check_settings(self, space: dict[str, Any]) -> str:
         """The study's direction; one error line for a setting that cannot work."""
-        problems = []
-        if ranks.is_worker():
-            problems.append("an Optuna sweep under torchrun would sample on every rank: start it as one process "
-                            "and give each trial its ranks with dist.nproc_per_node=N (or a launcher)")
-        if self.n_trials < 1:
-            problems.append(f"hydra.sweeper.n_trials={self.n_trials} must be at least 1")
-        if self.sampler not in SAMPLERS:
-            problems.append(f"hydra.sweeper.sampler={self.sampler} is not one of {', '.join(SAMPLERS)}")
-        if self.pruner["name"] not in PRUNERS:
-            problems.append(f"hydra.sweeper.pruner={self.pruner['name']} is not one of {', '.join(PRUNERS)}")
-        if not space:
-            problems.append(f"nothing to search: sweep at least one key, e.g. 'optimizer.lr=tag(log,interval(1e-4,"
-                            f"1e-1))' ({search_space.GRAMMAR})")
-        if not self.storage:
-            problems.append("hydra.sweeper.storage is empty: the study needs a database to live in, e.g. the "
-                            "default sqlite:///${hydra.sweep.dir}/optuna.db")
         monitor, mode = self.config.trainer.monitor, self.config.trainer.monitor_mode
-        if monitor is None:
-            problems.append("trainer.monitor=null: the study optimises the monitored metric; name one "
-                            "(trainer.monitor=val/NAME)")
         direction = DIRECTIONS[mode]
-        if self.direction not in (None, *DIRECTIONS.values()):
-            problems.append(f"hydra.sweeper.direction={self.direction} is not one of maximize, minimize (or null)")
-        elif self.direction not in (None, direction):
-            problems.append(f"hydra.sweeper.direction={self.direction} contradicts trainer.monitor={monitor}, "
-                            f"whose trainer.monitor_mode is {mode}: leave hydra.sweeper.direction=null")
+        checks = [
+            (ranks.is_worker(), "an Optuna sweep under torchrun would sample on every rank: start it as one process "
+                                "and give each trial its ranks with dist.nproc_per_node=N (or a launcher)"),
+            (self.n_trials < 1, f"hydra.sweeper.n_trials={self.n_trials} must be at least 1"),
+            (self.sampler not in SAMPLERS, f"hydra.sweeper.sampler={self.sampler} is not one of {', '.join(SAMPLERS)}"),
+            (self.pruner["name"] not in PRUNERS,
+             f"hydra.sweeper.pruner={self.pruner['name']} is not one of {', '.join(PRUNERS)}"),
+            (not space, f"nothing to search: sweep at least one key, e.g. 'optimizer.lr=tag(log,interval(1e-4,1e-1))' "
+                        f"({search_space.GRAMMAR})"),
+            (not self.storage, "hydra.sweeper.storage is empty: the study needs a database to live in, e.g. the "
+                               "default sqlite:///${hydra.sweep.dir}/optuna.db"),
+            (monitor is None, "trainer.monitor=null: the study optimises the monitored metric; name one "
+                              "(trainer.monitor=val/NAME)"),
+            (self.direction not in (None, *DIRECTIONS.values()),
+             f"hydra.sweeper.direction={self.direction} is not one of maximize, minimize (or null)"),
+            (self.direction in DIRECTIONS.values() and self.direction != direction,
+             f"hydra.sweeper.direction={self.direction} contradicts trainer.monitor={monitor}, whose "
+             f"trainer.monitor_mode is {mode}: leave hydra.sweeper.direction=null"),
+        ]
+        problems = [problem for failed, problem in checks if failed]
         if problems:
             raise UsageError("; ".join(problems))
         return direction
@@ -160,7 +156,7 @@ class OptunaSweeper(Sweeper):
         jobs.check_same_job(job_dir, overrides)
         for key, value in {"job": job, "job_dir": str(job_dir), "overrides": overrides}.items():
             trial.set_user_attr(key, value)
-        env = pruning.trial_env(self.storage, self.study_name, trial._trial_id, self.pruner["name"])
+        env = jobs.trial_env(self.storage, self.study_name, trial._trial_id, self.pruner["name"])
         [result] = self.launcher.launch([jobs.rerun_overrides(job_dir, overrides) + env], initial_job_idx=job)
         state = jobs.job_state(job_dir)
         if result.status == JobStatus.FAILED or state == "failed":
@@ -173,7 +169,6 @@ class OptunaSweeper(Sweeper):
         return state != "incomplete"
 
     def tell_finished(self, study: Any, number: int, job_dir: Path, state: str) -> None:
-        """A finished job's result: its last monitored value (metrics.json), or PRUNED."""
         if state == "pruned":
             study.tell(number, state=_optuna().trial.TrialState.PRUNED)
         else:

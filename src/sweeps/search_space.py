@@ -8,9 +8,8 @@ from typing import Any
 from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep
 
 from src.common.errors import UsageError
+from src.config.hydra_errors import SWEEP_GRAMMAR as GRAMMAR
 from src.parallel.job import quote_override
-
-GRAMMAR = "choice(a,b,...), range(start,stop[,step]), interval(low,high) or tag(log,interval(low,high))"
 
 
 def split(overrides: list[Override]) -> tuple[dict[str, Any], list[str]]:

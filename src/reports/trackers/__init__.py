@@ -15,7 +15,6 @@ from src.common.errors import UsageError
 
 @dataclass(frozen=True)
 class RunIdentity:
-
     name: str  # the run dir, as the tracker shows the run
     run_dir: Path
     group: str | None = None  # a multirun or Optuna job's sweep dir: every job of the sweep shares it

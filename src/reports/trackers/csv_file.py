@@ -41,9 +41,7 @@ class CSVTracker(Tracker):
 
     def _write(self, rows: list[tuple[Any, str, Any]]) -> None:
         assert self._file is not None, "log() before open()"
-        buffer = io.StringIO()
-        csv.writer(buffer, lineterminator="\n").writerows(rows)
-        self._file.write(buffer.getvalue())
+        csv.writer(self._file, lineterminator="\n").writerows(rows)
         self._file.flush()
 
     def close(self, status: str, stop_reason: str | None) -> None:

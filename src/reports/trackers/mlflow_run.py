@@ -28,8 +28,7 @@ class MLflowTracker(Tracker):
         if tracking_uri and tracking_uri.startswith(("http://", "https://")):
             check_server(tracking_uri, timeout_s)
         self.client = self.mlflow.tracking.MlflowClient(tracking_uri=tracking_uri or None)
-        self.experiment_name = experiment_name
-        self.run_id: str | None = None
+        self.experiment_name, self.run_id = experiment_name, None
 
     def open(self, run_id: str | None, identity: RunIdentity, params: Mapping[str, Any]) -> str:
         if run_id is not None and self._continues(run_id):  # a restart, resume=auto, a resumed sweep job
@@ -57,15 +56,13 @@ class MLflowTracker(Tracker):
 
     def _experiment_id(self) -> str:
         experiment = self.client.get_experiment_by_name(self.experiment_name)
-        if experiment is not None:
-            return experiment.experiment_id
-        try:
-            return self.client.create_experiment(self.experiment_name)
-        except Exception:  # another job created it meanwhile
-            experiment = self.client.get_experiment_by_name(self.experiment_name)
-            if experiment is None:
-                raise
-            return experiment.experiment_id
+        if experiment is None:
+            try:
+                return self.client.create_experiment(self.experiment_name)
+            except Exception:  # another job created it meanwhile
+                if (experiment := self.client.get_experiment_by_name(self.experiment_name)) is None:
+                    raise
+        return experiment.experiment_id
 
     def sent_steps(self) -> dict[str, int]:
         assert self.run_id is not None
@@ -73,10 +70,8 @@ class MLflowTracker(Tracker):
         return {key: max(m.step for m in self.client.get_metric_history(self.run_id, key)) for key in keys}
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
-        now = int(time.time() * 1000)
-        metric = self.mlflow.entities.Metric
-        self.client.log_batch(self.run_id, metrics=[metric(key, float(value), now, step)
-                                                    for key, value in scalars.items()])
+        now, metric = int(time.time() * 1000), self.mlflow.entities.Metric
+        self.client.log_batch(self.run_id, metrics=[metric(key, float(v), now, step) for key, v in scalars.items()])
 
     def close(self, status: str, stop_reason: str | None) -> None:
         if self.run_id is None:

@@ -1,9 +1,6 @@
 """The val split's confusion matrix, every epoch: a heatmap in TensorBoard (`val/confusion_matrix`) and the raw
-counts in `confusion_matrix.csv` in the run dir (replaced each epoch; rows: true class, columns: predicted).
-
-The counts are a val-only sum of the task (classification's `confusion`: src/components/tasks.py), all-reduced
-with the other val sums, so the matrix is exact under DDP. Tasks without one show nothing.
-"""
+counts in the run dir's `confusion_matrix.csv` (rows: true class, columns: predicted). The counts are the task's
+all-reduced val sum `confusion`, so the matrix is exact under DDP; tasks without one show nothing."""
 
 from __future__ import annotations
 
@@ -15,7 +12,6 @@ import torch
 from src.loop.callback import Callback, Run
 from src.reports.images import tile
 
-# Colour of a cell: white for none of a true class's samples, dark blue for all of them.
 EMPTY_CELL_RGB = (1.0, 1.0, 1.0)
 FULL_CELL_RGB = (0.03, 0.19, 0.42)
 GRID_RGB_VALUE = 0.6  # grey lines between the cells
@@ -23,8 +19,6 @@ CSV_FILE = "confusion_matrix.csv"
 
 
 class ConfusionMatrix(Callback):
-    """Shows the val metrics' `confusion` table (a C x C tensor of counts), when the task computes one."""
-
     def on_validation(self, run: Run, val: Mapping[str, Any]) -> None:
         counts = val.get("confusion")
         if counts is None:
@@ -35,14 +29,8 @@ class ConfusionMatrix(Callback):
 
 
 def confusion_heatmap(counts: torch.Tensor, max_side: int = 512) -> torch.Tensor:
-    """A (3, H, W) image in [0, 1] of a C x C confusion matrix (rows: true class, top to bottom;
-    columns: predicted class, left to right).
-
-    Rows are normalised, so a cell's colour is the share of that true class predicted as that
-    class, from EMPTY_CELL_RGB (none) to FULL_CELL_RGB (all): a good model shows a dark
-    diagonal whatever the class sizes. Cells are squares of up to 32 pixels (the image at most
-    about `max_side` pixels wide), separated by 1-pixel grey lines.
-    """
+    """A (3, H, W) image in [0, 1] of a C x C confusion matrix, each row normalised: a cell's colour is the share
+    of its true class predicted as its column, from EMPTY_CELL_RGB (none) to FULL_CELL_RGB (all)."""
     classes = counts.shape[0]
     shares = counts.double() / counts.sum(dim=1, keepdim=True).clamp(min=1)  # a class never seen: all white
     empty, full = torch.tensor(EMPTY_CELL_RGB), torch.tensor(FULL_CELL_RGB)

@@ -1,14 +1,6 @@
-"""Stop a run whose loss became NaN or infinite, naming the step, instead of training on garbage.
-
-Checking the loss on the host every step would cost a device sync per step. Instead each
-step folds "was this loss finite?" into a device tensor (the first bad step, no sync), and
-the host looks at it where it already reads the loss: at log steps, at the end of an epoch,
-and before a checkpoint. A NaN anywhere makes the all-reduced loss sum NaN on every rank, so
-all ranks stop together, and no checkpoint of the broken state is ever written.
-
-`callbacks.divergence.detect_anomaly=true` (conf/callbacks/divergence.yaml) turns on autograd's anomaly
-mode and a check every step: the error then names the backward operation that made the NaN.
-"""
+"""Stop a run whose loss became NaN or infinite, naming the step. Each step folds "was this loss finite?" into a
+device tensor (no host sync), checked where the host reads the loss anyway and before every checkpoint, so no
+diverged state is saved. `detect_anomaly=true`: autograd's anomaly mode, which names the backward op."""
 
 from __future__ import annotations
 
@@ -26,7 +18,7 @@ _NEVER = 2**62  # "no bad step yet"; larger than any step count
 
 
 class TrainingDiverged(UsageError):
-    """The training loss stopped being finite; the message says at which step and what to try."""
+    """The training loss stopped being finite."""
 
 
 class NonFiniteLossWatch:
@@ -41,8 +33,7 @@ class NonFiniteLossWatch:
         self._first_bad_step = torch.where(bad, self._first_bad_step.clamp(max=step), self._first_bad_step)
 
     def check(self, loss: float) -> None:
-        """Raise if `loss`, an all-reduced value every rank holds, is not finite. Only then is
-        there a collective (every rank sees the same value, so every rank takes part)."""
+        """Raise if `loss`, an all-reduced value every rank holds, is not finite (only then a collective)."""
         if not math.isfinite(loss):
             self.check_now()
 
@@ -54,18 +45,13 @@ class NonFiniteLossWatch:
 
 
 def diverged_message(step: int, what: str, names_the_op: bool = False) -> str:
-    """One line: what went wrong at which step, and what to try."""
     where = "the warning above shows its forward call" if names_the_op else (
         "callbacks.divergence.detect_anomaly=true names the operation")
-    return (
-        f"{what} at optimizer step {step}; the run stopped without saving that state. Try a lower "
-        f"optimizer.lr or trainer.grad_clip=1.0; {where}"
-    )
+    return (f"{what} at optimizer step {step}; the run stopped without saving that state. Try a lower "
+            f"optimizer.lr or trainer.grad_clip=1.0; {where}")
 
 
 class DivergenceWatch(Callback):
-    """The NaN/inf watch of the module's docstring; `detect_anomaly`: autograd's anomaly mode, a check every step."""
-
     def __init__(self, detect_anomaly: bool) -> None:
         self.detect_anomaly = detect_anomaly
         self.watch: NonFiniteLossWatch | None = None
@@ -73,8 +59,7 @@ class DivergenceWatch(Callback):
         self._step = 0  # the last optimizer step taken
 
     def on_run_start(self, run: Run) -> None:
-        self.watch = NonFiniteLossWatch(run.parts.runtime.device)
-        self._step = run.state.step
+        self.watch, self._step = NonFiniteLossWatch(run.parts.runtime.device), run.state.step
         if self.detect_anomaly:
             self._anomaly_mode = torch.autograd.set_detect_anomaly(True)  # on until the run ends
 

@@ -1,15 +1,9 @@
-"""Early stopping: end the run when the monitored metric (`trainer.monitor`, in the direction of
-`trainer.monitor_mode`) has stopped improving, after the epoch's checkpoint, which records the decision.
-
-`callbacks.early_stopping.patience` (null: off) and `min_delta` (conf/callbacks/early_stopping.yaml). Every
-rank decides alike (the metrics are all-reduced), and the loop agrees on rank 0's decision all the same
-(src/loop/callback.py), so every rank stops after the same epoch. A run whose patience runs out at its last
-epoch simply completes; a resumed run that early stopping ended trains no more.
-"""
+"""Early stopping: end the run after the epoch (and its checkpoint, which records the decision) when
+`trainer.monitor` has not improved by more than `min_delta` for `patience` epochs (null patience: off).
+A run whose patience runs out at its last epoch simply completes."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 from src.common.errors import UsageError
@@ -17,13 +11,9 @@ from src.config.building import check_arguments
 from src.config.schema import at_least, number_or_null
 from src.loop.callback import Callback, EndRun, Run
 
-log = logging.getLogger(__name__)
-
 
 def epochs_without_improvement(values: list[float], mode: str, min_delta: float) -> int:
-    """Epochs since the monitored metric last improved on its best by more than `min_delta`, in the
-    direction `mode` (max | min), given its value after each epoch (`values`). As the best only moves
-    on such an improvement, a slow drift of small gains still counts as no improvement."""
+    """Epochs since `values` last beat their best by more than `min_delta` in the direction `mode` (max | min)."""
     best, since = None, 0
     for value in values:
         if best is None or (value > best + min_delta if mode == "max" else value < best - min_delta):
@@ -39,8 +29,6 @@ def early_stop_due(values: list[float], mode: str, patience: int | None, min_del
 
 
 class EarlyStopping(Callback):
-    """End the run after `patience` epochs in a row without an improvement beyond `min_delta` (null patience: off)."""
-
     def __init__(self, patience: int | None, min_delta: float) -> None:
         check_arguments(patience=(patience, at_least(1, or_null=True)),
                         min_delta=(min_delta, number_or_null(zero_allowed=True)))

@@ -1,6 +1,5 @@
-"""A grid of the first training inputs, as the model receives them (after normalisation), in TensorBoard
-(`inputs/train_batch`), once at the start of a run: a glance shows whether the data is what you think.
-Only for datasets of images (`image_size` in their info) whose first model input is a C x H x W image."""
+"""A grid of the first training inputs as the model receives them, in TensorBoard (`inputs/train_batch`), once at
+the start of a run; only for image datasets (`image_size` in their info) whose first model input is C x H x W."""
 
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ from src.reports.images import image_grid
 
 
 class InputGrid(Callback):
-    """The first `count` samples of the first training step, their first model input each."""
-
     def __init__(self, count: int) -> None:
         check_arguments(count=(count, at_least(1)))
         self.count = count

@@ -1,11 +1,6 @@
-"""Pruning an Optuna trial that is a DDP group: rank 0 reports each epoch's monitored value to the trial and
-asks its pruner; every rank stops on rank 0's answer (src/loop/callback.py agrees on it), after the same epoch
-and with its checkpoint, which records the decision.
-
-Inert outside a pruned Optuna trial: the sweeper (src/sweeps/optuna_sweeper.py) tells a trial's job where its
-trial lives through environment variables (src/sweeps/pruning.py), and only then does this callback act. It
-is asked after every epoch but the last.
-"""
+"""Pruning an Optuna trial that is a DDP group: after every epoch but the last, rank 0 reports the monitored value
+to the trial and asks its pruner; every rank stops on rank 0's answer. Inert unless the sweeper set the trial's
+environment variables (src/sweeps/jobs.py)."""
 
 from __future__ import annotations
 
@@ -14,23 +9,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from src.loop.callback import Callback, EndRun, Run
-from src.sweeps.pruning import STORAGE_ENV, STUDY_ENV, TRIAL_ENV
+from src.sweeps.jobs import STORAGE_ENV, STUDY_ENV, TRIAL_ENV
 
 
 class OptunaPruning(Callback):
-    """EndRun this sweep trial when the Optuna pruner says so (only in a trial whose sweeper set a pruner)."""
-
     def __init__(self) -> None:
-        self.enabled = TRIAL_ENV in os.environ
-        self.trial: Any = None
+        self.enabled, self.trial = TRIAL_ENV in os.environ, None
 
     def on_run_start(self, run: Run) -> None:
         if run.parts.runtime.is_main_process:  # rank 0 alone talks to the storage
             self.trial = _open_trial()
 
     def on_epoch_end(self, run: Run, record: Mapping[str, float]) -> EndRun | None:
-        """Report the epochs Optuna has not seen (the monitored value, step = epoch; a resumed trial's earlier
-        epochs too) and ask the pruner. Other ranks answer None: rank 0's answer is the one agreed."""
+        """Report the epochs Optuna has not seen (a resumed trial's earlier ones too) and ask the pruner."""
         if self.trial is None or run.state.epoch >= run.config.epochs:
             return None
         frozen = next(t for t in self.trial.study.get_trials(deepcopy=False) if t.number == self.trial.number)
@@ -46,7 +37,7 @@ class OptunaPruning(Callback):
 
 def _open_trial() -> Any:
     """The trial, in the study as the sweeper created it, with the pruner it configured."""
-    import optuna  # only in a pruned trial (the callback is inert elsewhere): ~0.3 s that other runs never pay
+    import optuna  # an optional package
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage, study_name = os.environ[STORAGE_ENV], os.environ[STUDY_ENV]
@@ -56,10 +47,7 @@ def _open_trial() -> Any:
 
 
 def build_pruner(optuna: Any, spec: Mapping[str, Any]) -> Any:
-    """The pruner the sweeper configured (`spec`: conf/hydra/sweeper/optuna.yaml's `pruner*` keys). `median`:
-    stop a trial whose value after an epoch is worse than the median of the earlier trials' values after that
-    epoch, once `startup_trials` trials finished and after `warmup_epochs` epochs. `hyperband`: Optuna's
-    HyperbandPruner, from 1 epoch up to the longest trial's."""
+    """The pruner the sweeper configured (`spec`: conf/hydra/sweeper/optuna.yaml's `pruner*` keys)."""
     if spec["name"] == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=1 + spec["warmup_epochs"])
     return optuna.pruners.MedianPruner(n_startup_trials=spec["startup_trials"], n_warmup_steps=spec["warmup_epochs"])

@@ -1,9 +1,5 @@
-"""A torch.profiler trace of a few training steps, in the run dir: `debug=profile` adds this callback
-(conf/callbacks/profiler.yaml) to any run.
-
-The trace (`tb/profile/rank<R>.*.pt.trace.json`, one per rank) opens in Perfetto or chrome://tracing,
-and in TensorBoard with the torch-tb-profiler plugin.
-"""
+"""A torch.profiler trace of a few training steps (`debug=profile`): `tb/profile/rank<R>.*.pt.trace.json` in the
+run dir, one per rank, for Perfetto, chrome://tracing or TensorBoard's torch-tb-profiler plugin."""
 
 from __future__ import annotations
 
@@ -19,8 +15,7 @@ from src.loop.callback import Callback, Run, Step
 
 
 class Profiler(Callback):
-    """Skip `wait` optimizer steps (allocator and kernel warm-up would dominate), warm up on `warmup`, record
-    `active`: steps 3-5 by default."""
+    """Skip `wait` optimizer steps (warm-up would dominate), warm up on `warmup`, record `active`."""
 
     def __init__(self, wait: int, warmup: int, active: int) -> None:
         check_arguments(wait=(wait, at_least(0)), warmup=(warmup, at_least(0)), active=(active, at_least(1)))
@@ -35,12 +30,9 @@ class Profiler(Callback):
             activities.append(ProfilerActivity.CUDA)
         trace_dir = run.parts.reporter.run_dir / "tb" / "profile"
         self.profile = profile(
-            activities=activities,
-            schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
+            activities=activities, schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
             on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{run.parts.runtime.env.rank}"),
-            record_shapes=True,
-            profile_memory=True,
-        )
+            record_shapes=True, profile_memory=True)
         self.profile.__enter__()
 
     def on_step_end(self, step: Step) -> None:

@@ -1,11 +1,5 @@
-"""`perf/mfu` and `memory/peak_allocated_gib`: how well a run uses its GPUs, at every log step.
-
-Model FLOPs utilisation: the model's FLOPs per sample (counted once by torch.utils.flop_counter, on a meta-device
-copy of the model, from the shapes of the first micro-batch) x samples/s / the GPU's dense peak for the run's
-precision, averaged over the devices; and the peak memory allocated on this device. Only on GPUs whose peak is
-in `PEAK_TFLOPS`: elsewhere (the CPU, an unlisted GPU) the callback disables itself at run start, so it
-reports nothing and costs nothing, ever.
-"""
+"""`perf/mfu` (the model's training FLOPs per sample, counted once on a meta-device copy, x samples/s / the GPUs'
+dense peak) and `memory/peak_allocated_gib`, at every log step; only on GPUs listed in `PEAK_TFLOPS`."""
 
 from __future__ import annotations
 
@@ -16,17 +10,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from src.data.batches import tree_map
 from src.loop.callback import Callback, Run, Step
 
-# Dense peak TFLOP/s (no 2:4 sparsity) per GPU, by the compute precision of its matmuls: "fp32" on
-# CUDA cores, "tf32" / "bf16" / "fp16" on tensor cores with fp32 accumulation (what PyTorch uses).
-# A precision a GPU lacks is absent: fp32 models on pre-Ampere GPUs fall back to "fp32" (the TF32
-# flag has no effect there), bf16 there has no peak. Patterns match torch.cuda.get_device_name()
-# lower-cased, first match wins. Sources: NVIDIA's datasheets (H100/H200, A100, A40, A10, L4, L40S,
-# V100/V100S, T4), which quote tensor-core figures with sparsity (halved here), and the architecture
-# whitepapers' appendices for GeForce cards (Ampere GA102: RTX 3090; Ada Lovelace: RTX 4090).
+# Dense peak TFLOP/s per GPU (first pattern matching the lower-cased device name) by matmul precision; a precision a
+# GPU lacks is absent (tf32 falls back to fp32). Sources: NVIDIA's datasheets (sparse figures halved), whitepapers.
 PEAK_TFLOPS: tuple[tuple[str, Mapping[str, float]], ...] = (
     (r"h[12]00 nvl", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}),
     (r"h100.*(pcie|hbm2e)", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5}),
@@ -47,9 +37,7 @@ GIB = 2**30
 
 
 def peak_flops(device_name: str, precision: str, tf32: bool) -> float | None:
-    """Dense peak FLOP/s of one `device_name` GPU at `trainer.precision` (32 | bf16 | 16), or None
-    if the GPU or that precision is not in `PEAK_TFLOPS`. With precision 32, `tf32` says whether
-    matmuls run as TF32 on the tensor cores."""
+    """Dense peak FLOP/s of a `device_name` GPU at `trainer.precision` (32 | bf16 | 16), None if not listed."""
     name = device_name.lower()
     for pattern, peaks in PEAK_TFLOPS:
         if re.search(pattern, name):
@@ -59,21 +47,16 @@ def peak_flops(device_name: str, precision: str, tf32: bool) -> float | None:
     return None
 
 
+def device_peak(device: torch.device, precision: str) -> float | None:
+    if device.type != "cuda":
+        return None
+    return peak_flops(torch.cuda.get_device_name(device), str(precision), torch.backends.cuda.matmul.allow_tf32)
+
+
 def training_flops_per_sample(model: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]],
                               batch_size: int) -> float:
-    """FLOPs of one training sample: one forward and backward of a `batch_size` micro-batch whose model
-    inputs are `inputs` (positional, keyword; meta tensors of the real batch's shapes), divided.
-
-    Counted by torch's FlopCounterMode (matmuls and convolutions; normalisation, activations and
-    the optimizer are not counted) on a copy of `model` on the meta device: shapes only, so no
-    memory, no compute, and the real model's weights, grads and BatchNorm statistics are untouched.
-    The copy runs in eval mode, where sync-BN does not all-reduce; BatchNorm and dropout, which
-    this changes, are not counted. As in training, the input needs no gradient, so the first layer
-    does no input-gradient matmul.
-    """
-    # Imported here: torch's FLOP counter takes ~0.1 s to import, and only GPUs of known peak count (once).
-    from torch.utils.flop_counter import FlopCounterMode
-
+    """FLOPs of one training sample (matmuls and convolutions, forward and backward), counted on a meta-device
+    copy of `model` in eval mode (no memory; sync-BN does not all-reduce) from model `inputs` (meta tensors)."""
     # deepcopy takes memo entries as the copies of those objects: meta twins of the weights.
     meta = {id(t): nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad) for t in model.parameters()}
     meta.update({id(t): torch.empty_like(t, device="meta") for t in model.buffers()})
@@ -86,53 +69,29 @@ def training_flops_per_sample(model: nn.Module, inputs: tuple[tuple[Any, ...], d
 
 
 def mfu(flops_per_sample: float, samples_per_s: float, peak_flops_per_device: float, world_size: int) -> float:
-    """Model FLOPs utilisation: the fraction of the group's peak that the model's FLOPs use.
-
-    `samples_per_s` counts all ranks' samples, so this is the mean over the `world_size` devices.
-    """
+    """The fraction of the group's peak the model's FLOPs use; `samples_per_s` counts all ranks' samples."""
     return flops_per_sample * samples_per_s / (peak_flops_per_device * world_size)
 
 
 class Utilization:
-    """`perf/mfu` and `memory/peak_allocated_gib` for each log window, on a GPU of known peak.
+    """`perf/mfu` and `memory/peak_allocated_gib` of each log window; none on the CPU or an unlisted GPU."""
 
-    The FLOPs are counted once, when this is built; on the CPU or an unlisted GPU nothing is
-    counted and `scalars` is empty.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        device: torch.device,
-        precision: str,
-        world_size: int,
-        example_inputs: tuple[tuple[Any, ...], dict[str, Any]] | None,
-        micro_batch_size: int,
-    ) -> None:
-        self.device = device
-        self.world_size = world_size
-        self.peak = None
-        if device.type == "cuda":
-            tf32 = torch.backends.cuda.matmul.allow_tf32
-            self.peak = peak_flops(torch.cuda.get_device_name(device), str(precision), tf32)
-        self.flops_per_sample = (
-            training_flops_per_sample(model, example_inputs, micro_batch_size)
-            if self.peak is not None and example_inputs is not None else 0.0
-        )
+    def __init__(self, model: nn.Module, device: torch.device, precision: str, world_size: int,
+                 example_inputs: tuple[tuple[Any, ...], dict[str, Any]] | None, micro_batch_size: int) -> None:
+        self.device, self.world_size = device, world_size
+        self.peak = device_peak(device, precision)
+        counted = self.peak is not None and example_inputs is not None
+        self.flops_per_sample = training_flops_per_sample(model, example_inputs, micro_batch_size) if counted else 0.0
 
     def scalars(self, samples_per_s: float) -> dict[str, float]:
-        """This window's MFU and the peak memory allocated on this device since the run began."""
         if self.peak is None:
             return {}
-        return {
-            "perf/mfu": mfu(self.flops_per_sample, samples_per_s, self.peak, self.world_size),
-            "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(self.device) / GIB,
-        }
+        return {"perf/mfu": mfu(self.flops_per_sample, samples_per_s, self.peak, self.world_size),
+                "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(self.device) / GIB}
 
 
 class MFU(Callback):
-    """`Utilization` at every log step, built at the first one from the shapes of the first micro-batch it was
-    shown (kept on the meta device: no memory); off on the CPU and on GPUs of unknown peak."""
+    """`Utilization` at every log step, built at the first from the first micro-batch's shapes (meta tensors)."""
 
     def __init__(self) -> None:
         self.peak: float | None = None
@@ -141,12 +100,8 @@ class MFU(Callback):
         self._run: Run | None = None
 
     def on_run_start(self, run: Run) -> None:
-        device = run.parts.runtime.device
-        if device.type == "cuda":
-            tf32 = torch.backends.cuda.matmul.allow_tf32
-            self.peak = peak_flops(torch.cuda.get_device_name(device), str(run.config.precision), tf32)
-        self.enabled = self.peak is not None
-        self._run = run
+        self.peak = device_peak(run.parts.runtime.device, run.config.precision)
+        self.enabled, self._run = self.peak is not None, run
 
     def on_step_end(self, step: Step) -> None:
         if self.example_inputs is None:

@@ -17,13 +17,10 @@ NON_MAIN_RANK_GRACE_S = 1.0  # how long other ranks wait, on a usage error, for 
 
 
 class UsageError(Exception):
-    """A mistake in the config, the command line or the files a run needs.
-
-    `train.py` and `eval.py` print the message alone (no traceback) and exit with code 2,
-    so the message must say what is wrong and what to change.
-    """
+    """A mistake in the config, the command line or the files a run needs: printed alone, exit code 2."""
 
     reported = False  # True when worker processes have already printed the message
+    local = False  # True when one rank alone may find it: that rank prints it
 
 
 class WorkersReportedUsageError(UsageError):
@@ -32,26 +29,21 @@ class WorkersReportedUsageError(UsageError):
     reported = True
 
 
+def _chain(error: BaseException | None) -> Iterator[BaseException]:
+    """`error` and the errors behind it (Hydra's instantiate wraps what a builder raises)."""
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def find_usage_error(error: BaseException) -> UsageError | None:
-    """The UsageError behind `error`, if any (Hydra's instantiate wraps what a builder raises)."""
-    current: BaseException | None = error
-    while current is not None:
-        if isinstance(current, UsageError):
-            return current
-        current = current.__cause__ or current.__context__
-    return None
+    return next((e for e in _chain(error) if isinstance(e, UsageError)), None)
 
 
 @contextlib.contextmanager
 def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterator[None]:
-    """End the process with `error: <message>` on stderr and exit code 2 if the block raises a UsageError; any
-    other error propagates with its traceback; an allocation that found no memory (torch's error, also where Hydra's
-    instantiate wrapped it) with a note saying what shrinks a rank's share.
-
-    Every rank of a group usually hits the same mistake, so only the main process prints it. In a sweep the error
-    propagates instead: Hydra marks that job failed and runs the next. A worker restarted (torchrun
-    `--max-restarts`) after an attempt that stopped on a usage error stops again at once (src/common/retries.py).
-    """
+    """Exit with `error: <message>` (printed by the main process) and code 2 if the block raises a UsageError;
+    in a sweep it propagates (Hydra marks the job failed). An out-of-memory error propagates with a note."""
     _exit_if_failed_for_good()
     try:
         yield
@@ -63,12 +55,11 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
                 raise
             out_of_memory.add_note(_out_of_memory_hint(out_of_memory))
             raise out_of_memory from None  # torch's error, where it happened (not the wrapper Hydra put around it)
-        if is_main_process and not usage_error.reported:
+        if (is_main_process or usage_error.local) and not usage_error.reported:
             sys.stderr.write(f"error: {usage_error}\n")
             sys.stderr.flush()
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # Rank 0 reports the mistake every rank hit. Exiting at once would let torchrun's agent
-            # SIGTERM rank 0 before it has printed that line; a moment's grace lets it.
+            # Exiting at once would let torchrun's agent SIGTERM rank 0 before it has printed the line.
             time.sleep(NON_MAIN_RANK_GRACE_S)
         retries.record_final_failure(str(usage_error))  # a restart would stop on it again
         sys.exit(USAGE_ERROR_EXIT_CODE)
@@ -82,14 +73,12 @@ def _exit_if_failed_for_good() -> None:
         sys.exit(USAGE_ERROR_EXIT_CODE)
 
 
-# How an allocation that found no memory reads: Python's MemoryError, torch's CPU allocator ("can't allocate
-# memory"), CUDA's caching allocator ("CUDA out of memory").
+# How torch's CPU allocator and CUDA's caching allocator say an allocation found no memory.
 _NO_MEMORY = ("can't allocate memory", "out of memory")
 
 
 def _out_of_memory_hint(error: BaseException) -> str:
-    """What an allocation the process had no memory for adds under its traceback: the rank, the size asked for, the
-    process's memory limit and what shrinks a rank's share."""
+    """The note under an out-of-memory traceback: the rank, the size asked for, the memory limit, what to change."""
     asked = re.search(r"tried to allocate [\d.,]+ ?\w+", str(error), re.IGNORECASE)  # torch's allocators say
     detail = asked.group(0) if asked else type(error).__name__
     return (f"out of memory on rank {os.environ.get('RANK', '0')} ({detail}), {memory_limit()}: the model's training "
@@ -98,15 +87,9 @@ def _out_of_memory_hint(error: BaseException) -> str:
             "(torchrun --nproc_per_node=N) or a smaller per-rank batch")
 
 
-def _out_of_memory(error: BaseException | None) -> BaseException | None:
-    """`error`, or the error it wraps (a model constructor's, inside Hydra's InstantiationException), if that
-    one is an allocation that found no memory; else None."""
-    while error is not None:
-        if isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and
-                                              any(words in str(error) for words in _NO_MEMORY)):
-            return error
-        error = error.__cause__ or error.__context__
-    return None
+def _out_of_memory(error: BaseException) -> BaseException | None:
+    return next((e for e in _chain(error) if isinstance(e, MemoryError) or (
+        isinstance(e, RuntimeError) and any(words in str(e) for words in _NO_MEMORY))), None)
 
 
 def memory_limit() -> str:

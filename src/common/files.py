@@ -1,12 +1,6 @@
-"""Writing files that readers may open at any moment (checkpoints, metrics.json, summaries):
-never half-written, and durable once written.
-
-A file is written to a temp file beside it, fsync'ed, renamed over the target, and the directory
-is fsync'ed: after a crash, power loss included, the target holds the old bytes or the new ones.
-A write that fails (a full disk) removes its temp file and leaves the target as it was.
-Where several processes may write one file at once (every rank of a group), `shared=True` gives each
-its own temp file; the last rename wins, and the file is always one writer's whole content.
-"""
+"""Files that readers may open at any moment (checkpoints, metrics.json, summaries): written to a temp file,
+fsync'ed and renamed over the target, so after a crash the target holds the old bytes or the new ones; a failed
+write (a full disk) removes its temp file."""
 
 from __future__ import annotations
 
@@ -16,14 +10,13 @@ import os
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-# The errors that mean "no room for these bytes": a full disk, a full quota, a file-size limit.
-NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file-size limit
 
 
 @contextlib.contextmanager
 def atomic_file(path: Path, shared: bool = False) -> Iterator[BinaryIO]:
-    """A binary file to write `path`'s new content into; it replaces `path` when the block ends.
-    `shared`: other processes may write `path` at the same time (the temp file is named with the pid)."""
+    """A binary file whose content replaces `path` when the block ends. `shared`: other processes may write `path`
+    at the same time (a temp file per pid; the last rename wins)."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp" if shared else f"{path.name}.tmp")
     try:
         with open(tmp, "wb") as file:
@@ -47,14 +40,12 @@ def fsync_directory(directory: Path) -> None:
 
 
 def write_text_atomically(path: Path, text: str, shared: bool = False) -> None:
-    """Write `text` (UTF-8) to `path` atomically and durably (`shared`: see `atomic_file`)."""
     with atomic_file(path, shared) as file:
         file.write(text.encode("utf-8"))
 
 
 def no_room_error(error: BaseException) -> OSError | None:
-    """The OSError saying the disk (quota, file-size limit) had no room, behind `error` if any:
-    torch.save reports a failed write as a RuntimeError whose context is that OSError."""
+    """The OSError saying the disk had no room, behind `error` if any (torch.save wraps it in a RuntimeError)."""
     current: BaseException | None = error
     while current is not None:
         if isinstance(current, OSError) and current.errno in NO_ROOM:

@@ -1,15 +1,6 @@
-"""Failures a restart cannot fix end the run at once, instead of being retried `--max-restarts` times.
-
-torchrun restarts the whole group after any worker failure; it has no notion of an error that will
-recur (a config mistake, a missing dataset folder, a loss that turns NaN at the same step of a
-deterministic run, checkpoints that are all unreadable). Such errors are UsageErrors (exit code 2). A
-worker that stops on one records the message for its launcher (src/common/errors.py does, as it exits);
-a restarted worker of the same launcher finds it where its job starts (`errors.exit_on_usage_error`),
-prints it again and exits at once, so no restart trains a step.
-
-The record is a file named after the launcher process (its pid and start time), so it is seen by that
-launcher's restarts only, never by another run. Nothing here imports another module of the template.
-"""
+"""Failures a restart cannot fix end the run at once, instead of being retried `--max-restarts` times: a worker
+that stops on a UsageError records it in a file named after its launcher process (pid and start time), and a
+restarted worker of that launcher exits on it (src/common/errors.py)."""
 
 from __future__ import annotations
 
@@ -38,14 +29,9 @@ def record_final_failure(message: str) -> None:
 
 
 def final_failure() -> str | None:
-    """In a restarted worker: the message an earlier attempt of this launcher stopped on, if it stopped on a
-    usage error (None in a first attempt, or outside a torchrun-style launcher)."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-        return None
-    path = _record_path()
-    if path is None or not path.exists():
-        return None
-    return path.read_text(encoding="utf-8")
+    """In a restarted worker: the usage error an earlier attempt of this launcher stopped on, if any."""
+    path = _record_path() if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) else None
+    return path.read_text(encoding="utf-8") if path is not None and path.exists() else None
 
 
 def _record_path() -> Path | None:
@@ -58,8 +44,7 @@ def _record_path() -> Path | None:
 
 
 def _process_started_at(pid: int) -> str | None:
-    """The start time of process `pid` in clock ticks since boot (with the pid, unique across reuse),
-    or None if it is gone (or this is no Linux)."""
+    """The start time of process `pid` in clock ticks since boot (unique with the pid), or None if it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:

@@ -1,15 +1,6 @@
-"""Building what a config names (`_target_`), with one line for what the user got wrong.
-
-Hydra's `instantiate` reports a key the class does not take, or one it needs and did not get, as a
-TypeError deep in a traceback (`__init__() got an unexpected keyword argument 'foo'`). `errors_named`
-turns that, for the model, the dataset builder, the task and each callback, into one line naming the
-config key, the class and the arguments it takes; and a value a component refuses by its own rule
-(`SettingError`, e.g. a callback's `decay` outside (0, 1)) into `KEY.ARGUMENT=VALUE what is wrong`, as
-src/config/schema.py words the `trainer` settings. `argument_names` also lets the compose-time hint
-(src/config/hydra_errors.py) say whether `+KEY=VALUE` would be taken at all.
-
-Nothing here imports torch; a target's module is imported only to read its signature, after an error.
-"""
+"""Building what a config names (`_target_`), with one line for what the user got wrong: a key the target does not
+take or one it misses (Hydra's TypeError deep in a traceback) names the config key, the class and its arguments;
+a value a component refuses by its own rule (`SettingError`) reads `KEY.ARGUMENT=VALUE what is wrong`."""
 
 from __future__ import annotations
 
@@ -28,8 +19,7 @@ _HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
 
 
 class SettingError(UsageError):
-    """Arguments a component refused by its own rules: (argument, value, what is wrong) each. Its message
-    names the arguments alone; built through `errors_named`, the line names the config key too."""
+    """Arguments a component refused: (argument, value, what is wrong) each."""
 
     def __init__(self, problems: list[tuple[str, Any, str]]) -> None:
         self.problems = problems
@@ -41,7 +31,6 @@ class SettingError(UsageError):
 
 
 def check_arguments(**checked: tuple[Any, Rule]) -> None:
-    """Raise a `SettingError` for every `argument=(value, rule)` whose value breaks its rule."""
     problems = [(name, value, problem) for name, (value, rule) in checked.items() if (problem := rule(value))]
     if problems:
         raise SettingError(problems)
@@ -49,9 +38,8 @@ def check_arguments(**checked: tuple[Any, Rule]) -> None:
 
 @contextlib.contextmanager
 def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[str] = ()) -> Iterator[None]:
-    """Build `node` (the config at `key`, e.g. `model`, `callbacks.ema`) inside the block; an argument its
-    target does not take or misses, or a value it refuses, is one line naming `key`. `passed_elsewhere`:
-    keys of the node that are not the target's arguments (a dataset's batch_size goes to the loaders)."""
+    """Build `node` (the config at `key`) inside the block: an argument its target does not take or misses, or a
+    value it refuses, is one line naming `key`; `passed_elsewhere`: the node's keys that are not arguments."""
     try:
         yield
     except InstantiationException as error:
@@ -67,11 +55,10 @@ def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[s
 
 
 def argument_names(target: str) -> tuple[list[str], bool] | None:
-    """The parameters of the callable `target` names (without `self`), and whether it takes any keyword
-    (`**kwargs`); None if it cannot be imported or has no readable signature."""
+    """The parameters of `target`'s callable and whether it takes `**kwargs`; None if they cannot be read."""
     try:
         parameters = inspect.signature(get_object(target)).parameters.values()
-    except Exception:  # an unimportable target, a builtin without a signature: say nothing rather than guess
+    except Exception:  # say nothing rather than guess
         return None
     names = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     return names, any(p.kind == p.VAR_KEYWORD for p in parameters)
@@ -85,8 +72,7 @@ def takes(target: str) -> str:
 
 
 def argument_mismatch(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[str] = ()) -> str | None:
-    """One line if `node`'s keys do not fit its target's signature (a key it does not take, an argument it
-    needs and lacks); None if they fit or the signature cannot be read."""
+    """One line if `node`'s keys do not fit its target's signature; None if they fit or it cannot be read."""
     target = str(node.get("_target_"))
     found = argument_names(target)
     if found is None:
@@ -106,8 +92,7 @@ def argument_mismatch(key: str, node: Mapping[str, Any], passed_elsewhere: Itera
 
 
 def named(node: Mapping[str, Any], key: str, default_name: str = "model") -> dict[str, Any]:
-    """The configs of a group that takes one (a node with a `_target_`, named `default_name`) or several by name
-    (`model: {generator: {_target_: ...}, discriminator: {...}}`)."""
+    """The configs of a group that takes one (a node with a `_target_`, named `default_name`) or several by name."""
     if "_target_" in node:
         return {default_name: node}
     if not node or not all(isinstance(value, Mapping) and "_target_" in value for value in node.values()):
@@ -117,8 +102,7 @@ def named(node: Mapping[str, Any], key: str, default_name: str = "model") -> dic
 
 
 def per_model(node: Mapping[str, Any], key: str, models: Iterable[str]) -> dict[str, Any]:
-    """For each model, its config of group `key` (optimizer, scheduler): the one config (each model gets its own
-    object built from it), or the model's own when `key` names configs by model name, one for each."""
+    """For each model, its config of group `key`: the one config, or the model's own when `key` names one each."""
     models = list(models)
     if "_target_" in node:
         return {name: node for name in models}

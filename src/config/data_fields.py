@@ -1,17 +1,5 @@
-"""`${data:FIELD}` in a model YAML: a field of what the dataset provides, filled in at run time.
-
-A dataset builder returns `info` (src/components/datasets.py: `num_classes`, `in_channels`, `image_size`,
-`num_features`, `num_targets`, ...), and the task adds `num_outputs`, the width of the output it
-needs (classes for classification, 1 for binary, the target's values for regression). A model YAML
-names the fields its class takes, e.g. `in_features: ${data:num_features}`; nothing is guessed from
-signatures. A field the dataset does not provide is one error line naming both sides. Overriding
-the key with a value (`model.num_outputs=4`) takes the value instead.
-
-The fields are known once the dataset is built: `fill` then writes their values into the run's model config,
-so that from there on `instantiate(cfg.model)` builds the model anywhere and the saved config holds the
-values. Before that (`--cfg job --resolve`) the resolver says where a value will come from. Nothing here
-imports torch, and nothing here keeps state.
-"""
+"""`${data:FIELD}` in a model YAML: a field of what the dataset provides (its `info`, and the task's
+`num_outputs`), written into the run's model config once the dataset is built (`fill`)."""
 
 from __future__ import annotations
 
@@ -27,19 +15,14 @@ _FIELD = re.compile(r"\$\{data:(\w+)\}")
 
 
 def register_resolver() -> None:
-    OmegaConf.register_new_resolver("data", _placeholder, replace=True)
-
-
-def _placeholder(name: str) -> str:
-    """A `${data:FIELD}` resolved before the dataset is built, e.g. by `--cfg job --resolve`."""
-    return f"<{name}: filled in at run time from the dataset and task>"
+    """`${data:FIELD}` resolved before the dataset is built (`--cfg job --resolve`) says where it will come from."""
+    OmegaConf.register_new_resolver("data", lambda name: f"<{name}: filled in at run time from the dataset and task>",
+                                    replace=True)
 
 
 def fill(model_cfg: DictConfig, fields: Mapping[str, Any], dataset_name: str) -> DictConfig:
-    """`model_cfg` with each `${data:FIELD}` replaced by `fields[FIELD]` (what the dataset `dataset_name`
-    provides), or one error line naming the key, the field and what the dataset provides instead."""
-    filled = OmegaConf.create(_filled(OmegaConf.to_container(model_cfg, resolve=False), fields, dataset_name, "model"))
-    return filled
+    """`model_cfg` with each `${data:FIELD}` replaced by `fields[FIELD]`, or one error line naming both sides."""
+    return OmegaConf.create(_filled(OmegaConf.to_container(model_cfg, resolve=False), fields, dataset_name, "model"))
 
 
 def _filled(node: Any, fields: Mapping[str, Any], dataset_name: str, where: str) -> Any:
@@ -53,18 +36,14 @@ def _filled(node: Any, fields: Mapping[str, Any], dataset_name: str, where: str)
     name = match.group(1)
     if name not in fields:
         provided = ", ".join(f"{key}={value}" for key, value in fields.items()) or "nothing"
-        raise UsageError(
-            f"{where} asks for the dataset's {name}, which {dataset_name} does not provide (it provides {provided}); "
-            f"choose a model that fits this dataset, or set {where}=VALUE"
-        )
+        raise UsageError(f"{where} asks for the dataset's {name}, which {dataset_name} does not provide (it provides "
+                         f"{provided}); choose a model that fits this dataset, or set {where}=VALUE")
     value = fields[name]
     return list(value) if isinstance(value, tuple) else value
 
 
 def used_by(model_cfg: DictConfig, fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields `model_cfg` (as composed: the interpolations as written) takes as `${data:FIELD}`, with their
-    values in `fields`: saved with a checkpoint, so eval.py can refuse data of another shape in one line
-    instead of a shape error."""
+    """The fields `model_cfg` takes as `${data:FIELD}`, with their values: saved with a checkpoint, for eval.py."""
     names = sorted(set(_FIELD.findall(OmegaConf.to_yaml(model_cfg))))
     return {name: fields[name] for name in names if name in fields}
 
@@ -75,16 +54,12 @@ def check_same(saved: Mapping[str, Any] | None, fields: Mapping[str, Any], what:
     if differing:
         built = ", ".join(f"{name}={value}" for name, value in differing.items())
         given = ", ".join(f"{name}={fields[name]}" for name in differing)
-        raise UsageError(
-            f"{what} does not fit this model: it was built for {built}, but {dataset} provides {given}; "
-            "evaluate it on data of the same shape"
-        )
+        raise UsageError(f"{what} does not fit this model: it was built for {built}, but {dataset} provides {given}; "
+                         "evaluate it on data of the same shape")
 
 
 def fill_model_config(cfg: DictConfig, fields: dict[str, Any], dataset: str) -> dict[str, Any]:
-    """Write what the dataset and task provide into the model config's `${data:FIELD}`s (so `cfg.model` builds
-    the model anywhere from now on), and return the run's resolved config as checkpoints save it: with the
-    fields the model takes, which eval.py checks its data against."""
+    """Fill `cfg.model`'s `${data:FIELD}`s; returns the run's resolved config with its `data_fields`."""
     used = used_by(cfg.model, fields)
     filled = fill(cfg.model, fields, f"dataset={dataset}")
     with open_dict(cfg):

@@ -1,9 +1,5 @@
-"""Hydra's compose errors (unknown option or key, wrong type, unparsable override) as one `error:` line naming
-what to change, and exit code 2. Built from the attributes of the errors raised, not their wording: the group's
-options; the refused key's block, the type its dataclass declares, the override that set it. A key one level down
-is named in full, also in a group option not chosen (`logger.tracking_uri=x` -> `logger=mlflow ...`). An error no
-override sets is traced by composing without each group override in turn: to that option's file, or to a group the
-script does not choose. Anything else keeps Hydra's message, on one line. Imports no torch (`--cfg job` stays fast).
+"""Hydra's compose errors (unknown option or key, wrong type, unparsable override) as one `error:` line naming what
+to change, built from the errors' attributes, not their wording; anything else keeps Hydra's message, on one line.
 """
 
 from __future__ import annotations
@@ -31,12 +27,13 @@ from src.config import building
 CONF = Path(__file__).resolve().parents[2] / "conf"
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 _full_error_set_here = False
+SWEEP_GRAMMAR = "choice(a,b,...), range(start,stop[,step]), interval(low,high) or tag(log,interval(low,high))"
 
 
 @contextlib.contextmanager
 def one_line_config_errors(is_main_process: bool, config_name: str) -> Iterator[None]:
-    """Run a `@hydra.main` function of conf/`config_name` with its config errors as one line. Hydra raises them
-    only with HYDRA_FULL_ERROR=1: set here until `config_composed()` (a user's own keeps Hydra's traceback)."""
+    """Run a `@hydra.main` function with its config errors as one line: Hydra raises them only with
+    HYDRA_FULL_ERROR=1, set here until `config_composed()` (a user's own keeps Hydra's traceback)."""
     global _full_error_set_here
     if os.environ.get(_FULL_ERROR) == "1":
         yield
@@ -59,6 +56,7 @@ def config_composed() -> None:
     if _full_error_set_here:
         os.environ.pop(_FULL_ERROR, None)
         _full_error_set_here = False
+SWEEP_GRAMMAR = "choice(a,b,...), range(start,stop[,step]), interval(low,high) or tag(log,interval(low,high))"
 
 
 def describe_config_error(error: Exception, script: str, overrides: list[str], config_name: str,
@@ -66,9 +64,8 @@ def describe_config_error(error: Exception, script: str, overrides: list[str], c
     """One line saying what is wrong with the command line's `overrides` or a config file, and what to change."""
     if isinstance(error, OverrideParseException):
         if unknown := re.search(r"Unknown function '(\w+)'", error.message):  # e.g. another tool's loguniform(...)
-            return (f"{error.override}: {unknown.group(1)}(...) is not a function of Hydra's override grammar; a "
-                    "sweep takes choice(a,b,...), range(start,stop[,step]), interval(low,high) or "
-                    "tag(log,interval(low,high))")
+            return f"{error.override}: {unknown.group(1)}(...) is not a function of Hydra's override grammar; a " \
+                   f"sweep takes {SWEEP_GRAMMAR}"
         return (f"cannot parse the override {error.override!r} ({error.message.splitlines()[0]}); quote values holding "
                 "special characters, e.g. key='a value' (https://hydra.cc/docs/advanced/override_grammar/basic/)")
     if isinstance(error, MissingConfigException) and error.options and error.missing_cfg_file:
@@ -140,8 +137,7 @@ def unknown_key_message(error: OmegaConfBaseException, source: str, script: str,
 
 
 def _one_level_down(node: DictConfig, parent: str, key: str, dirs: list[Path]) -> tuple[str, str | None] | None:
-    """(block, None) if exactly one block of `node` holds `key`; (block, option) if instead one block that a
-    YAML of the config group `parent` adds does (conf/logger/mlflow.yaml: the mlflow block, option mlflow)."""
+    """(block, None) if one block of `node` holds `key`; (block, option) if one a YAML of group `parent` adds does."""
     found = {str(k): None for k, v in OmegaConf.to_container(node).items() if isinstance(v, dict) and key in v}
     for file in sorted(f for d in dirs if parent for f in (d / parent.replace(".", "/")).glob("*.yaml")):
         blocks = {} if "@package" in file.read_text() else OmegaConf.to_container(OmegaConf.load(file))

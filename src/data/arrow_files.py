@@ -1,16 +1,10 @@
-"""Datasets larger than RAM: Arrow files in the layout Hugging Face `datasets` writes (`save_to_disk`),
-read and written with pyarrow alone, memory-mapped and read by index.
+"""Datasets larger than RAM, imported by `dataset=arrow` alone: `datasets`' `save_to_disk` layout, memory-mapped
+and read by index.
 
     DIR/dataset_dict.json                   {"splits": ["train", "validation"]}
     DIR/<split>/data-00000-of-00003.arrow   Arrow IPC streams holding the split's rows, in order
     DIR/<split>/state.json                  the shard files, in order ("_data_files")
     DIR/<split>/dataset_info.json           the columns' features: Image, ClassLabel (its class names), Value
-
-A user's own `datasets.DatasetDict.save_to_disk(DIR)` output is valid input, and `datasets.load_from_disk`
-reads what `python -m src.data.convert` writes. Shards are memory-mapped: the operating system pages
-in the rows a process reads, as file-backed pages it can drop again, so a rank's anonymous memory does
-not grow with the data. The template's samplers keep the order (rows are read by index), so the exact
-resume and world-size guarantees hold here as for any dataset. Benchmarks: benchmarks/DATA.md.
 """
 
 from __future__ import annotations
@@ -23,6 +17,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+from PIL import Image
 from torch.utils.data import Dataset
 
 from src.common.errors import UsageError
@@ -32,12 +29,8 @@ IMAGE = "Image"  # the `_type` of an image feature: struct<bytes: binary, path: 
 
 
 class CorruptRecordError(UsageError):
-    """A row that cannot be read: one line naming the split, its index, the shard file and the row there.
-
-    Raised in a DataLoader worker, it reaches the main process rebuilt from the worker's whole traceback
-    (torch's ExceptionWrapper passes one string); the message keeps that traceback's last line, ours.
-    Only the rank whose sampler holds the record finds it, so that rank prints it (`local`).
-    """
+    """A row that cannot be read, in one line; rebuilt from a DataLoader worker's traceback, its last line. Only
+    the rank whose sampler holds the record finds it, so that rank prints it (`local`)."""
 
     local = True
 
@@ -72,11 +65,7 @@ class ArrowSplit:
         return {**self.__dict__, "_batches": [], "_opened_in": None}  # a spawned worker maps the files anew
 
     def _open(self) -> Any:
-        """Memory-map every shard's record batches in this process (once); returns the split's schema.
-        Sets `offsets` (the global row where each record batch starts, then the total) and, per batch,
-        its shard and the global row where that shard starts."""
-        import pyarrow as pa
-
+        """Memory-map every shard's record batches in this process (once); returns the split's schema."""
         if self._opened_in == os.getpid():
             return self._schema
         self._batches, self.offsets, self._batch_file, self._file_start = [], [0], [], []
@@ -100,13 +89,11 @@ class ArrowSplit:
         return self._schema
 
     def record_batches(self) -> list[Any]:
-        """The split's record batches, memory-mapped, in row order."""
         self._open()
         return self._batches
 
     def values(self, index: int, columns: Sequence[str]) -> tuple[list[Any], str]:
-        """Row `index`'s values of `columns` (images as their encoded bytes), and where it is
-        ("data-00001-of-00003.arrow row 17") for error messages."""
+        """Row `index`'s values of `columns` (images as encoded bytes), and where it is, for error messages."""
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} of a split of {len(self)} rows")
         self._open()
@@ -122,16 +109,13 @@ class ArrowSplit:
 
 def _is_image(feature: dict[str, Any] | None, field: Any) -> bool:
     """An Image feature; without features, a struct of `bytes` and `path` (what an Image is stored as)."""
-    import pyarrow as pa
-
     if feature is not None:
         return feature.get("_type") == IMAGE
     return pa.types.is_struct(field.type) and sorted(f.name for f in field.type) == ["bytes", "path"]
 
 
 def _value(column: Any, row: int, is_image: bool) -> Any:
-    """One cell: an image's encoded bytes, else the Python value. An image stored as a path alone (as
-    `datasets` exports local files to Parquet) is read from that file, as `datasets` reads it."""
+    """One cell: an image's encoded bytes (read from its path where it has none), else the Python value."""
     if not is_image:
         return column[row].as_py()
     encoded = column.field("bytes")[row].as_py()
@@ -145,21 +129,16 @@ def _value(column: Any, row: int, is_image: bool) -> Any:
 
 def decode_image(encoded: bytes) -> Any:
     """A PIL image in RGB, decoded as torchvision's ImageFolder decodes a file (so both give the same pixels)."""
-    from PIL import Image
-
     with Image.open(io.BytesIO(encoded)) as image:
         return image.convert("RGB")
 
 
 class ArrowSamples(Dataset):
-    """The rows of a split as samples: a tuple of `columns`' values, image columns decoded and passed through
-    `image_transform`, numbers as they are (the DataLoader's collate makes tensors of them)."""
+    """The rows of a split as tuples of `columns`' values, images decoded and passed through `image_transform`."""
 
     def __init__(self, split: ArrowSplit, columns: Sequence[str], image_transform: Callable[[Any], Any]) -> None:
-        self.split = split
-        self.columns = list(columns)
+        self.split, self.columns, self.image_transform = split, list(columns), image_transform
         self.images = split.image_columns & set(columns)
-        self.image_transform = image_transform
 
     def __len__(self) -> int:
         return len(self.split)
@@ -180,7 +159,6 @@ class ArrowSamples(Dataset):
 
 
 def listed_splits(root: Path) -> list[str]:
-    """The names of the splits of the dataset saved in `root`."""
     if not root.is_dir():
         raise DatasetNotFoundError(f"dataset folder {root} not found: give dataset.root the folder that "
                                    "python -m src.data.convert (or datasets' save_to_disk) wrote")
@@ -193,7 +171,6 @@ def column(split: ArrowSplit, name: str) -> list[Any]:
 
 
 def open_splits(root: Path, names: Sequence[str]) -> list[ArrowSplit]:
-    """The splits `names` of the dataset saved in `root`, with one-line errors for what is missing."""
     listed = listed_splits(root)
     for name in names:
         if name not in listed:
@@ -203,7 +180,6 @@ def open_splits(root: Path, names: Sequence[str]) -> list[ArrowSplit]:
 
 
 def check_columns(split: ArrowSplit, names: Sequence[str], setting: str) -> None:
-    """Refuse a column name the split does not have, naming the setting and the columns it has."""
     unknown = [name for name in names if name not in split.columns]
     if unknown:
         raise UsageError(f"{setting}: {', '.join(map(repr, unknown))} is not a column of {split.folder} "
@@ -211,11 +187,7 @@ def check_columns(split: ArrowSplit, names: Sequence[str], setting: str) -> None
 
 
 def target_info(splits: Sequence[ArrowSplit], name: str) -> dict[str, Any]:
-    """What the target column provides: `num_classes` for a ClassLabel (its names) or other integers
-    (the largest label of all `splits` + 1), `num_targets` (1) for floats."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
+    """`num_classes` for a ClassLabel or integer target column (the largest label + 1), `num_targets` for floats."""
     feature = splits[0].features.get(name) or {}
     if feature.get("_type") == "ClassLabel":
         return {"num_classes": len(feature["names"])}

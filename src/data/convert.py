@@ -1,19 +1,7 @@
-"""Convert data into the Arrow layout `dataset=arrow` reads (the layout of Hugging Face `datasets`'
-`save_to_disk`, so `datasets.load_from_disk` reads it too; src/data/arrow_files.py).
+"""Convert data into the Arrow layout `dataset=arrow` reads (src/data/arrow_files.py), atomically (via OUT.partial).
 
     python -m src.data.convert image-folder SRC OUT   # SRC/train/<class>/*.png|jpg|... and SRC/val/<class>/...
     python -m src.data.convert parquet TRAIN VAL OUT  # TRAIN, VAL: a Parquet file or a folder of them each
-
-image-folder keeps each file's encoded bytes as they are (no re-encoding: the same pixels decode from
-them), in ImageFolder's order and with its labels (sorted class folders), so `dataset=arrow` on OUT
-trains what `dataset=image_folder` on SRC trains. Its splits are named `train` and `validation`.
-parquet copies the tables' columns (an image column holds `{bytes, path}` structs, as `datasets` writes
-them), with their `datasets` features when the files carry them.
-
-Atomic: everything is written into OUT.partial and renamed to OUT once complete, so a killed conversion
-leaves no OUT that looks whole (the next one removes the stale OUT.partial); an existing OUT is never
-overwritten. Bad input (a missing folder, a file that is not an image, an existing OUT) is one `error:`
-line and exit code 2.
 """
 
 from __future__ import annotations
@@ -27,6 +15,10 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image, UnidentifiedImageError
 
 from src.common.errors import USAGE_ERROR_EXIT_CODE, UsageError
 from src.common.files import fsync_directory
@@ -66,8 +58,6 @@ def class_names(source: Path) -> list[str]:
 
 def image_rows(folder: Path, classes: list[str]) -> Iterator[dict[str, Any]]:
     """Rows {image: {bytes, path}, label} of a split's files; a file PIL cannot identify is refused."""
-    from PIL import Image, UnidentifiedImageError
-
     count = 0
     for file, label in image_files(folder, classes):
         encoded = file.read_bytes()
@@ -84,21 +74,14 @@ def image_rows(folder: Path, classes: list[str]) -> Iterator[dict[str, Any]]:
 
 def image_schema(classes: list[str]) -> Any:
     """Arrow schema of an image folder's rows, with the `datasets` features in its metadata."""
-    import pyarrow as pa
-
     features = {"image": {"_type": "Image"}, "label": {"names": classes, "_type": "ClassLabel"}}
     image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    return pa.schema([("image", image), ("label", pa.int64())], metadata=_features_metadata(features))
-
-
-def _features_metadata(features: dict[str, Any] | None) -> dict[bytes, bytes]:
-    return {} if features is None else {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
+    metadata = {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
+    return pa.schema([("image", image), ("label", pa.int64())], metadata=metadata)
 
 
 def batches_of(rows: Iterable[dict[str, Any]], schema: Any) -> Iterator[Any]:
     """Record batches of image rows: BATCH_ROWS rows, or fewer that hold BATCH_BYTES of images."""
-    import pyarrow as pa
-
     chunk, size = [], 0
     for row in rows:
         chunk.append(row)
@@ -111,10 +94,7 @@ def batches_of(rows: Iterable[dict[str, Any]], schema: Any) -> Iterator[Any]:
 
 
 def write_split(folder: Path, batches: Iterable[Any], schema: Any, shard_bytes: int = SHARD_BYTES) -> int:
-    """Write a split as save_to_disk does: shards of about `shard_bytes`, state.json, dataset_info.json.
-    Returns its row count."""
-    import pyarrow as pa
-
+    """Write a split as save_to_disk does (shards of about `shard_bytes` and its JSON files); returns its rows."""
     folder.mkdir(parents=True)
     shards, writer, rows, written = [], None, 0, 0
     for batch in batches:
@@ -151,8 +131,6 @@ def _write_split_metadata(folder: Path, shard_names: list[str], schema: Any) -> 
 
 def parquet_batches(source: Path) -> tuple[Any, Iterator[Any]]:
     """(schema, record batches) of a Parquet file, or of a folder's *.parquet files in name order."""
-    import pyarrow.parquet as pq
-
     files = sorted(source.glob("*.parquet")) if source.is_dir() else [source]
     if not files or not all(file.is_file() for file in files):
         raise UsageError(f"{source}: no Parquet file there (give a .parquet file or a folder of them)")
@@ -168,8 +146,7 @@ def parquet_batches(source: Path) -> tuple[Any, Iterator[Any]]:
 
 
 def convert(out: Path, splits: dict[str, tuple[Any, Iterable[Any]]]) -> dict[str, int]:
-    """Write `splits` ({name: (schema, record batches)}) as a dataset in `out`, atomically.
-    Returns the rows of each split."""
+    """Write `splits` ({name: (schema, record batches)}) as a dataset in `out`, atomically; returns their rows."""
     if out.exists():
         raise UsageError(f"{out} already exists: convert into a new folder (nothing was written)")
     partial = out.with_name(out.name + ".partial")
@@ -179,7 +156,8 @@ def convert(out: Path, splits: dict[str, tuple[Any, Iterable[Any]]]) -> dict[str
         rows = {name: write_split(partial / name, batches, schema) for name, (schema, batches) in splits.items()}
         (partial / "dataset_dict.json").write_text(json.dumps({"splits": list(splits)}))
         for file in partial.rglob("*.*"):
-            _fsync(file)
+            with open(file, "rb") as written:
+                os.fsync(written.fileno())
         for folder in [partial, *(partial / name for name in splits)]:
             fsync_directory(folder)
     except BaseException:
@@ -190,39 +168,24 @@ def convert(out: Path, splits: dict[str, tuple[Any, Iterable[Any]]]) -> dict[str
     return rows
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as file:
-        os.fsync(file.fileno())
-
-
-def convert_image_folder(source: Path, out: Path) -> dict[str, int]:
-    classes = class_names(source)
-    schema = image_schema(classes)
-    splits = {name: (schema, batches_of(image_rows(source / folder, classes), schema))
-              for folder, name in SPLITS.items()}
-    return convert(out, splits)
-
-
-def convert_parquet(train: Path, val: Path, out: Path) -> dict[str, int]:
-    return convert(out, {"train": parquet_batches(train), "validation": parquet_batches(val)})
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m src.data.convert", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    folder = commands.add_parser("image-folder", help="SRC/train/<class>/* and SRC/val/<class>/* -> OUT")
-    folder.add_argument("source", type=Path)
-    folder.add_argument("out", type=Path)
-    parquet = commands.add_parser("parquet", help="TRAIN and VAL Parquet files (or folders of them) -> OUT")
-    parquet.add_argument("train", type=Path)
-    parquet.add_argument("val", type=Path)
-    parquet.add_argument("out", type=Path)
+    for command, arguments, summary in (
+            ("image-folder", ("source", "out"), "SRC/train/<class>/* and SRC/val/<class>/* -> OUT"),
+            ("parquet", ("train", "val", "out"), "TRAIN and VAL Parquet files (or folders of them) -> OUT")):
+        subparser = commands.add_parser(command, help=summary)
+        for argument in arguments:
+            subparser.add_argument(argument, type=Path)
     args = parser.parse_args(argv)
     try:
         if args.command == "image-folder":
-            rows = convert_image_folder(args.source, args.out)
+            classes = class_names(args.source)
+            schema = image_schema(classes)
+            rows = convert(args.out, {name: (schema, batches_of(image_rows(args.source / folder, classes), schema))
+                                      for folder, name in SPLITS.items()})
         else:
-            rows = convert_parquet(args.train, args.val, args.out)
+            rows = convert(args.out, {"train": parquet_batches(args.train), "validation": parquet_batches(args.val)})
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return USAGE_ERROR_EXIT_CODE

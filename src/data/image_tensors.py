@@ -1,13 +1,5 @@
-"""Image datasets small enough to live on the training device as uint8 tensors.
-
-MNIST and Fashion-MNIST take 55 MB as uint8, CIFAR-10 184 MB: far less than a GPU holds. Kept there,
-a batch is one index_select, converted and normalised on the device, with no per-sample fetch,
-collate, worker process or host-to-device copy. Training augmentation (random crop of the
-zero-padded image, horizontal flip) is drawn for the whole batch at once on the device, each sample's
-from a hash of (seed, epoch, its index) (src/data/sample_randomness.py): the same crops and flips on
-any world size, in any batch, after a resume at any step. `src.data.loaders.TensorBatchLoader` does
-the batching and calls `augment` on training batches.
-"""
+"""Image datasets small enough to live on the training device as uint8 tensors: a batch is one index_select,
+normalised and augmented on the device, each sample's crop and flip drawn from (seed, epoch, its index)."""
 
 from __future__ import annotations
 
@@ -20,37 +12,23 @@ from src.data.sample_randomness import draw
 
 
 class ImageTensorDataset(TensorDataset):
-    """uint8 images (N, C, H, W) and int64 labels, with the normalisation and augmentation they get.
+    """uint8 images (N, C, H, W) and int64 labels; indexing gives `(normalised float32 image, label)`."""
 
-    Indexing gives `(float32 normalised C x H x W image, label)` without augmentation, like the
-    other datasets' items; `TensorBatchLoader` instead gathers whole batches on the device and
-    calls `normalize` (all splits) and `augment` (training batches only).
-    """
-
-    def __init__(
-        self,
-        images: torch.Tensor,
-        labels: torch.Tensor,
-        mean: Sequence[float],
-        std: Sequence[float],
-        crop_padding: int = 0,
-        flip: bool = False,
-    ) -> None:
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: Sequence[float], std: Sequence[float],
+                 crop_padding: int = 0, flip: bool = False) -> None:
         if images.dtype != torch.uint8 or images.dim() != 4:
             raise ValueError(f"images must be uint8 N x C x H x W, got {images.dtype} {tuple(images.shape)}")
         super().__init__(images, labels)
         channels = images.shape[1]
         self.mean = torch.as_tensor(mean, dtype=torch.float32, device=images.device).view(1, channels, 1, 1)
         self.std = torch.as_tensor(std, dtype=torch.float32, device=images.device).view(1, channels, 1, 1)
-        self.crop_padding = crop_padding
-        self.flip = flip
+        self.crop_padding, self.flip = crop_padding, flip
 
     @property
     def augments(self) -> bool:
         return self.crop_padding > 0 or self.flip
 
     def to(self, device: torch.device) -> ImageTensorDataset:
-        """The same dataset with its images, labels and normalisation constants on `device`."""
         images, labels = (t.to(device) for t in self.tensors)
         return ImageTensorDataset(images, labels, self.mean.flatten(), self.std.flatten(), self.crop_padding, self.flip)
 
@@ -59,18 +37,12 @@ class ImageTensorDataset(TensorDataset):
         return self.normalize(images[index][None])[0], labels[index]
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 batch -> float32 in [0, 1] -> (x - mean) / std per channel: torchvision's ToTensor
-        and Normalize, in the same order of operations (so the same floats)."""
+        """uint8 batch -> (x / 255 - mean) / std per channel: torchvision's ToTensor and Normalize, to the bit."""
         return images.float().div_(255).sub_(self.mean).div_(self.std)
 
     def augment(self, images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """A random crop of each normalised image zero-padded by `crop_padding` pixels on every side,
-        flipped left-right with probability 1/2 if `flip`: torchvision's RandomCrop(size, padding)
-        and RandomHorizontalFlip. Image j's draws come from `keys[j]` alone (its `sample_key`: an int64
-        tensor on the images' device), not from any generator.
-
-        Zero padding means black pixels: -mean/std once normalised.
-        """
+        """torchvision's RandomCrop(size, crop_padding) and, if `flip`, RandomHorizontalFlip, of each normalised
+        image, image j's drawn from `keys[j]` (its `sample_key`, on the images' device)."""
         if not self.augments:
             return images
         n, c, h, w = images.shape

@@ -1,13 +1,6 @@
-"""From a dataset to batches: which samples each rank takes at each step, and the
-loaders that fetch them.
-
-The samplers are the part that makes distributed numbers trustworthy:
-- training: a step's *global* batch is the same set of samples whatever the world
-  size and gradient accumulation, so 1 rank at batch 2B and 2 ranks at B train the
-  same model (with sync-BN), and a run can resume on a different world size;
-- evaluation: every sample is seen exactly once, no padding duplicates, so metrics
-  do not depend on the world size.
-"""
+"""From a dataset to batches: which samples each rank takes at each step, and the loaders that fetch them.
+A training step's global batch is the same samples whatever the world size and gradient accumulation; evaluation
+sees every sample exactly once. So the numbers do not depend on the world size, and a run resumes on any."""
 
 from __future__ import annotations
 
@@ -30,58 +23,31 @@ from src.data.sample_randomness import VAL_EPOCH, EpochKeys, SeededSamples, samp
 from src.data.splits import DataSplits
 from src.parallel.distributed import main_process_first
 
-# Keys of a `dataset` config read by the loaders; all others go to its `_target_` builder.
-LOADER_KEYS = ("batch_size", "val_batch_size", "num_workers")
+LOADER_KEYS = ("batch_size", "val_batch_size", "num_workers")  # a `dataset` config's keys that its builder does not get
 
 
 class GlobalBatchSampler:
-    """This rank's micro-batches (lists of sample indices) for one epoch.
+    """This rank's micro-batches for one epoch: step s covers samples perm[s*G : (s+1)*G] of a permutation drawn
+    from (seed, epoch); with W ranks and k accumulation micro-steps, rank r's micro-batch m is the b = G/(W*k)
+    samples from s*G + (m*W + r)*b. The ragged tail is dropped, so every rank takes every step."""
 
-    Step s covers samples perm[s*G : (s+1)*G] of a permutation drawn from (seed, epoch),
-    where G is the global batch size. With W ranks and k accumulation micro-steps,
-    rank r's micro-batch m of that step is the slice of b = G/(W*k) samples starting at
-    s*G + (m*W + r)*b. The ragged tail of fewer than G samples is dropped (a new
-    permutation each epoch drops different ones), so every step has the same size on
-    every rank and no rank waits on a collective another rank never reaches. Its `epoch` also keys each
-    sample's augmentation (src/data/sample_randomness.py).
-    `max_steps_per_epoch` cuts every epoch short after that many steps (a debugging limit).
-    """
-
-    def __init__(
-        self,
-        num_samples: int,
-        global_batch_size: int,
-        rank: int,
-        world_size: int,
-        grad_accum: int = 1,
-        shuffle: bool = True,
-        seed: int = 0,
-        max_steps_per_epoch: int | None = None,
-    ) -> None:
+    def __init__(self, num_samples: int, global_batch_size: int, rank: int, world_size: int, grad_accum: int = 1,
+                 shuffle: bool = True, seed: int = 0, max_steps_per_epoch: int | None = None) -> None:
         self.micro_batch_size = per_rank_micro_batch_size(global_batch_size, world_size, grad_accum)
         if num_samples < global_batch_size:
-            raise UsageError(
-                f"dataset.batch_size={global_batch_size} is larger than the {num_samples} training "
-                "samples; lower dataset.batch_size"
-            )
-        self.num_samples = num_samples
-        self.global_batch_size = global_batch_size
-        self.rank = rank
-        self.world_size = world_size
-        self.grad_accum = grad_accum
-        self.shuffle = shuffle
-        self.seed = seed
+            raise UsageError(f"dataset.batch_size={global_batch_size} is larger than the {num_samples} training "
+                             "samples; lower dataset.batch_size")
+        self.num_samples, self.global_batch_size = num_samples, global_batch_size
+        self.rank, self.world_size, self.grad_accum = rank, world_size, grad_accum
+        self.shuffle, self.seed = shuffle, seed
         self.steps_per_epoch = num_samples // global_batch_size
         if max_steps_per_epoch is not None:
             self.steps_per_epoch = min(self.steps_per_epoch, max_steps_per_epoch)
-        self.epoch = 0
-        self.start_step = 0
+        self.epoch, self.start_step = 0, 0
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
-        """Pick the epoch's permutation, and the step to start from (a resumed epoch skips
-        the global batches already trained on, whatever the world size then was)."""
-        self.epoch = epoch
-        self.start_step = start_step
+        """Pick the epoch's permutation, and the step to start from (a resumed epoch skips the steps it trained)."""
+        self.epoch, self.start_step = epoch, start_step
 
     def permutation(self) -> torch.Tensor:
         if not self.shuffle:
@@ -103,17 +69,11 @@ class GlobalBatchSampler:
 
 
 class EvalShardSampler:
-    """This rank's evaluation batches: a contiguous shard, every sample exactly once.
+    """This rank's evaluation batches: a contiguous shard, never padded (unlike DistributedSampler), so metrics
+    summed over ranks count each sample once."""
 
-    Shards differ in size by at most one sample and are never padded, so metrics summed
-    over ranks count each sample once (DistributedSampler would repeat samples to even
-    the shards out and bias the result). `max_batches` keeps a shard's first batches only
-    (a debugging limit).
-    """
-
-    def __init__(
-        self, num_samples: int, batch_size: int, rank: int, world_size: int, max_batches: int | None = None
-    ) -> None:
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int,
+                 max_batches: int | None = None) -> None:
         self.batch_size = batch_size
         self.start = num_samples * rank // world_size
         self.stop = num_samples * (rank + 1) // world_size
@@ -140,32 +100,20 @@ def per_rank_micro_batch_size(global_batch_size: int, world_size: int, grad_accu
         raise UsageError(f"trainer.grad_accum must be positive, got {grad_accum}")
     shards = world_size * grad_accum
     if global_batch_size % shards:
-        raise UsageError(
-            f"dataset.batch_size={global_batch_size} is the global batch and must be divisible by "
-            f"world_size x trainer.grad_accum = {world_size} x {grad_accum} = {shards}"
-        )
+        raise UsageError(f"dataset.batch_size={global_batch_size} is the global batch and must be divisible by "
+                         f"world_size x trainer.grad_accum = {world_size} x {grad_accum} = {shards}")
     return global_batch_size // shards
 
 
 class TensorBatchLoader:
-    """Batches of an in-memory TensorDataset, gathered by index on the training device.
-
-    Same sampler semantics as a DataLoader, without its per-sample fetch and collate:
-    the whole dataset is copied to the device once, and a batch is one tuple of tensors (the
-    dataset's tensors, in order, e.g. `(inputs, targets)` or `(rgb, mask, targets)`). uint8 image
-    datasets become normalised float batches there, and with `augment` (training) augmented there:
-    each sample's crop and flip drawn from (seed, the sampler's epoch, its index) alone.
-    """
+    """Batches of an in-memory TensorDataset, copied to the device once and gathered there by index (uint8 images
+    normalised there, and augmented with `augment`)."""
 
     def __init__(self, dataset: TensorDataset, batch_sampler: Iterable[list[int]], device: torch.device,
                  seed: int = 0, augment: bool = False) -> None:
-        if isinstance(dataset, ImageTensorDataset):
-            dataset = dataset.to(device)  # with its normalisation constants
-        self.images = dataset if isinstance(dataset, ImageTensorDataset) else None
-        self.tensors = [t.to(device) for t in dataset.tensors]  # a no-op for tensors already there
-        self.batch_sampler = batch_sampler
-        self.device = device
-        self.seed = seed
+        self.images = dataset.to(device) if isinstance(dataset, ImageTensorDataset) else None  # and its constants
+        self.tensors = [t.to(device) for t in (dataset if self.images is None else self.images).tensors]
+        self.batch_sampler, self.device, self.seed = batch_sampler, device, seed
         self.augments = augment and self.images is not None and self.images.augments
 
     def __len__(self) -> int:
@@ -183,42 +131,24 @@ class TensorBatchLoader:
             yield (first, *rest)
 
 
-def make_loader(
-    dataset: Dataset,
-    batch_sampler: Iterable[list[int]],
-    device: torch.device,
-    num_workers: int,
-    seed: int,
-    augment: bool = False,
-) -> Iterable[Any]:
-    """A loader over `batch_sampler`: TensorDatasets stay on the device (augmented there if
-    `augment`), others use workers. Every sample's random draws come from (seed, epoch, index)
-    (src/data/sample_randomness.py), whatever the rank, worker or batch."""
+def make_loader(dataset: Dataset, batch_sampler: Iterable[list[int]], device: torch.device, num_workers: int,
+                seed: int, augment: bool = False) -> Iterable[Any]:
+    """A loader over `batch_sampler`: TensorDatasets on the device, others through a DataLoader of `SeededSamples`."""
     if isinstance(dataset, TensorDataset):
         return TensorBatchLoader(dataset, batch_sampler, device, seed, augment)
-    return DataLoader(
-        SeededSamples(dataset, seed),
-        batch_sampler=EpochKeys(batch_sampler),
-        num_workers=num_workers,
-        pin_memory=device.type == "cuda",
-        persistent_workers=num_workers > 0,
-        # Its own generator for the workers' base seed, which would otherwise be drawn from torch's global
-        # one in this process (no draw of a sample depends on it: they are all seeded per sample).
-        generator=torch.Generator().manual_seed(seed),
-    )
+    generator = torch.Generator().manual_seed(seed)  # the workers' base seed, not drawn from torch's global one
+    return DataLoader(SeededSamples(dataset, seed), batch_sampler=EpochKeys(batch_sampler), num_workers=num_workers,
+                      pin_memory=device.type == "cuda", persistent_workers=num_workers > 0, generator=generator)
 
 
 @dataclass
 class Data:
-    """The run's data: loaders for this rank, the training sampler and the dataset's shape."""
-
     splits: DataSplits
     train_sampler: GlobalBatchSampler
     train_loader: Iterable[Any]
     val_loader: Iterable[Any]
     num_val_samples: int
     val_start: int = 0  # the index in the val split of this rank's first val sample
-    # This rank's evaluation loader of another split (no augmentation, each sample once) and its first index.
     eval_loader: Callable[[Dataset], tuple[Iterable[Any], int]] | None = None
     _eval_loaders: dict[str, tuple[Iterable[Any], int]] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -233,51 +163,33 @@ class Data:
         return self._eval_loaders[split]
 
 
-def build_data(
-    dataset_cfg: DictConfig,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    seed: int,
-    trainer: TrainerConfig | None = None,
-) -> Data:
-    """Build the dataset named by `dataset_cfg` and this rank's train and val loaders, `trainer.grad_accum`
-    micro-batches per step, cut as `trainer.limit_train_batches`, `limit_val_batches` and
-    `overfit_batches` say (smoke tests and debugging; by default: none)."""
+def build_data(dataset_cfg: DictConfig, rank: int, world_size: int, device: torch.device, seed: int,
+               trainer: TrainerConfig | None = None) -> Data:
+    """The dataset `dataset_cfg` names and this rank's loaders, cut as `trainer`'s limits say."""
     trainer = trainer or TrainerConfig()
     global_batch_size = int(dataset_cfg.batch_size)
     per_rank_micro_batch_size(global_batch_size, world_size, trainer.grad_accum)  # refuse before a download
     splits = build_splits(dataset_cfg)
     if trainer.overfit_batches:
-        # Lightning's overfit_batches: the same fixed samples for training and validation, so a
-        # model that can learn at all drives both losses towards zero.
+        # The same fixed samples train and validate: a model that can learn at all drives both losses to zero.
         fixed = first_samples(splits.train, trainer.overfit_batches * global_batch_size)
         splits = dataclasses.replace(splits, train=fixed, val=fixed)
-    train_sampler = GlobalBatchSampler(
-        len(splits.train), global_batch_size, rank, world_size, trainer.grad_accum, shuffle=True, seed=seed,
-        max_steps_per_epoch=trainer.limit_train_batches,
-    )
+    train_sampler = GlobalBatchSampler(len(splits.train), global_batch_size, rank, world_size, trainer.grad_accum,
+                                       seed=seed, max_steps_per_epoch=trainer.limit_train_batches)
     num_workers = int(dataset_cfg.num_workers)
     global_val_batch = int(dataset_cfg.get("val_batch_size") or global_batch_size)
     eval_loader = functools.partial(make_eval_loader, global_batch_size=global_val_batch, rank=rank,
                                     world_size=world_size, device=device, num_workers=num_workers, seed=seed,
                                     max_batches=trainer.limit_val_batches)
     val_loader, val_start = eval_loader(splits.val)
-    return Data(
-        splits=splits,
-        train_sampler=train_sampler,
-        train_loader=make_loader(splits.train, train_sampler, device, num_workers, seed, augment=True),
-        val_loader=val_loader,
-        num_val_samples=num_val_samples(len(splits.val), global_val_batch, world_size, trainer.limit_val_batches),
-        val_start=val_start,
-        eval_loader=eval_loader,
-    )
+    train_loader = make_loader(splits.train, train_sampler, device, num_workers, seed, augment=True)
+    val_count = num_val_samples(len(splits.val), global_val_batch, world_size, trainer.limit_val_batches)
+    return Data(splits, train_sampler, train_loader, val_loader, val_count, val_start, eval_loader)
 
 
 def make_eval_loader(dataset: Dataset, global_batch_size: int, rank: int, world_size: int, device: torch.device,
                      num_workers: int, seed: int, max_batches: int | None = None) -> tuple[Iterable[Any], int]:
-    """This rank's shard of `dataset` for evaluation (no augmentation, every sample once, in batches of
-    global_batch_size / world_size; its first `max_batches` only, if given), and the index of its first sample."""
+    """This rank's evaluation loader of `dataset` and the index of its first sample."""
     sampler = EvalShardSampler(len(dataset), val_batch_size(global_batch_size, world_size), rank, world_size,
                                max_batches)
     return make_loader(dataset, sampler, device, num_workers, seed), sampler.start
@@ -291,11 +203,9 @@ def num_val_samples(num_samples: int, global_batch_size: int, world_size: int, m
 
 
 def first_samples(dataset: Dataset, count: int) -> Dataset:
-    """The first `count` samples of `dataset` (all of them if it has fewer), as the same kind of
-    dataset where that matters: a TensorDataset stays one, so it keeps the on-device fast path."""
+    """The first `count` samples of `dataset`; a TensorDataset (its subclass too) stays one, for the device path."""
     count = min(count, len(dataset))  # type: ignore[arg-type]
     if isinstance(dataset, TensorDataset):
-        # A copy keeps the subclass (ImageTensorDataset: uint8 images, normalisation, augmentation).
         head = copy.copy(dataset)
         head.tensors = tuple(tensor[:count] for tensor in dataset.tensors)
         return head
@@ -303,29 +213,17 @@ def first_samples(dataset: Dataset, count: int) -> Dataset:
 
 
 def build_splits(dataset_cfg: DictConfig) -> DataSplits:
-    """The splits of the dataset `dataset_cfg` names (its LOADER_KEYS are left to the loaders); a key its builder
-    does not take, or a value it refuses, is one line."""
+    """The splits of the dataset `dataset_cfg` names (its LOADER_KEYS are the loaders'), built by rank 0 first."""
     params = OmegaConf.to_container(dataset_cfg, resolve=True)
     assert isinstance(params, dict)
     for key in LOADER_KEYS:
-        params.pop(key, None)  # val_batch_size is optional
-    # one download, not one per rank into the same folder
+        params.pop(key, None)
     with errors_named("dataset", dataset_cfg, passed_elsewhere=LOADER_KEYS), main_process_first():
         return instantiate(params)
 
 
-def make_val_loader(
-    splits: DataSplits,
-    global_batch_size: int,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    num_workers: int,
-    seed: int,
-    max_batches: int | None = None,
-) -> Iterable[Any]:
-    """This rank's shard of the val split, in batches of global_batch_size / world_size samples
-    (its first `max_batches` only, if given)."""
+def make_val_loader(splits: DataSplits, global_batch_size: int, rank: int, world_size: int, device: torch.device,
+                    num_workers: int, seed: int, max_batches: int | None = None) -> Iterable[Any]:
     return make_eval_loader(splits.val, global_batch_size, rank, world_size, device, num_workers, seed, max_batches)[0]
 
 

@@ -1,24 +1,7 @@
-"""Randomness per sample: every random draw that shapes sample i of epoch e comes from (seed, epoch, i).
-
-Augmentation then depends on nothing else: not on the rank or the DataLoader worker a sample lands on,
-not on the batch it shares, not on the step a run resumed at. 2 ranks draw what 1 process draws at the
-same global batch, `num_workers=0` what `num_workers=8` draws, a resumed run what the uninterrupted
-one drew. Two paths:
-
-- Datasets read through a DataLoader (`SeededSamples`): right before `dataset[i]`, torch's, Python's
-  and NumPy's global generators are seeded from (seed, epoch, i), so any transform that draws from
-  them (torchvision v1 or v2, your own) is covered. Seeding costs per sample (Python's `random.seed`
-  about 4 us, NumPy's 2, torch's 1), so each process seeds only the generators its dataset has been
-  seen to draw from: the others are set to one fixed state before a batch and checked after it, and a
-  batch that moved one is fetched again with that generator seeded per sample from then on. Every
-  sample is what seeding all three would give, at the cost of one batch fetched twice per generator.
-  The sampler's keys carry the epoch (`EpochKeys`: `(epoch, i)`), so persistent workers need no
-  message when an epoch starts. In the main process (`num_workers=0`) the generators are restored
-  after each batch: the trainer's own seeding of dropout, per rank and step on purpose, is left as it was.
-- uint8 images on the device (src/data/image_tensors.py): `sample_key` and `draw` compute a
-  counter-based hash of (seed, epoch, i) on the device for a whole batch at once, with no host sync.
-
-Val samples draw from (seed, VAL_EPOCH, i): the same in every val pass.
+"""Randomness per sample: every draw that shapes sample i of epoch e comes from (seed, epoch, i) alone, not from
+the rank, worker, batch or resume step. DataLoader datasets (`SeededSamples`) get torch's CPU, Python's and NumPy's
+global generators seeded from it; uint8 images on the device hash it there (`sample_key`, `draw`). Val samples
+draw from (seed, VAL_EPOCH, i).
 """
 
 from __future__ import annotations
@@ -27,10 +10,8 @@ import contextlib
 import functools
 import hashlib
 import math
-import operator
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -45,8 +26,7 @@ Word = TypeVar("Word", int, torch.Tensor)  # a 32-bit word: a Python int, or an 
 
 
 def mix32(x: Word) -> Word:
-    """lowbias32 (C. Wellons' hash prospector): a bijection of 32-bit words in which every input bit
-    flips about half the output bits. The same arithmetic on Python ints and on int64 tensors."""
+    """lowbias32 (C. Wellons' hash prospector), the same arithmetic on Python ints and int64 tensors."""
     x = x ^ (x >> 16)
     x = _times(x, 0x7FEB_352D)
     x = x ^ (x >> 15)
@@ -55,31 +35,26 @@ def mix32(x: Word) -> Word:
 
 
 def _times(x: Word, constant: int) -> Word:
-    """x * constant mod 2^32, multiplied in 16-bit halves: no product exceeds 2^49, so an int64 tensor
-    never overflows (signed overflow is not something to rely on across devices)."""
+    """x * constant mod 2^32 in 16-bit halves: no product exceeds 2^49, so an int64 tensor never overflows."""
     return (x * (constant & 0xFFFF) + (((x * (constant >> 16)) & 0xFFFF) << 16)) & MASK32
 
 
-@functools.lru_cache(maxsize=64)
-def _epoch_state(seed: int, epoch: int) -> int:
-    """The hash state after absorbing the run's seed and the epoch (64-bit two's complement, 2 words each)."""
-    state = _START
-    for value in (seed, epoch):
+def _absorb(state: Word, *values: Word) -> Word:
+    """The hash state after absorbing `values` (64-bit two's complement, 2 words each; ints, tensors or arrays)."""
+    for value in values:
         for word in (value & MASK32, (value >> 32) & MASK32):
             state = mix32(state ^ word)
     return state
 
 
+@functools.lru_cache(maxsize=64)
+def _epoch_state(seed: int, epoch: int) -> int:
+    return _absorb(_START, seed, epoch)
+
+
 def sample_key(seed: int, epoch: int, index: Word) -> Word:
-    """A 32-bit key determined by (seed, epoch, sample index) alone. `index` may be an int64 tensor
-    of indices, on any device: the keys are then computed there, elementwise."""
-    return _index_key(_epoch_state(seed, epoch), index)
-
-
-def _index_key(state: Word, index: Word) -> Word:
-    """The key after absorbing the sample index (two words) into an epoch's hash state."""
-    state = mix32(state ^ (index & MASK32))
-    return mix32(state ^ ((index >> 32) & MASK32))
+    """A 32-bit key of (seed, epoch, sample index) alone; `index` may be an int64 tensor, on any device."""
+    return _absorb(_epoch_state(seed, epoch), index)
 
 
 def draw(key: Word, number: int) -> Word:
@@ -94,64 +69,36 @@ def host_seed(seed: int, epoch: int, index: int) -> int:
 
 
 def host_seeds(seed: int, keys: Sequence[tuple[int, int]]) -> list[int]:
-    """`host_seed` of each (epoch, index) key, hashed for the whole batch at once with NumPy (int64 arrays:
-    the arithmetic never overflows): 0.3 us a key instead of 5."""
+    """`host_seed` of each (epoch, index) key, hashed for the whole batch at once with NumPy."""
     states = np.fromiter((_epoch_state(seed, epoch) for epoch, _ in keys), dtype=np.int64, count=len(keys))
-    key = _index_key(states, np.fromiter((index for _, index in keys), dtype=np.int64, count=len(keys)))
+    key = _absorb(states, np.fromiter((index for _, index in keys), dtype=np.int64, count=len(keys)))
     return ((draw(key, 0).astype(np.uint64) << np.uint64(32)) | draw(key, 1).astype(np.uint64)).tolist()
 
 
-@dataclass(frozen=True)
-class HostGenerator:
-    """One global generator a dataset's transforms may draw from: read, restore, compare and seed it."""
-
-    name: str
-    get_state: Callable[[], Any]
-    set_state: Callable[[Any], None]
-    same_state: Callable[[Any, Any], bool]
-    seed: Callable[[int], Any]  # from a 64-bit seed
-
-
-def _same_numpy_state(a: tuple, b: tuple) -> bool:
-    return a[0] == b[0] and a[2:] == b[2:] and np.array_equal(a[1], b[1])
-
-
-HOST_GENERATORS = (
-    # Not CUDA's: torch.manual_seed would queue a seed for every device, a stack trace each time (0.3 ms).
-    HostGenerator("torch", torch.get_rng_state, torch.set_rng_state, torch.equal,
-                  lambda seed: torch.default_generator.manual_seed(seed)),
-    HostGenerator("python", random.getstate, random.setstate, operator.eq, random.seed),
-    HostGenerator("numpy", np.random.get_state, np.random.set_state, _same_numpy_state,
-                  lambda seed: np.random.seed(seed & MASK32)),
-)
-UNSEEDED = 0x5EED  # the fixed seed of the generators a dataset has not been seen to draw from
-
-
-def seed_host_generators(seed: int, generators: Sequence[HostGenerator] = HOST_GENERATORS) -> None:
-    """Seed torch's CPU generator, Python's and NumPy's global ones (or those of `generators`)."""
-    for generator in generators:
-        generator.seed(seed)
+def seed_host_generators(seed: int) -> None:
+    """Seed torch's CPU generator, Python's and NumPy's from a 64-bit seed; not CUDA's (the trainer's dropout)."""
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed & MASK32)
 
 
 @contextlib.contextmanager
 def preserved_host_generators() -> Iterator[None]:
     """The block's draws leave torch's CPU, Python's and NumPy's global generators as they were."""
-    states = [generator.get_state() for generator in HOST_GENERATORS]
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
     try:
         yield
     finally:
-        for generator, state in zip(HOST_GENERATORS, states):
-            generator.set_state(state)
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
 
 
 class SeededSamples(Dataset):
-    """`dataset` read by (epoch, index) keys, each sample fetched with the host generators seeded
-    from (seed, epoch, index): those that `dataset` draws from, as learned batch by batch."""
+    """`dataset` read by (epoch, index) keys, the host generators seeded from (seed, epoch, index) for each."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
-        self.dataset = dataset
-        self.seed = seed
-        self.drawn_from: tuple[str, ...] = ()  # names of HOST_GENERATORS; each process learns its own
+        self.dataset, self.seed = dataset, seed
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -162,35 +109,17 @@ class SeededSamples(Dataset):
         return self.dataset[index]
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
-        """A batch's samples (what a DataLoader asks for); in the main process, the host generators
-        are as they were afterwards (saved and restored once a batch: about 0.13 ms)."""
+        """A batch's samples; in the main process the host generators are restored afterwards."""
         with contextlib.nullcontext() if get_worker_info() is not None else preserved_host_generators():
-            return self._fetch(host_seeds(self.seed, keys), [index for _, index in keys])
-
-    def _fetch(self, seeds: Sequence[int], indices: Sequence[int]) -> list[Any]:
-        """The samples, fetched with the generators named in `drawn_from` seeded per sample. The others
-        start the batch in one fixed state; if the batch moved one, it joins `drawn_from` and the batch
-        is fetched again (at most once per generator and process)."""
-        while True:
-            seeded = [g for g in HOST_GENERATORS if g.name in self.drawn_from]
-            unseen = [g for g in HOST_GENERATORS if g.name not in self.drawn_from]
-            marks = []
-            for generator in unseen:
-                generator.seed(UNSEEDED)
-                marks.append(generator.get_state())
             samples = []
-            for seed, index in zip(seeds, indices):
-                seed_host_generators(seed, seeded)
+            for seed, (_, index) in zip(host_seeds(self.seed, keys), keys):
+                seed_host_generators(seed)
                 samples.append(self.dataset[index])
-            moved = [g.name for g, mark in zip(unseen, marks) if not g.same_state(g.get_state(), mark)]
-            if not moved:
-                return samples
-            self.drawn_from = (*self.drawn_from, *moved)
+            return samples
 
 
 class EpochKeys:
-    """A batch sampler's index lists as (epoch, index) keys; the epoch is the sampler's when an epoch's
-    iteration starts (`VAL_EPOCH` for samplers without one: evaluation's)."""
+    """A batch sampler's index lists as (epoch, index) keys (`VAL_EPOCH` for samplers without an epoch)."""
 
     def __init__(self, batch_sampler: Iterable[list[int]]) -> None:
         self.batch_sampler = batch_sampler
@@ -211,23 +140,17 @@ STEP_DRAWS = 0x57E9  # the domain of a step's draws, apart from every (seed, epo
 
 @functools.lru_cache(maxsize=256)
 def _stream_state(seed: int, step: int, stream: str) -> int:
-    """The hash state after absorbing the run's seed, the step (VAL_EPOCH: an evaluation) and the stream's name
-    (64-bit two's complement, 2 words each)."""
-    state = _epoch_state(seed, STEP_DRAWS)
+    """The hash state after absorbing the run's seed, the step (VAL_EPOCH: an evaluation) and the stream's name."""
     name = int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=8).digest(), "little")
-    for value in (step, name):
-        for word in (value & MASK32, (value >> 32) & MASK32):
-            state = mix32(state ^ word)
-    return state
+    return _absorb(_epoch_state(seed, STEP_DRAWS), step, name)
 
 
 def uniform_per_sample(seed: int, step: int, stream: str, positions: torch.Tensor, shape: Sequence[int],
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Uniform draws in (0, 1), `(len(positions), *shape)` on `positions`' device: row i from (seed, step, stream,
-    positions[i]) alone, so any rank, batch or world size that holds the same sample draws the same values, with no
-    host sync. Word j of a row is `draw(key, j)`."""
+    """Uniform draws in (0, 1), `(len(positions), *shape)` on `positions`' device, row i from (seed, step, stream,
+    positions[i]) alone, with no host sync; word j of a row is `draw(key, j)`."""
     count = math.prod(shape)
-    keys = _index_key(_stream_state(seed, step, stream), positions.to(torch.int64))
+    keys = _absorb(_stream_state(seed, step, stream), positions.to(torch.int64))
     words = draw(keys[:, None], torch.arange(count, device=positions.device, dtype=torch.int64)[None, :])
     return ((words.double() + 0.5) / 2.0**32).to(dtype).view(len(positions), *shape)
 

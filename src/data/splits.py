@@ -14,18 +14,8 @@ from src.common.errors import UsageError
 
 @dataclass(frozen=True)
 class DataSplits:
-    """A dataset's splits, what it provides (`info`: shapes, class count, ...) and the names of its samples' parts,
-    so that a task can bind the model's inputs and its target by name.
-
-    `train` trains; `val` makes every choice (best.pt, early stopping, a sweep's ranking and its objective);
-    `test` (None: the dataset has none) is evaluated once, when training ends, with the chosen weights: the numbers
-    to report, read by nothing that chooses.
-
-    `fields`: the names of a sample's parts, in order for tuple samples, the keys for dict samples; None:
-    unnamed (tuple positions, the last is the target). `target`: the field the task learns to predict
-    (None: the last field). A task's default is "the target field is the target, the rest are the model's
-    inputs, in order" (src/loop/task.py).
-    """
+    """A dataset's splits (`test`: None if it has none), what it provides (`info`) and its samples' parts: `fields`
+    (tuple positions or dict keys; None: unnamed) and the `target` field (None: the last)."""
 
     train: Dataset
     val: Dataset
@@ -47,15 +37,9 @@ IMAGE_FIELDS = {"fields": ("image", "label"), "target": "label"}  # (image, clas
 
 
 def image_info(num_classes: int, channels: int, height: int, width: int) -> dict[str, Any]:
-    """What an image classification dataset provides: the image shape, its size flattened (for MLPs)
-    and the class count."""
     return {"num_classes": num_classes, "in_channels": channels, "image_size": [height, width],
             "num_features": channels * height * width}
 
 
 class DatasetNotFoundError(UsageError, RuntimeError):
-    """The dataset's files are missing, unreadable or could not be downloaded.
-
-    The message is one line naming the folder and the files to put there; as a `UsageError`
-    it is shown to the user without a traceback.
-    """
+    """The dataset's files are missing, unreadable or could not be downloaded."""

@@ -1,19 +1,5 @@
-"""Which settings a run records as its hyperparameters (TensorBoard's HParams tab).
-
-The HParams table lines up runs, and the jobs of a sweep, by their hyperparameters. Fed the whole
-flattened config it shows some 40 keys that never change (`dataset._target_`, `num_workers`,
-`split_seed`, ...) before the one a sweep varies. So a run records:
-
-- every setting its command line set: for a sweep's jobs, the keys the sweep varies (and the ones
-  the whole sweep fixed), with the value the run used. A group override (`optimizer=sgd`) is
-  recorded as the chosen option's name; a key that holds a block records each setting in it.
-- a few settings that tell runs apart even when nobody overrode them: the task, model, dataset,
-  optimizer and scheduler chosen, the learning rate, epochs, seed and the global batch size.
-
-Where the run reports (`logger=...`, conf/logger/) is no hyperparameter: it is never recorded.
-
-Importing this module does not import torch.
-"""
+"""Which settings a run records as its hyperparameters: every setting its command line set and a few that tell runs
+apart (CHOSEN_GROUPS, CHOSEN_KEYS), not the whole config, whose unchanging keys would bury what a sweep varies."""
 
 from __future__ import annotations
 
@@ -29,16 +15,12 @@ NOT_RECORDED = ("logger",)  # groups whose settings say where the run reports, n
 
 def run_hparams(config: Mapping[str, Any], overrides: Sequence[str], choices: Mapping[str, str | None],
                 global_batch_size: int) -> dict[str, Any]:
-    """The run's hyperparameters: the settings `overrides` (the run's command line) set, then the chosen
-    groups and keys above, then `global_batch_size` (samples per optimizer step over all ranks).
-    `config` is the run's resolved config, `choices` the option Hydra chose in each group."""
+    """The settings `overrides` set, CHOSEN_GROUPS (by option name), CHOSEN_KEYS and `global_batch_size`."""
     flat = flatten(config)
     recorded: dict[str, Any] = {}
     for override in OverridesParser.create().parse_overrides(list(overrides)):
-        if override.is_delete():
-            continue
         key = override.key_or_group
-        if key.split(".")[0] in NOT_RECORDED:
+        if override.is_delete() or key.split(".")[0] in NOT_RECORDED:
             continue
         if key in choices:  # a group override: the option's name
             recorded[key] = str(choices[key])
@@ -57,8 +39,6 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
             flat.update(flatten(value, f"{name}."))
-        elif isinstance(value, (bool, int, float, str)):
-            flat[name] = value
         else:
-            flat[name] = str(value)
+            flat[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
     return flat

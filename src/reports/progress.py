@@ -1,10 +1,5 @@
-"""Console progress bars: a tqdm bar when a person watches a terminal, otherwise a disabled tqdm bar
-(`disable=True`: its methods do nothing), so the loop calls the same methods either way.
-
-Only the main process draws (several ranks drawing on one console garble each other), and
-only when stdout is a terminal: in a log file or a CI log, tqdm's carriage-return redraws
-are noise.
-"""
+"""Console progress bars: a tqdm bar on the main process's terminal, elsewhere a disabled one whose methods do
+nothing (in a log file, tqdm's carriage-return redraws are noise)."""
 
 from __future__ import annotations
 
@@ -16,14 +11,11 @@ T = TypeVar("T")
 
 
 def shows_progress(enabled: bool, is_main_process: bool, stream: TextIO) -> bool:
-    """Whether to draw bars: `trainer.progress` is on, this is the main process and `stream` is a terminal."""
     return enabled and is_main_process and stream.isatty()
 
 
 def progress_bar(desc: str, total: int, done: int, stream: TextIO | None) -> tqdm:
-    """A bar of `total` steps, `done` of them already (say, before a resumed epoch's restart), drawn on
-    `stream`; without a stream, a disabled bar whose update(), set_postfix() and close() do nothing."""
-    # leave=False: the bar disappears at close, and the epoch's log line takes its place.
+    """A bar of `total` steps, `done` of them already, on `stream` (None: disabled); gone when closed."""
     return tqdm(total=total, initial=done, desc=desc, unit="step", file=stream, leave=False, dynamic_ncols=True,
                 disable=stream is None)
 

@@ -1,12 +1,5 @@
-"""What a run leaves behind for people: log files, progress bars, TensorBoard events (scalars, images, text,
-hparams), metrics.json and other files of the run dir, and the experiment trackers the `logger` group adds
-(src/reports/tracking.py). Everything a run or its callbacks show goes through the `Reporter`'s methods.
-
-Rank 0 prints INFO to the console and writes `train.log` (`eval.log` for eval.py),
-TensorBoard events (`tb/`) and the run dir's files, and draws the progress bars; every other rank
-writes its own `train.rank<R>.log` and prints only warnings, so a crash on any rank is still visible.
-A record logged with `extra={"console": False}` goes to the log files only (the composed config).
-"""
+"""What a run leaves behind for people, all through the `Reporter`: log files (rank 0's `train.log`, others'
+`train.rank<R>.log`), progress bars, TensorBoard events, metrics.json, the run dir's files, the trackers."""
 
 from __future__ import annotations
 
@@ -20,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, TypeVar
 import torch
 from omegaconf import OmegaConf
 from torch import nn
+from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import hparams as hparams_summary
 from tqdm import tqdm
 
 from src.common.files import write_text_atomically
@@ -33,39 +28,32 @@ T = TypeVar("T")
 
 
 def setup_logging(run_dir: Path, rank: int, name: str = "train") -> None:
-    """Send this rank's log records to its file in the run dir, `<name>.log` or
-    `<name>.rank<R>.log` (and rank 0's to stdout)."""
+    """Send this rank's log records to `<name>.log` or `<name>.rank<R>.log` in the run dir, and to the console."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
     root.setLevel(logging.INFO)
     filename = f"{name}.log" if rank == 0 else f"{name}.rank{rank}.log"
-    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / filename)]
     console = _ConsoleHandler(sys.stdout if rank == 0 else sys.stderr)
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     console.addFilter(lambda record: getattr(record, "console", True))
-    handlers.append(console)
-    for handler in handlers:
+    for handler in (logging.FileHandler(run_dir / filename), console):
         handler.setFormatter(logging.Formatter(_FORMAT if rank == 0 else f"[rank {rank}]{_FORMAT}"))
         root.addHandler(handler)
 
 
 class _ConsoleHandler(logging.StreamHandler):
-    """Prints each record above a progress bar on the same console (tqdm clears the bar and draws
-    it again below), not glued to the end of the bar's line."""
+    """Prints each record above a progress bar on the same console, not glued to the end of the bar's line."""
 
     def emit(self, record: logging.LogRecord) -> None:
         with tqdm.external_write_mode(file=self.stream):
             super().emit(record)
 
 
-def log_run_start(
-    run_dir: Path, runtime: Any, modules: Mapping[str, nn.Module], data: Any, grad_accum: int, config: Mapping[str, Any],
-    overrides: Sequence[str] = (), print_config: bool = False, unit: str = "samples",
-) -> None:
-    """What is about to run: the command line's overrides, the resolved config as YAML (in every rank's log
-    file; on the console too with `print_config`), then a one-line summary (logged by every rank, printed once:
-    by rank 0); `unit`: what the task's loss and metrics are averaged over."""
+def log_run_start(run_dir: Path, runtime: Any, modules: Mapping[str, nn.Module], data: Any, grad_accum: int,
+                  config: Mapping[str, Any], overrides: Sequence[str] = (), print_config: bool = False,
+                  unit: str = "samples") -> None:
+    """Log the overrides, the resolved config and a one-line summary of the run; `unit`: what metrics average over."""
     log = logging.getLogger("train")
     log.info("overrides: %s", " ".join(overrides) or "none (the defaults of conf/config.yaml)")
     log.info("config:\n%s", OmegaConf.to_yaml(config).rstrip(), extra={"console": print_config})
@@ -76,19 +64,15 @@ def log_run_start(
         frozen = f", {total - trainable:,} frozen" if total > trainable else ""  # trainer.freeze
         named = "" if list(modules) == ["model"] else f"{name}: "
         models.append(f"{named}{type(module).__name__} ({total:,} parameters, {trainable:,} trainable{frozen})")
-    log.info(
-        "run dir %s | world size %d | device %s | backend %s | task %s (%s), metrics per %s | "
-        "model %s | "
-        "%s | global batch %d = %d ranks x %d per rank x %d accum | %d steps/epoch",
-        run_dir, runtime.world_size, runtime.device, runtime.backend or "none (single process)",
-        config["task"]["_target_"].rsplit(".", 1)[-1],
-        f"best.pt by {config['trainer']['monitor']}, {config['trainer']['monitor_mode']}"
-        if config["trainer"]["monitor"] else "no best.pt: trainer.monitor=null",
-        unit.removesuffix("s"),
-        ", ".join(models),
-        split_sizes(data.splits), sampler.global_batch_size, runtime.world_size,
-        sampler.micro_batch_size, grad_accum, sampler.steps_per_epoch,
-    )
+    trainer = config["trainer"]
+    best = f"best.pt by {trainer['monitor']}, {trainer['monitor_mode']}" if trainer["monitor"] else (
+        "no best.pt: trainer.monitor=null")
+    log.info("run dir %s | world size %d | device %s | backend %s | task %s (%s), metrics per %s | model %s | "
+             "%s | global batch %d = %d ranks x %d per rank x %d accum | %d steps/epoch",
+             run_dir, runtime.world_size, runtime.device, runtime.backend or "none (single process)",
+             config["task"]["_target_"].rsplit(".", 1)[-1], best, unit.removesuffix("s"), ", ".join(models),
+             split_sizes(data.splits), sampler.global_batch_size, runtime.world_size, sampler.micro_batch_size,
+             grad_accum, sampler.steps_per_epoch)
 
 
 def split_sizes(splits: Any) -> str:
@@ -105,8 +89,7 @@ def parameter_counts(module: nn.Module) -> tuple[int, int]:
 
 
 def model_summary(modules: Mapping[str, nn.Module]) -> str:
-    """Markdown (TensorBoard's text tab): for each model, a table of parameters per top-level child and in all,
-    then the module tree."""
+    """Markdown: for each model, its parameters per top-level child and in all, then the module tree."""
     parts = []
     for model, module in modules.items():
         rows = [f"### {model}\n" if len(modules) > 1 else "", "| module | type | parameters |", "|---|---|---:|"]
@@ -120,20 +103,12 @@ def model_summary(modules: Mapping[str, nn.Module]) -> str:
 
 
 class Reporter:
-    """Progress bars, TensorBoard events, metrics.json and the run dir's other files, from the main
-    process only: on other ranks every method does nothing.
-
-    With `tensorboard=False` it writes the files alone (no `tb/` dir, no TensorBoard import: it costs
-    ~0.5 s, imported in `_events`, the deferred imports of this module, only by runs that write events).
-    The event file and its `tb/` dir are created by the first event, so a run refused before any leaves none.
-    With `progress=True` it draws progress bars when stdout is a terminal (`trainer.progress`).
-    `trackers` (logger=mlflow, wandb, csv) get the scalars and final metrics too.
-    """
+    """Progress bars, TensorBoard events, metrics.json, the run dir's files and the `trackers`, from the main process
+    only. The `tb/` dir is made by the first event, so a run refused before any leaves none."""
 
     def __init__(self, run_dir: Path, is_main_process: bool, tensorboard: bool = True, progress: bool = False,
                  trackers: Trackers | None = None) -> None:
-        self.run_dir = run_dir
-        self.is_main_process = is_main_process
+        self.run_dir, self.is_main_process = run_dir, is_main_process
         self._tensorboard = is_main_process and tensorboard
         self._trackers = trackers if is_main_process else None
         self._writer: Any = None
@@ -141,8 +116,7 @@ class Reporter:
         self._bar = tqdm(disable=True)  # no bar before progress() makes one
 
     def progress(self, desc: str, total: int, done: int = 0) -> tqdm:
-        """A bar of `total` steps, `done` of them already; without a console to draw on, a disabled
-        one that does nothing. `scalars()` shows each reported `train/loss` on it."""
+        """A bar of `total` steps, `done` of them already (disabled without a console); it shows `train/loss`."""
         self._bar = progress_bar(desc, total, done, self._console)
         return self._bar
 
@@ -152,7 +126,6 @@ class Reporter:
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         if "train/loss" in values:
-            # Already on the host: no sync. No redraw: the next update() draws it, within tqdm's rate limit.
             self._bar.set_postfix(loss=f"{values['train/loss']:.4f}", refresh=False)
         if self._tensorboard:
             for tag, value in values.items():
@@ -163,8 +136,6 @@ class Reporter:
     def _events(self) -> Any:
         """The run's TensorBoard writer, made (with `tb/`) on first use; only where `_tensorboard` is set."""
         if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
             self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
         return self._writer
 
@@ -174,47 +145,35 @@ class Reporter:
         return self._tensorboard
 
     def image(self, tag: str, image: torch.Tensor, step: int) -> None:
-        """A (3, H, W) image in [0, 1] under `tag` in TensorBoard."""
         if self._tensorboard:
             self._events().add_image(tag, image, global_step=step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
-        """Markdown under `tag` in TensorBoard's text tab."""
         if self._tensorboard:
             self._events().add_text(tag, text, global_step=step)
 
     def file(self, name: str, text: str) -> None:
-        """A file of the run dir (say, a table as CSV), replaced atomically."""
+        """A file of the run dir, replaced atomically (a reader never sees half a file)."""
         if self.is_main_process:
             write_text_atomically(self.run_dir / name, text)
 
     def hparams(self, hparams: Mapping[str, Any], final_metrics: Mapping[str, float]) -> None:
-        """Record the run's hyperparameters with its final metrics (TensorBoard's HParams tab).
-
-        Written into the run's own event file, so multirun jobs line up side by side. The trackers got the
-        hyperparameters when their run opened; they get the final metrics here.
-        """
+        """The run's hyperparameters with its final metrics, in its own event file; the trackers get the metrics."""
         if self._trackers is not None:
             self._trackers.log_final(final_metrics)
         if not self._tensorboard:
             return
-        from torch.utils.tensorboard.summary import hparams as hparams_summary
-
         metrics = {f"hparam/{k}": v for k, v in final_metrics.items() if math.isfinite(v)}
-        experiment, session_start, session_end = hparams_summary(dict(hparams), metrics)
         file_writer = self._events()._get_file_writer()
-        for summary in (experiment, session_start, session_end):
+        for summary in hparams_summary(dict(hparams), metrics):  # the experiment, the session's start and end
             file_writer.add_summary(summary)
         for tag, value in metrics.items():
             self._events().add_scalar(tag, value)
 
     def write_metrics(self, summary: Mapping[str, Any]) -> None:
-        """Replace metrics.json atomically, so a reader never sees half a file."""
-        if self.is_main_process:
-            write_text_atomically(self.run_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
+        self.file("metrics.json", json.dumps(summary, indent=2) + "\n")
 
     def close(self) -> None:
-        """Flush the events and end the trackers' runs, as the loop ended."""
         if self._writer is not None:
             self._writer.close()
         if self._trackers is not None:

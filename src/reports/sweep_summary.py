@@ -1,20 +1,10 @@
-"""A sweep's results at a glance: one row per job with its overrides and final metrics.
-
-A Hydra callback (registered in conf/config.yaml). After every job and at the end of a
-multirun it rewrites `summary.csv` and `summary.md` in the sweep dir from what the jobs
-wrote (their `.hydra/overrides.yaml` and `metrics.json`), sorted by the monitored metric,
-so the table is right whichever launcher or sweeper ran the jobs, even while a sweep runs
-and after a sweep run again has skipped its finished jobs. Each job's state is completed,
-pruned (with the epoch its trial was pruned after), failed (it raised: its `FAILED` file holds
-the error) or incomplete (src/sweeps/jobs.py). The best completed job's overrides end
-summary.md as a command that trains it again. Importing this module does not import torch.
-"""
+"""A Hydra callback that rewrites the sweep dir's `summary.csv` and `summary.md` after every job, from what the jobs
+wrote: one row per job, best first by the monitored metric, and the command that trains the best one again."""
 
 from __future__ import annotations
 
 import csv
 import io
-import logging
 import shlex
 from pathlib import Path
 from typing import Any
@@ -22,24 +12,20 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from src.common.files import write_text_atomically
 from src.parallel.ranks import is_main_process
 from src.sweeps import jobs
 
-log = logging.getLogger(__name__)
-
 RUN_COLUMNS = ("epoch", "samples_per_s")  # after the metrics, which the jobs' task names
 PRUNED_COLUMN = "pruned_epoch"  # after `epoch`, when a job was pruned
+SPLITS = ("val/", "test/", "val_ema/", "test_ema/", "train/")  # the metrics' prefixes, in the columns' order
 
 
 def job_row(job_dir: Path) -> dict[str, Any]:
-    """One job's overrides, status and final metrics, read from its dir."""
-    overrides = OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")
-    metrics = jobs.read_metrics(job_dir)
-    status = jobs.job_state(job_dir)
-    row: dict[str, Any] = {"job": job_dir.name, "status": status, "overrides": " ".join(overrides)}
+    metrics, status = jobs.read_metrics(job_dir), jobs.job_state(job_dir)
+    row: dict[str, Any] = {"job": job_dir.name, "status": status, "overrides": " ".join(jobs.saved_overrides(job_dir))}
     row.update({name: value for name, value in metrics.items() if _is_column(name)})
     if status == "pruned":
         row[PRUNED_COLUMN] = metrics["stopped_at_epoch"]
@@ -48,30 +34,23 @@ def job_row(job_dir: Path) -> dict[str, Any]:
 
 
 def _is_column(name: str) -> bool:
-    # A task that counts tokens (or pixels) names its throughput tokens_per_s and its val count val/num_tokens.
     return name in RUN_COLUMNS or name.endswith("_per_s") or (
-        name.startswith(("val/", "test/", "val_ema/", "test_ema/", "train/")) and "/num_" not in name)
+        name.startswith(SPLITS) and "/num_" not in name)
 
 
 def metric_columns(rows: list[dict[str, Any]], metric: str | None) -> list[str]:
-    """The monitored metric (a val/ one) and the test/ one of the same name beside it, the other val/, test/,
-    val_ema/ and test_ema/ (EMA weights) then train/ metrics the jobs' task computes, then epoch (and the epoch a
-    pruned job stopped after), and throughput. The jobs are ranked by val alone; test only reports."""
+    """The monitored metric and its test/ twin, the other metrics by split, epoch (pruned_epoch), throughput."""
     seen = [name for row in rows for name in row if _is_column(name) and name not in RUN_COLUMNS]
     beside = [f"test/{metric.split('/', 1)[1]}"] if metric and f"test/{metric.split('/', 1)[1]}" in seen else []
-    splits = ("val/", "test/", "val_ema/", "test_ema/", "train/")
-    ordered = [*([metric] if metric else []), *beside, *(n for split in splits for n in seen if n.startswith(split))]
+    ordered = [*([metric] if metric else []), *beside, *(n for split in SPLITS for n in seen if n.startswith(split))]
     pruned = [PRUNED_COLUMN] if any(PRUNED_COLUMN in row for row in rows) else []
-    # The throughput in the jobs' unit: samples_per_s, or tokens_per_s (...) for a task that counts those.
     rates = [name for name in dict.fromkeys(name for row in rows for name in row) if name.endswith("_per_s")]
     return [*dict.fromkeys(ordered), RUN_COLUMNS[0], *pruned, *(rates or RUN_COLUMNS[1:])]
 
 
 def collect(sweep_dir: Path, metric: str | None, mode: str) -> list[dict[str, Any]]:
-    """Rows of every job under `sweep_dir`: completed jobs best first (by job number without a `metric`), then the
-    others."""
-    job_dirs = [p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")]
-    rows = [job_row(job_dir) for job_dir in job_dirs]
+    """Rows of every job under `sweep_dir`: completed jobs best first, then the others."""
+    rows = [job_row(path.parent.parent) for path in sweep_dir.glob("*/.hydra/overrides.yaml")]
     sign = -1 if mode == "max" else 1
 
     def order(row: dict[str, Any]) -> tuple:
@@ -85,9 +64,7 @@ def collect(sweep_dir: Path, metric: str | None, mode: str) -> list[dict[str, An
 def to_markdown(rows: list[dict[str, Any]], metrics: list[str]) -> str:
     columns = ["job", "status", *metrics, "overrides"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        cells = [_format(row.get(column)) for column in columns]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["| " + " | ".join(_format(row.get(column)) for column in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -95,8 +72,7 @@ def best_command(rows: list[dict[str, Any]]) -> str | None:
     """`python train.py <overrides>` of the best completed job (`rows` are best first), or None."""
     if not rows or rows[0]["status"] != "completed":
         return None
-    overrides = OmegaConf.load(Path(rows[0]["job_dir"]) / ".hydra" / "overrides.yaml")
-    return " ".join(["python train.py", *map(shlex.quote, overrides)])
+    return " ".join(["python train.py", *map(shlex.quote, jobs.saved_overrides(Path(rows[0]["job_dir"])))])
 
 
 def to_csv(rows: list[dict[str, Any]], metrics: list[str]) -> str:
@@ -116,11 +92,8 @@ def _format(value: Any) -> str:
 
 
 class SweepSummary(Callback):
-    """Writes `summary.csv` and `summary.md` into the sweep dir; prints the table at the end."""
-
     def __init__(self, metric: str, mode: str) -> None:
-        self.metric = metric  # the task's monitored metric (trainer.monitor), unless overridden
-        self.mode = mode
+        self.metric, self.mode = metric, mode
 
     def write(self, sweep_dir: Path) -> str:
         rows = collect(sweep_dir, self.metric, self.mode)

@@ -1,19 +1,5 @@
-"""One tracker run per training run, whatever happens to it: the `logger`s' runs (src/reports/trackers/), opened
-by rank 0 when the loop starts, fed by the Reporter, and kept across restarts, resumes and sweeps.
-
-- Their ids are kept in the run dir (`trackers.json`) and in every checkpoint (this callback's state), so a
-  torchrun restart, `resume=auto` or a resumed sweep job continues the same tracker runs (the checkpoint's ids
-  first: `resume=PATH` may start in another run dir).
-- A step redone after a restart is not sent twice: each tracker says the last step it holds of each key
-  (MLflow from its server, the CSV from its file), or the ledger in `trackers.json` does (W&B offline), and
-  `log` skips every (key, step) up to it.
-- A sweep's jobs are runs of their own, grouped by the sweep dir.
-- A run ends FINISHED (its epochs done or a callback's stop, e.g. `pruned`, named as `stop_reason`), KILLED
-  (max_steps or preemption: a checkpoint to resume from) or FAILED (the loop raised).
-
-Scalars arrive already on the host, at log steps and epoch ends (the Reporter's `scalars`): nothing here syncs
-a device. Other ranks build no tracker and do nothing.
-"""
+"""One tracker run per training run: the `logger`s' runs, opened by rank 0 and continued across restarts, resumes
+and sweep jobs by their ids (in `trackers.json` and every checkpoint). A step a restart redoes is not sent twice."""
 
 from __future__ import annotations
 
@@ -38,19 +24,17 @@ IDS_FILE = "trackers.json"  # in the run dir: {"ids": {logger: run id}, "sent": 
 
 
 class Trackers(Callback):
-    """The run's trackers by logger name (none on ranks other than 0), as one callback named `trackers`."""
+    """The run's trackers by logger name (none on ranks other than 0), as one callback."""
 
     def __init__(self, trackers: Mapping[str, Tracker], identity: RunIdentity, overrides: Sequence[str] = (),
                  choices: Mapping[str, Any] | None = None) -> None:
-        self.trackers = dict(trackers)
-        self.identity = identity
+        self.trackers, self.identity = dict(trackers), identity
         self.overrides, self.choices = tuple(overrides), dict(choices or {})
         self.ids: dict[str, str] = {}  # each tracker's run id, from the checkpoint and then from `open`
         self.sent: dict[str, dict[str, int]] = {}  # the last step each tracker holds of each key
         self._ledger: set[str] = set()  # the trackers whose `sent` only trackers.json knows
         self._status: tuple[str, str | None] | None = None  # how the run ended, when `close` comes
-        self._last_step = 0
-        self._open = False
+        self._last_step, self._open = 0, False
         self._params: dict[str, Any] | None = None  # the run's hyperparameters, until the trackers' runs open
 
     def state_dict(self) -> dict[str, Any]:
@@ -60,8 +44,7 @@ class Trackers(Callback):
         self.ids = dict(state.get("ids", {}))
 
     def on_run_start(self, run: Run) -> None:
-        """The run's hyperparameters (the keys TensorBoard's HParams shows), for the trackers' runs, which open
-        when the first scalars come: by then a resumed run's checkpoint has given its ids (load_state_dict)."""
+        """The hyperparameters for the trackers' runs, which open with the first scalars (after a resume's ids)."""
         if not self.trackers:
             self.enabled = False  # not rank 0, or no tracker but TensorBoard
             return
@@ -88,7 +71,7 @@ class Trackers(Callback):
         self._write_ids_file()
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
-        """Send each scalar to each tracker that does not hold its key at `step` yet (the Reporter's)."""
+        """Send each scalar to each tracker that does not hold its key at `step` yet."""
         self._open_runs()
         if not self._open:
             return
@@ -115,7 +98,6 @@ class Trackers(Callback):
         self.close()
 
     def close(self) -> None:
-        """End every tracker's run as the loop ended (the Reporter's, after the final metrics)."""
         self._open_runs()
         if not self._open:
             return
@@ -133,22 +115,18 @@ class Trackers(Callback):
 
 
 def read_ids_file(run_dir: Path) -> dict[str, Any]:
-    """trackers.json of `run_dir` ({} if the run has none yet)."""
     path = run_dir / IDS_FILE
     return json.loads(path.read_text()) if path.exists() else {}
 
 
 def identity_of(run_dir: Path, in_sweep: bool) -> RunIdentity:
     """A run's name, and a sweep job's group: its sweep dir (the job dir's parent, hydra.sweep.dir)."""
-    if in_sweep:
-        return RunIdentity(str(run_dir), run_dir, group=str(run_dir.parent), job=run_dir.name)
-    return RunIdentity(str(run_dir), run_dir)
+    group, job = (str(run_dir.parent), run_dir.name) if in_sweep else (None, None)
+    return RunIdentity(str(run_dir), run_dir, group=group, job=job)
 
 
 def build_trackers(logger_cfg: DictConfig, context: Any, is_main_process: bool) -> Trackers:
-    """The experiment trackers `logger` names besides TensorBoard (conf/logger/), built by rank 0 alone: a
-    package that is missing or a server that does not answer is one line here, before any work. `context`: the
-    job's RunContext (src/parallel/job.py)."""
+    """The trackers `logger` names besides TensorBoard, built by rank 0 alone, before any work."""
     built = {}
     for name, node in logger_cfg.items():
         if is_main_process and name != "tensorboard":  # TensorBoard is the Reporter's own

@@ -1,13 +1,5 @@
-"""The default `-m` sweeper: Hydra's grid (BasicSweeper), made resumable.
-
-Running the same command again with `hydra.sweep.dir=<that dir>` skips the jobs that finished (their
-rows stay in the summary), runs the others again in their own dirs, an interrupted one continuing from
-its `checkpoints/last.pt` (src/sweeps/jobs.py), and keeps every job's number and dir. A sweep dir whose
-jobs ran with other overrides is refused before anything is written. A sweep under torchrun (every rank
-runs this sweeper, each rank reading the job dirs at its own moment) stays Hydra's plain grid: resuming
-needs the sweep to start each job's group itself (dist.nproc_per_node, or a launcher). Hydra finds this class through
-hydra_plugins/ddp_template_sweepers.py (its plugins must live in that namespace).
-"""
+"""The default `-m` sweeper: Hydra's grid, resumable (a sweep run again skips finished jobs and resumes the others
+in their dirs); under torchrun, where every rank sweeps, Hydra's plain grid."""
 
 from __future__ import annotations
 
@@ -59,8 +51,7 @@ class ResumableGridSweeper(BasicSweeper):
         return pending
 
     def batches(self, pending: dict[int, list[str]]) -> list[tuple[int, list[Sequence[str]]]]:
-        """Runs of consecutive job numbers (a launcher numbers a batch's jobs from its first), at most
-        `max_batch_size` jobs each."""
+        """Runs of consecutive job numbers, at most `max_batch_size` jobs each."""
         runs: list[tuple[int, list[Sequence[str]]]] = []
         for num, overrides in pending.items():
             full = self.max_batch_size is not None and runs and len(runs[-1][1]) >= self.max_batch_size

@@ -1,14 +1,5 @@
-"""What a sweep's job dir says about its job, and how a sweep run again treats it.
-
-Shared by both sweepers (src/sweeps/grid.py, src/sweeps/optuna_sweeper.py) and the summary
-(src/reports/sweep_summary.py). A job is `completed` (every epoch, or ended early by a callback such as
-early stopping), `pruned` (stopped by the Optuna pruner, with a checkpoint), `failed` (it
-raised: the summary callback left a FAILED file) or `incomplete` (killed, preempted, or still running).
-Run again into the same sweep dir, a sweep skips completed and pruned jobs, and runs the others
-again in their own dirs: with `resume=auto` semantics (src/parallel/ranks.py resume_setting), so
-an interrupted job continues from its `checkpoints/last.pt`. A job dir whose overrides are not the
-job's belongs to another sweep and is refused, before anything is written.
-"""
+"""What a sweep's job dir says about its job (`completed`, `pruned`, `failed`, `incomplete`), and how a sweep run
+again treats it: finished jobs skipped, others resumed in their dirs, another sweep's dir refused."""
 
 from __future__ import annotations
 
@@ -19,10 +10,15 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.common.errors import UsageError
+from src.parallel.job import quote_override
 from src.parallel.ranks import SWEEP_JOB_RESUMES
 
 FAILED_MARKER = "FAILED"  # written into a job dir by the summary callback when the job raised
 FINISHED = ("completed", "pruned")
+# Where a pruned Optuna trial's job finds its trial (src/callbacks/optuna_pruning.py), set like SWEEP_JOB_RESUMES.
+STORAGE_ENV = "DDP_TEMPLATE_OPTUNA_STORAGE"  # the study's storage URL
+STUDY_ENV = "DDP_TEMPLATE_OPTUNA_STUDY"  # its name
+TRIAL_ENV = "DDP_TEMPLATE_OPTUNA_TRIAL"  # the trial's id in the storage
 
 
 def job_state(job_dir: Path) -> str | None:
@@ -69,11 +65,17 @@ def check_same_job(job_dir: Path, overrides: Sequence[str]) -> None:
 
 
 def rerun_overrides(job_dir: Path, overrides: Sequence[str]) -> list[str]:
-    """The overrides to run a job with: as given; for a job run again in its dir, told to resume there
-    (its FAILED file, from the attempt that raised, removed: the summary shows the new attempt)."""
+    """The overrides to run a job with; a job run again in its dir is told to resume (its FAILED file removed)."""
     if job_state(job_dir) is None:
         return list(overrides)
     (job_dir / FAILED_MARKER).unlink(missing_ok=True)
-    # Through `hydra.job.env_set`, which every launcher applies (and a job's workers inherit): `resume: null`
-    # then means `auto` for this job (src/parallel/ranks.py), and its overrides.yaml stays as it was.
+    # Through `hydra.job.env_set` (every launcher applies it): its overrides.yaml stays as it was.
     return [*overrides, f"++hydra.job.env_set.{SWEEP_JOB_RESUMES}=1"]
+
+
+def trial_env(storage: str, study_name: str, trial_id: int, pruner: str) -> list[str]:
+    """The `hydra.job.env_set` overrides that let a trial's job report to its trial (none: no pruner)."""
+    if pruner == "none":
+        return []
+    values = {STORAGE_ENV: storage, STUDY_ENV: study_name, TRIAL_ENV: str(trial_id)}
+    return [f"++hydra.job.env_set.{key}={quote_override(value)}" for key, value in values.items()]

@@ -1,17 +1,6 @@
-"""`hydra/sweeper=optuna`: a hyperparameter search whose study lives in a real database.
-
-This process asks Optuna for each trial's values and launches the trial as one Hydra job with them
-as overrides, through the configured launcher, so every rank of a trial that is a DDP group
-(`dist.nproc_per_node=2`, or a submitit/SLURM job with several tasks) reads the same values from its
-command line: no rank samples. The objective is what train.py returns (the last `trainer.monitor`
-value); the direction follows `trainer.monitor_mode`. With a pruner, rank 0 of the trial reports the
-monitored value after each epoch to the trial in the same storage and every rank stops on its
-answer (src/callbacks/optuna_pruning.py); the trial is then PRUNED, not FAIL.
-
-The study is `<sweep dir>/optuna.db` (SQLite through Optuna's RDB storage) by default: running the same
-command again with `hydra.sweep.dir=<that dir>` continues it up to `n_trials` finished trials. A trial
-whose run died (the sweep was killed) is recorded as failed and asked again with the same values, its
-job resuming from `checkpoints/last.pt` in its own dir (src/sweeps/jobs.py). Trials run one after another.
+"""`hydra/sweeper=optuna`: this process asks Optuna for each trial's values and launches the trial as one Hydra job
+with them as overrides, so no rank samples; the objective is what train.py returns. The study lives in
+`<sweep dir>/optuna.db`: the same command continues it, a trial whose run died asked again with its values.
 """
 
 from __future__ import annotations
@@ -29,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.common.errors import UsageError
 from src.parallel import ranks
-from src.sweeps import jobs, pruning, search_space
+from src.sweeps import jobs, search_space
 
 log = logging.getLogger(__name__)
 
@@ -72,41 +61,35 @@ class OptunaSweeper(Sweeper):
 
     def check_settings(self, space: dict[str, Any]) -> str:
         """The study's direction; one error line for a setting that cannot work."""
-        problems = []
-        if ranks.is_worker():
-            problems.append("an Optuna sweep under torchrun would sample on every rank: start it as one process "
-                            "and give each trial its ranks with dist.nproc_per_node=N (or a launcher)")
-        if self.n_trials < 1:
-            problems.append(f"hydra.sweeper.n_trials={self.n_trials} must be at least 1")
-        if self.sampler not in SAMPLERS:
-            problems.append(f"hydra.sweeper.sampler={self.sampler} is not one of {', '.join(SAMPLERS)}")
-        if self.pruner["name"] not in PRUNERS:
-            problems.append(f"hydra.sweeper.pruner={self.pruner['name']} is not one of {', '.join(PRUNERS)}")
-        if not space:
-            problems.append(f"nothing to search: sweep at least one key, e.g. 'optimizer.lr=tag(log,interval(1e-4,"
-                            f"1e-1))' ({search_space.GRAMMAR})")
-        if not self.storage:
-            problems.append("hydra.sweeper.storage is empty: the study needs a database to live in, e.g. the "
-                            "default sqlite:///${hydra.sweep.dir}/optuna.db")
         monitor, mode = self.config.trainer.monitor, self.config.trainer.monitor_mode
-        if monitor is None:
-            problems.append("trainer.monitor=null: the study optimises the monitored metric; name one "
-                            "(trainer.monitor=val/NAME)")
         direction = DIRECTIONS[mode]
-        if self.direction not in (None, *DIRECTIONS.values()):
-            problems.append(f"hydra.sweeper.direction={self.direction} is not one of maximize, minimize (or null)")
-        elif self.direction not in (None, direction):
-            problems.append(f"hydra.sweeper.direction={self.direction} contradicts trainer.monitor={monitor}, "
-                            f"whose trainer.monitor_mode is {mode}: leave hydra.sweeper.direction=null")
+        checks = [
+            (ranks.is_worker(), "an Optuna sweep under torchrun would sample on every rank: start it as one process "
+                                "and give each trial its ranks with dist.nproc_per_node=N (or a launcher)"),
+            (self.n_trials < 1, f"hydra.sweeper.n_trials={self.n_trials} must be at least 1"),
+            (self.sampler not in SAMPLERS, f"hydra.sweeper.sampler={self.sampler} is not one of {', '.join(SAMPLERS)}"),
+            (self.pruner["name"] not in PRUNERS,
+             f"hydra.sweeper.pruner={self.pruner['name']} is not one of {', '.join(PRUNERS)}"),
+            (not space, f"nothing to search: sweep at least one key, e.g. 'optimizer.lr=tag(log,interval(1e-4,1e-1))' "
+                        f"({search_space.GRAMMAR})"),
+            (not self.storage, "hydra.sweeper.storage is empty: the study needs a database to live in, e.g. the "
+                               "default sqlite:///${hydra.sweep.dir}/optuna.db"),
+            (monitor is None, "trainer.monitor=null: the study optimises the monitored metric; name one "
+                              "(trainer.monitor=val/NAME)"),
+            (self.direction not in (None, *DIRECTIONS.values()),
+             f"hydra.sweeper.direction={self.direction} is not one of maximize, minimize (or null)"),
+            (self.direction in DIRECTIONS.values() and self.direction != direction,
+             f"hydra.sweeper.direction={self.direction} contradicts trainer.monitor={monitor}, whose "
+             f"trainer.monitor_mode is {mode}: leave hydra.sweeper.direction=null"),
+        ]
+        problems = [problem for failed, problem in checks if failed]
         if problems:
             raise UsageError("; ".join(problems))
         return direction
 
     def open_study(self, direction: str, sweep_lines: list[str]) -> Any:
         """This sweep's study: created, or continued if the storage holds it; another sweep's is refused."""
-        import optuna
-
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        optuna = _optuna()
         names = self.existing_study_names()
         if self.study_name not in names:
             # A SQLite file is the sweep dir's own database: another study there ran in these job dirs.
@@ -128,11 +111,9 @@ class OptunaSweeper(Sweeper):
 
     def existing_study_names(self) -> list[str]:
         """The studies the storage already holds (none if its SQLite file does not exist: nothing created)."""
-        import optuna
-
         if self.storage.startswith("sqlite:///") and not Path(self.storage[len("sqlite:///"):]).exists():
             return []
-        return sorted(optuna.study.get_all_study_names(storage=self.storage))
+        return sorted(_optuna().study.get_all_study_names(storage=self.storage))
 
     def refuse_occupied_sweep_dir(self) -> None:
         first_job = jobs.job_dir(self.hydra_context.config_loader, self.config, [], 0)
@@ -141,19 +122,15 @@ class OptunaSweeper(Sweeper):
                              "pick a new hydra.sweep.dir")
 
     def build_sampler(self, trials_so_far: int) -> Any:
-        """The sampler; a continued study's is seeded with seed + its trials so far, so that it does not
-        draw the values of the study's first trials again."""
-        import optuna
-
+        """The sampler, seeded with seed + trials so far: a continued study draws no first trial's values again."""
         seed = None if self.seed is None else self.seed + trials_so_far
-        if self.sampler == "random":
-            return optuna.samplers.RandomSampler(seed=seed)
-        return optuna.samplers.TPESampler(seed=seed)
+        samplers = _optuna().samplers
+        return samplers.RandomSampler(seed=seed) if self.sampler == "random" else samplers.TPESampler(seed=seed)
 
     def settle_unfinished_trials(self, study: Any) -> None:
-        """Trials a killed sweep left RUNNING: told their job's result if it finished; else recorded
-        as failed (`died`) and asked again with the same values, to resume in the same job dir."""
-        from optuna.trial import Trial, TrialState
+        """Trials a killed sweep left RUNNING: told their job's result if it finished, else failed (`died`) and
+        asked again with the same values."""
+        Trial, TrialState = _optuna().trial.Trial, _optuna().trial.TrialState
 
         for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             job, job_dir = frozen.user_attrs.get("job"), frozen.user_attrs.get("job_dir")
@@ -179,30 +156,23 @@ class OptunaSweeper(Sweeper):
         jobs.check_same_job(job_dir, overrides)
         for key, value in {"job": job, "job_dir": str(job_dir), "overrides": overrides}.items():
             trial.set_user_attr(key, value)
-        env = pruning.trial_env(self.storage, self.study_name, trial._trial_id, self.pruner["name"])
+        env = jobs.trial_env(self.storage, self.study_name, trial._trial_id, self.pruner["name"])
         [result] = self.launcher.launch([jobs.rerun_overrides(job_dir, overrides) + env], initial_job_idx=job)
         state = jobs.job_state(job_dir)
         if result.status == JobStatus.FAILED or state == "failed":
             log.warning("trial %d (job %d) failed: %s", trial.number, job, result._return_value)
-            study.tell(trial, state=self.trial_state("FAIL"))
+            study.tell(trial, state=_optuna().trial.TrialState.FAIL)
         elif state == "pruned":
-            study.tell(trial, state=self.trial_state("PRUNED"))
+            study.tell(trial, state=_optuna().trial.TrialState.PRUNED)
         elif state != "incomplete":  # left RUNNING otherwise: the next run of the sweep resumes it
             study.tell(trial, float(result.return_value))  # train.py's: the last trainer.monitor value
         return state != "incomplete"
 
     def tell_finished(self, study: Any, number: int, job_dir: Path, state: str) -> None:
-        """A finished job's result: its last monitored value (metrics.json), or PRUNED."""
         if state == "pruned":
-            study.tell(number, state=self.trial_state("PRUNED"))
+            study.tell(number, state=_optuna().trial.TrialState.PRUNED)
         else:
             study.tell(number, jobs.read_metrics(job_dir)[self.config.trainer.monitor])
-
-    @staticmethod
-    def trial_state(name: str) -> Any:
-        from optuna.trial import TrialState
-
-        return TrialState[name]
 
     def log_best(self, study: Any) -> None:
         """The best trial and the command that trains it again (also in summary.md)."""
@@ -216,9 +186,16 @@ class OptunaSweeper(Sweeper):
                  self.config.trainer.monitor, best.value, command)
 
 
+def _optuna() -> Any:
+    """Optuna (an optional package, imported when a study is opened), its logging quiet."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
 def counted_trials(study: Any) -> int:
-    """Trials that count toward n_trials: completed, pruned, and failed by raising (a failing search
-    still ends); not the attempts that died with a killed sweep (they are asked again)."""
+    """Trials that count toward n_trials: all finished ones but those that died with a killed sweep."""
     return sum(t.state.name in ("COMPLETE", "PRUNED") or (t.state.name == "FAIL" and not t.user_attrs.get("died"))
                for t in study.get_trials(deepcopy=False))
 

@@ -1,11 +1,5 @@
-"""A sweep's command line as an Optuna search space, in the grammar of Hydra's Optuna plugin.
-
-`key=choice(a,b)` or `key=a,b` -> a categorical; `key=range(lo,hi[,step])` -> integers (or floats on a
-step) from lo up to hi exclusive, as Hydra's range; `key=interval(lo,hi)` -> a float in [lo, hi];
-`key=tag(log,interval(lo,hi))` -> the same, sampled on a log scale. A plain `key=value` is passed to every
-trial unchanged. Anything else Hydra's grammar can say (glob, shuffle, other tags) names no distribution
-and is refused with one line. Optuna is imported only when a sweep builds its space.
-"""
+"""A sweep's command line as an Optuna search space, in the grammar of Hydra's Optuna plugin (`GRAMMAR`); a plain
+`key=value` goes to every trial."""
 
 from __future__ import annotations
 
@@ -14,9 +8,8 @@ from typing import Any
 from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep
 
 from src.common.errors import UsageError
+from src.config.hydra_errors import SWEEP_GRAMMAR as GRAMMAR
 from src.parallel.job import quote_override
-
-GRAMMAR = "choice(a,b,...), range(start,stop[,step]), interval(low,high) or tag(log,interval(low,high))"
 
 
 def split(overrides: list[Override]) -> tuple[dict[str, Any], list[str]]:
@@ -33,7 +26,7 @@ def split(overrides: list[Override]) -> tuple[dict[str, Any], list[str]]:
 
 def distribution(override: Override) -> Any:
     """The Optuna distribution an override's sweep stands for, or one error line naming the grammar."""
-    import optuna.distributions as dist
+    import optuna.distributions as dist  # an optional package
 
     value, key = override.value(), override.get_key_element()
     tags = set(getattr(value, "tags", set()))
@@ -55,7 +48,6 @@ def distribution(override: Override) -> Any:
 
 
 def trial_overrides(params: dict[str, Any], fixed: list[str]) -> list[str]:
-    """A trial's command-line overrides: its sampled values, then the fixed ones."""
     return [*(f"{key}={_format(value)}" for key, value in params.items()), *fixed]
 
 

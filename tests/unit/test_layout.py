@@ -124,14 +124,11 @@ def test_the_import_graph_of_src_has_no_cycle():
 # of the runs that do not use it (where a `_target_` or a module boundary could not), named here with its reason.
 DEFERRED = {
     "src/callbacks/optuna_pruning.py": {"optuna"},  # only in a pruned Optuna trial; the callback is in every run
-    "src/callbacks/utilization.py": {"torch.utils.flop_counter"},  # ~0.1 s, only on GPUs of known peak
     "src/loop/export.py": {"safetensors.torch"},  # an optional package, for exporting only
     "src/loop/init_from.py": {"safetensors.torch"},  # likewise, for a .safetensors file only
     "src/parallel/fsdp.py": {"torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict",
                              "torch.distributed.tensor"},  # sharded runs
     "src/parallel/ranks.py": {"submitit"},  # only in submitit's and srun's tasks
-    "src/reports/reporting.py": {"torch.utils.tensorboard", "torch.utils.tensorboard.summary"},  # runs that write
-    # TensorBoard events (not eval.py)
 }
 OWN = ["callbacks", "checkpoint", "config", "loop", "parallel", "reports"]
 

@@ -1,10 +1,5 @@
-"""Experiment trackers a run reports to besides TensorBoard: MLflow, Weights & Biases, a CSV file (the `logger`
-config group, conf/logger/). Each is one `Tracker` class in this package, built from its YAML on rank 0 alone
-(src/reports/tracking.py fans the Reporter's scalars out to them and keeps their run ids across restarts).
-
-A tracker's package is imported by its own module, only when that logger is configured: `import mlflow` takes
-seconds, and a user who never asks for MLflow need not install it. Importing this package imports no tracker.
-"""
+"""Experiment trackers a run reports to besides TensorBoard (the `logger` group): one `Tracker` class each, whose
+package (an optional one) is imported only when its logger is configured."""
 
 from __future__ import annotations
 
@@ -20,8 +15,6 @@ from src.common.errors import UsageError
 
 @dataclass(frozen=True)
 class RunIdentity:
-    """How a tracker names and groups the run."""
-
     name: str  # the run dir, as the tracker shows the run
     run_dir: Path
     group: str | None = None  # a multirun or Optuna job's sweep dir: every job of the sweep shares it
@@ -29,14 +22,10 @@ class RunIdentity:
 
 
 class Tracker:
-    """One tracker's run, on rank 0. `open` starts a run or continues the run of a known id; the loggers send
-    each (key, step) once: `sent_steps` tells the last step of each key the tracker already holds (a restart
-    redoes the steps after its checkpoint), or None when the tracker cannot tell and the run dir's ledger must
-    (src/reports/tracking.py)."""
+    """One tracker's run, on rank 0."""
 
     def open(self, run_id: str | None, identity: RunIdentity, params: Mapping[str, Any]) -> str | None:
-        """Start a run with the hyperparameters `params`, or continue the run `run_id`; returns its id (None:
-        nothing to keep)."""
+        """Start a run with `params`, or continue the run `run_id`; returns its id (None: nothing to keep)."""
         raise NotImplementedError
 
     def sent_steps(self) -> dict[str, int] | None:
@@ -47,8 +36,7 @@ class Tracker:
         raise NotImplementedError
 
     def close(self, status: str, stop_reason: str | None) -> None:
-        """End the run: `status` FINISHED (its last epoch done, or a callback's stop), KILLED (stopped with a
-        checkpoint to resume from: max_steps, preemption) or FAILED; `stop_reason` says why it stopped."""
+        """End the run: `status` FINISHED, KILLED (a checkpoint to resume from) or FAILED; `stop_reason`: why."""
 
 
 def import_package(package: str, logger: str, install: str) -> ModuleType:

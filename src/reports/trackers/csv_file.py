@@ -1,10 +1,5 @@
-"""logger=csv: every scalar the run reports, one row each, in one CSV file of the run dir (no package needed).
-
-Rows are `step,name,value`: the train window's scalars at log steps, the epoch's at epoch ends, the final metrics
-(`final/<metric>`) at the last step, and the hyperparameters once, first, with an empty step and names
-`param/<key>`. A restarted or resumed run appends to the same file and skips what it already holds: each
-(name, step) is in it once. A row cut short by a kill is dropped when the run continues.
-"""
+"""logger=csv: every scalar the run reports as a `step,name,value` row of one CSV file in the run dir, the
+hyperparameters first (no step, names `param/<key>`). A continued run appends, dropping a row a kill cut short."""
 
 from __future__ import annotations
 
@@ -46,10 +41,8 @@ class CSVTracker(Tracker):
 
     def _write(self, rows: list[tuple[Any, str, Any]]) -> None:
         assert self._file is not None, "log() before open()"
-        buffer = io.StringIO()
-        csv.writer(buffer, lineterminator="\n").writerows(rows)
-        self._file.write(buffer.getvalue())
-        self._file.flush()  # a row a kill would lose is redone by the restart; one it keeps is not written again
+        csv.writer(self._file, lineterminator="\n").writerows(rows)
+        self._file.flush()
 
     def close(self, status: str, stop_reason: str | None) -> None:
         if self._file is not None:

@@ -1,13 +1,5 @@
-"""logger=mlflow: the run as one MLflow run (needs `pip install mlflow-skinny==3.17.2` for a server, or the full
-`mlflow==3.17.2` for a local sqlite store).
-
-Built on rank 0 before the run does any work: a missing package, or a server that does not answer its
-`/health` within `timeout_s`, is one error line there. The client is MLflow's `MlflowClient`, not its
-process-global active run (`mlflow.start_run`): a multirun's jobs run one after another in one process, each its
-own run, and nothing of one job's is left to an exit handler. A run continued by id is set RUNNING again; the
-steps it already holds are read back from the server, so a restart's redone steps are not stored twice
-(MLflow would keep both).
-"""
+"""logger=mlflow: the run as one MLflow run, through `MlflowClient` (not the process-global active run: a
+multirun's jobs share one process); a server that does not answer `/health` is one error line."""
 
 from __future__ import annotations
 
@@ -36,8 +28,7 @@ class MLflowTracker(Tracker):
         if tracking_uri and tracking_uri.startswith(("http://", "https://")):
             check_server(tracking_uri, timeout_s)
         self.client = self.mlflow.tracking.MlflowClient(tracking_uri=tracking_uri or None)
-        self.experiment_name = experiment_name
-        self.run_id: str | None = None
+        self.experiment_name, self.run_id = experiment_name, None
 
     def open(self, run_id: str | None, identity: RunIdentity, params: Mapping[str, Any]) -> str:
         if run_id is not None and self._continues(run_id):  # a restart, resume=auto, a resumed sweep job
@@ -65,15 +56,13 @@ class MLflowTracker(Tracker):
 
     def _experiment_id(self) -> str:
         experiment = self.client.get_experiment_by_name(self.experiment_name)
-        if experiment is not None:
-            return experiment.experiment_id
-        try:
-            return self.client.create_experiment(self.experiment_name)
-        except Exception:  # another job created it meanwhile
-            experiment = self.client.get_experiment_by_name(self.experiment_name)
-            if experiment is None:
-                raise
-            return experiment.experiment_id
+        if experiment is None:
+            try:
+                return self.client.create_experiment(self.experiment_name)
+            except Exception:  # another job created it meanwhile
+                if (experiment := self.client.get_experiment_by_name(self.experiment_name)) is None:
+                    raise
+        return experiment.experiment_id
 
     def sent_steps(self) -> dict[str, int]:
         assert self.run_id is not None
@@ -81,10 +70,8 @@ class MLflowTracker(Tracker):
         return {key: max(m.step for m in self.client.get_metric_history(self.run_id, key)) for key in keys}
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
-        now = int(time.time() * 1000)
-        metric = self.mlflow.entities.Metric
-        self.client.log_batch(self.run_id, metrics=[metric(key, float(value), now, step)
-                                                    for key, value in scalars.items()])
+        now, metric = int(time.time() * 1000), self.mlflow.entities.Metric
+        self.client.log_batch(self.run_id, metrics=[metric(key, float(v), now, step) for key, v in scalars.items()])
 
     def close(self, status: str, stop_reason: str | None) -> None:
         if self.run_id is None:

@@ -1,11 +1,5 @@
-"""logger=wandb: the run as one Weights & Biases run (needs `pip install wandb==0.31.0`).
-
-The run's files go to `<run dir>/wandb/`. A run continued by id (a restart, resume=auto, a resumed sweep job) is
-`wandb.init(id=..., resume="allow")`: online, the same run goes on; offline, each attempt writes its own
-`offline-run-*-<id>` folder, and `wandb sync` merges the folders of one id in start order. W&B cannot tell an
-offline run's last step, so the run dir's ledger does (src/reports/tracking.py): a redone step is not sent again.
-A sweep's jobs share its sweep dir as their `group`.
-"""
+"""logger=wandb: the run as one Weights & Biases run, its files in `<run dir>/wandb/`; a continued run is
+`wandb.init(id=..., resume="allow")`. W&B cannot tell an offline run's last step: the run dir's ledger does."""
 
 from __future__ import annotations
 

@@ -1,41 +1,33 @@
 """Checkpoints as a directory of shards each (dist=fsdp): written by every rank at once with
-torch.distributed.checkpoint (DCP), readable on any world size.
+torch.distributed.checkpoint (DCP), readable on any world size (DCP reshards).
 
     checkpoints/
       step_000000044/     one checkpoint, named by its optimizer step
         __0_0.distcp        rank 0's tensors: its shards of every sharded tensor (__1_0.distcp: rank 1's, ...)
-        .metadata           DCP's index of every shard: written last, by rank 0, once every rank's file is
-                            complete (to `.metadata.tmp`, then renamed): the directory is valid only with it
-        state.pt            every part's state (src/checkpoint/store.py) with each tensor replaced by its key in
-                            the shards: the config, the loop, the optimizers' param_groups, ... (written by rank 0)
+        .metadata           DCP's index of every shard, written last: the directory is valid only with it
+        state.pt            every part's state with each tensor replaced by its key in the shards (rank 0's)
       last                  a small text file naming the newest valid directory ("step_000000044")
       best                  the same, for the best monitored value
 
-A save writes `step_<N>.tmp/` (state.pt first, then DCP's shard files and its .metadata), renames it to
-`step_<N>/`, and only then rewrites `last` (and `best`) atomically: a process killed at any point leaves
-`last` naming the previous complete directory. `trainer.keep_last` directories stay, and the one `best`
-names. Resuming on another world size reads each tensor's pieces into this run's shards (DCP reshards).
+A save writes `step_<N>.tmp/`, renames it to `step_<N>/`, and only then rewrites `last` (and `best`) atomically: a
+process killed at any point leaves `last` naming the previous complete directory. `trainer.keep_last` directories
+stay, and the one `best` names.
 
-Every tensor of every part goes through DCP, wherever it sits in the part's state: a model's, an optimizer's, a
-fork's callback's. A DTensor is written by every rank (its shard), a plain tensor once (DCP keeps one copy:
-plain tensors are the same on every rank, e.g. BatchNorm statistics, an optimizer's step count); a part whose
-tensors differ between ranks must hold them as DTensors. Reading, each tensor goes into the tensor at the same
-place in the restoring part's state (so sharded like it: `load_targets` where a part has one), or whole.
+Every tensor of every part goes through DCP: a DTensor is written by every rank (its shard), a plain tensor once
+(so a part whose tensors differ between ranks must hold them as DTensors). Reading, each tensor goes into the tensor
+at the same place in the restoring part's state (so sharded like it), or whole.
 
-Loading never runs code from the file: state.pt is read with `weights_only=True`; DCP itself unpickles
-`.metadata` with pickle and would `torch.load(weights_only=False)` any non-tensor value it holds, so no
-non-tensor value is written through DCP, and `.metadata` is read with an unpickler that only builds DCP's
-own metadata classes (`SafeReader`): a crafted one is one error line, never a call.
-
-Importing this module imports DCP and FSDP (~0.45 s): src/checkpoint/__init__.py does so only for sharded
-runs and sharded paths.
+Loading never runs code: state.pt is read with `weights_only=True`, no non-tensor value goes through DCP (which
+would unpickle it), and `.metadata` is read with an unpickler that builds only DCP's metadata classes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import io
+import operator
 import os
 import pickle
 import shutil
@@ -48,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from src.checkpoint import layout
+import src.checkpoint.layout as layout
 from src.checkpoint.store import FORMAT, Checkpoint, Store, check_format, state_of
 from src.checkpoint.writing import exceeds_room, no_room, save_atomic, stop_every_rank_on_failure
 from src.common import files
@@ -59,28 +51,18 @@ STATE = "state.pt"
 METADATA = ".metadata"
 
 
-def is_complete(directory: Path) -> bool:
-    """DCP renames .metadata into place after every rank's shards are written; state.pt comes first."""
-    return (directory / METADATA).is_file() and (directory / STATE).is_file()
-
-
-# -- writing ------------------------------------------------------------------------------------------
-
-
 class ShardedStore(Store):
-    """Writes `step_<N>/` directories of shards, and `last` / `best` naming them."""
+    """Writes `step_<N>/` directories of shards (one per save, mid-epoch or not), and `last` / `best` naming them."""
 
     def snapshot(self, parts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Every part's tensors by key (this rank's shards of the sharded ones), and the parts' states with each
-        tensor replaced by its key, for state.pt."""
+        """Every part's tensors by key (this rank's shards), and the parts' states with each tensor replaced by its
+        key, for state.pt."""
         tensors: dict[str, torch.Tensor] = {}
         skeleton = _without_tensors({name: state_of(part) for name, part in parts.items()}, (), tensors)
         return tensors, {"format": FORMAT, **skeleton}
 
     def write(self, snapshot: tuple[dict[str, Any], dict[str, Any]], step: int, is_best: bool,
               mid_epoch: bool) -> None:
-        """Called on every rank; every rank raises if any part failed. Every save is a directory of its own,
-        mid-epoch or not."""
         tensors, rest = snapshot
         self.directory.mkdir(parents=True, exist_ok=True)
         name = layout.step_name(step)
@@ -97,10 +79,9 @@ class ShardedStore(Store):
 
 
 def _no_room(error: CheckpointException, staging: Path, tensors: dict[str, Any]) -> UsageError | None:
-    """One line, as for a .pt (src/checkpoint/writing.py), when a rank's shard file found no room. DCP hands every
-    rank the failures of all ranks with their causes stripped (torch.save's zip writer reports EFBIG/ENOSPC as
-    "unexpected pos"), so each rank checks its own shard against the free space and the file-size limit, and
-    the ranks agree (a collective: every rank calls it)."""
+    """One line, as for a .pt, when a rank's shard file found no room. DCP strips the causes (torch.save's zip
+    writer reports EFBIG/ENOSPC as "unexpected pos"), so each rank checks its own shard against the free space and
+    the file-size limit, and the ranks agree (a collective)."""
     needed = _local_bytes(tensors)
     code = exceeds_room(needed, staging.parent)
     if not any(distributed.gather_objects(code is not None)):
@@ -196,12 +177,9 @@ def _prune(directory: Path, keep_last: int) -> None:
             shutil.rmtree(path)
 
 
-# -- reading ------------------------------------------------------------------------------------------
-
-
 class ShardedCheckpoint(Checkpoint):
     """A checkpoint directory (`path` may be the `last` / `best` file naming it): `state` from its state.pt; the
-    tensors read from its shards, on any world size, into this run's module and optimizer (sharded or not)."""
+    tensors read from its shards, on any world size, into this run's parts (sharded or not)."""
 
     def __init__(self, path: Path, state: dict[str, Any], directory: Path) -> None:
         super().__init__(path, state)
@@ -209,11 +187,10 @@ class ShardedCheckpoint(Checkpoint):
 
     @classmethod
     def read(cls, path: Path) -> "ShardedCheckpoint":
-        """The checkpoint `path` is (or names), or one line saying why it cannot be read."""
         directory = layout.resolve(path)
         if not directory.is_dir():
             raise UsageError(f"checkpoint {path} names {directory}, which does not exist")
-        if not is_complete(directory):
+        if not ((directory / METADATA).is_file() and (directory / STATE).is_file()):
             raise UsageError(f"checkpoint {directory} is incomplete (no {METADATA} or {STATE}: its save did not "
                              "finish)")
         try:
@@ -236,39 +213,33 @@ class ShardedCheckpoint(Checkpoint):
             found, saved = _at(live, key, 1), metadata.state_dict_metadata[key]
             fits = isinstance(found, torch.Tensor) and tuple(found.shape) == tuple(saved.size)
             targets[key] = found if fits else torch.empty(saved.size, dtype=saved.properties.dtype)
-        if targets:
-            with _alone_is_fine():
-                dcp.load(targets, storage_reader=SafeReader(self.directory), process_group=distributed.collective_group())
+        self._load(targets, process_group=distributed.collective_group())
         part.load_state_dict(_with_tensors(skeleton, targets))
 
     def whole(self, *keys: str) -> Any:
-        """The state at `keys` with its tensors read whole in this one process: their shapes and dtypes come from
-        the index."""
-        skeleton: Any = self.state
-        for key in keys:
-            skeleton = skeleton[key]
-        metadata = read_metadata(self.directory)
-        targets = {key: torch.empty(metadata.state_dict_metadata[key].size,
-                                    dtype=metadata.state_dict_metadata[key].properties.dtype)
+        skeleton = functools.reduce(operator.getitem, keys, self.state)
+        saved = read_metadata(self.directory).state_dict_metadata
+        targets = {key: torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
                    for key in _tensor_keys(skeleton)}
+        self._load(targets, no_dist=True)
+        return _with_tensors(skeleton, targets)
+
+    def _load(self, targets: dict[str, torch.Tensor], **where: Any) -> None:
         if targets:
             with _alone_is_fine():
-                dcp.load(targets, storage_reader=SafeReader(self.directory), no_dist=True)
-        return _with_tensors(skeleton, targets)
+                dcp.load(targets, storage_reader=SafeReader(self.directory), **where)
 
 
 @contextlib.contextmanager
 def _alone_is_fine() -> Iterator[None]:
-    """Without a process group (one process: eval.py, export, dist=fsdp on one rank) DCP warns that it assumes
-    a single process: it is right, and says so at every save."""
+    """Without a process group (eval.py, export, dist=fsdp on one rank) DCP warns, at every save, that it assumes
+    a single process: it is right."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
-# -- the index, read safely -----------------------------------------------------------------------------
-
-_ALLOWED = {
+_ALLOWED = {  # what DCP's index may build
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
                                               "MetadataIndex", "TensorProperties", "_MEM_FORMAT_ENCODING",
                                               "StorageMeta"},

@@ -95,7 +95,7 @@ def setting(default: Any, rule: Rule | None = None) -> Any:
 
 # -- settings train.py and eval.py share -------------------------------------------------------------
 
-PRECISIONS = ("32", "bf16", "16")  # float32 | autocast to bfloat16 | to float16 (src/loop/precision.py)
+PRECISIONS = ("32", "bf16", "16")  # float32 | autocast to bfloat16 | to float16 (src/loop/performance.py)
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
 

@@ -1,12 +1,6 @@
 """The run's models: the trained ones by name, each built, frozen, initialised and prepared (DDP or FSDP, compiled),
-with its optimizer and schedule; and the frozen auxiliary ones.
-
-`model` is one config (a model named `model`) or several by name (a GAN's `generator` and `discriminator`);
-`optimizer` and `scheduler` are one config, which each model gets its own object of, or one per model name. A
-model's weights are its own code's (src/loop/initial_weights.py), then `init_from`'s. An auxiliary model (the
-config's `aux`, e.g. a distillation's teacher) is loaded from a checkpoint of this template (built from its saved
-config) or from a weights file with a model config of its own; it sits on the run's device in eval mode, takes no
-gradient, is never wrapped by DDP or FSDP and never saved in the run's checkpoints.
+with its optimizer and schedule; and the frozen auxiliary ones (the config's `aux`, e.g. a distillation's teacher:
+on the run's device in eval mode, never wrapped, never saved in the run's checkpoints).
 """
 
 from __future__ import annotations
@@ -26,7 +20,6 @@ from src.common.errors import UsageError
 from src.config import building
 from src.config.schema import TrainerConfig
 from src.loop import init_from, initial_weights, optim, performance, task_and_model
-from src.loop.precision import autocast_dtype
 from src.loop.task import Task
 from src.parallel import distributed, fsdp, sync_batchnorm
 from src.parallel.distributed import Runtime
@@ -38,7 +31,7 @@ def build_trained(cfg: DictConfig, trainer: TrainerConfig, task: Task, runtime: 
                   ) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
     """The task's models by name: (modules, as evaluated and saved; train_models, as the step calls them), each
     built, its `trainer.freeze` parameters frozen before DDP, FSDP and the optimizer see them, initialised and
-    prepared; `init_from`'s weights in them on a fresh start (train.py: `starting_weights`)."""
+    prepared."""
     configs = building.named(cfg.model, "model")
     if set(configs) != set(task.models):
         raise UsageError(f"task={type(task).__name__} trains the models {', '.join(task.models)}, but the model config "
@@ -51,7 +44,7 @@ def build_trained(cfg: DictConfig, trainer: TrainerConfig, task: Task, runtime: 
     for name, initial in built.items():
         modules[name], train_model = distributed.prepare_model(
             initial.model, runtime, cfg.dist.sync_bn, cfg.dist.find_unused_parameters, sharding,
-            autocast_dtype(trainer.precision),
+            performance.autocast_dtype(trainer.precision),
             lambda module, initial=initial: initial_weights.initialise(initial, module, cfg.seed))
         train_models[name] = performance.compiled(train_model, trainer.compile)
         if runtime.world_size > 1 and runtime.is_main_process and not trainer.compile:
@@ -87,8 +80,9 @@ def build_optimizers(cfg: DictConfig, modules: dict[str, nn.Module], steps_per_e
 
 
 def build_aux(aux_cfg: DictConfig | None, task: Task, device: torch.device, trusted: set[str]) -> dict[str, nn.Module]:
-    """The frozen auxiliary models the config's `aux` names (see the module's docstring; one whose `path` is null is
-    none), on `device`; refused in one line if the task needs one the config does not give."""
+    """The frozen auxiliary models the config's `aux` names (from a checkpoint of this template, or from a weights
+    file with a model `config` of its own; a null `path` is none), on `device`; one the task needs and the config
+    lacks is one line."""
     aux_cfg = {name: node for name, node in (aux_cfg or {}).items() if node.get("path") is not None}  # null: none
     missing = [name for name in task.aux_models if name not in aux_cfg]
     if missing:

@@ -1,5 +1,5 @@
-"""What the loop reports: an epoch's record (history, metrics.json), its TensorBoard scalars and its
-log line, and the run's summary. Plain data in, plain data out: the loop decides when."""
+"""What the loop reports: an epoch's record (history, metrics.json), its TensorBoard scalars and its log line, and
+the run's summary; rates and counts named by the task's unit (`samples_per_s`, `val/num_tokens`)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,11 @@ _NOT_METRICS = ("count", "timed_count")
 
 
 def rate_name(unit: str) -> str:
-    """`samples_per_s`, `tokens_per_s`, ...: the throughput's name in records and metrics.json, by the task's unit."""
     return f"{unit}_per_s"
 
 
 def metric_values(split: str, metrics: dict[str, Any]) -> dict[str, float]:
-    """`split/<name>` for each metric the task computed; counts and tables (e.g. the confusion
-    matrix) are reported on their own."""
+    """`split/<name>` for each metric the task computed; counts and tables are reported on their own."""
     return {f"{split}/{name}": value for name, value in metrics.items()
             if name not in _NOT_METRICS and isinstance(value, float)}
 
@@ -29,9 +27,8 @@ def format_metrics(record: dict[str, Any], split: str) -> str:
 def epoch_record(epoch: int, step: int, train: dict[str, Any], val: dict[str, Any], lr: float,
                  epoch_seconds: float, train_seconds: float, extra: dict[str, float] | None = None,
                  unit: str = "samples") -> dict[str, float]:
-    """One entry of the run's history: the epoch's train and val metrics, the callbacks' `extra` metrics
-    (`split/<name>`, e.g. val_ema/*: the EMA weights' val metrics), its lr, time and throughput (the task's
-    `unit` per second)."""
+    """One entry of the run's history: the epoch's train and val metrics, the callbacks' `extra` ones (val_ema/*),
+    its lr, time and throughput."""
     return {
         "epoch": epoch,
         "step": step,
@@ -55,9 +52,8 @@ def epoch_scalars(record: dict[str, float], unit: str = "samples") -> dict[str, 
 
 
 def epoch_line(record: dict[str, float], epochs: int, num_val: int, unit: str = "samples") -> str:
-    """`epoch 3/20  step 84  train loss ...  val loss ... (359 samples)  5120 samples/s` (tokens for a task
-    that counts tokens), with the callbacks' splits after the val metrics (e.g. `val_ema loss ...` when the
-    EMA weights are validated too)."""
+    """`epoch 3/20  step 84  train loss ...  val loss ... (359 samples)  5120 samples/s`, the callbacks' splits
+    (`val_ema loss ...`) after the val metrics."""
     splits = dict.fromkeys(key.split("/", 1)[0] for key in record if "/" in key and not key.startswith("train/"))
     val = "  ".join(format_metrics(record, split) for split in splits)
     return "epoch %d/%d  step %d  %s  %s (%d %s)  %.0f %s/s" % (
@@ -67,8 +63,8 @@ def epoch_line(record: dict[str, float], epochs: int, num_val: int, unit: str = 
 
 def window_scalars(window: dict[str, Any], lr: float, per_s: float, unit: str = "samples",
                    samples_per_s: float | None = None) -> dict[str, float]:
-    """A log window's train/* scalars, with the lr and the throughput: `per_s`, the task's units a second, and
-    for a task whose unit is not the sample (tokens, pixels) also `samples_per_s` (what MFU is counted in)."""
+    """A log window's train/* scalars, the lr and the throughput: `per_s` units a second, and for a unit other than
+    the sample also `samples_per_s` (what MFU is counted in)."""
     rates = {f"throughput/{rate_name(unit)}": per_s}
     if unit != "samples" and samples_per_s is not None:
         rates["throughput/samples_per_s"] = samples_per_s
@@ -77,9 +73,8 @@ def window_scalars(window: dict[str, Any], lr: float, per_s: float, unit: str = 
 
 def run_summary(history: list[dict[str, float]], num_val: int, world_size: int, global_batch_size: int,
                 per_s: float, unit: str = "samples") -> dict[str, Any]:
-    """The run so far, as written to metrics.json: the last epoch's metrics and the history; `num_val` (the
-    val units the metrics cover) and `per_s` (training throughput) named by the task's unit, e.g.
-    `val/num_samples` and `samples_per_s`, `val/num_tokens` and `tokens_per_s`."""
+    """The run so far, as written to metrics.json: the last epoch's metrics, the history, `num_val` (the val units
+    the metrics cover) and `per_s` (training throughput)."""
     last = history[-1]
     return {
         **{key: value for key, value in last.items() if "/" in key},  # every split's metrics

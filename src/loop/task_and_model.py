@@ -20,9 +20,9 @@ from src.loop.task import Task
 
 def build_task(task_cfg: DictConfig, splits: DataSplits, context: Any, monitor: str | None, callbacks: Any,
                model_cfg: Any = None) -> Task:
-    """The task `task_cfg` names (a key it does not take: one line), bound to the dataset's fields and told which
-    model key sets its output width (`model_cfg`'s, read before its fields are filled in), or refused in one line:
-    a dataset it does not fit, a `monitor`ed metric it does not compute (the `callbacks` add some: val_ema/*)."""
+    """The task `task_cfg` names, bound to the dataset's fields and told which `model_cfg` key sets its output width;
+    or one line: a key it does not take, a dataset it does not fit, a `monitor`ed metric it does not compute (the
+    `callbacks` add some: val_ema/*)."""
     with errors_named("task", task_cfg):
         task = check_task(instantiate(task_cfg), splits, context.choices, monitor, callbacks.metric_splits,
                           callbacks.enable_hints())
@@ -32,8 +32,8 @@ def build_task(task_cfg: DictConfig, splits: DataSplits, context: Any, monitor: 
 
 def check_task(task: Task, splits: DataSplits, choices: Mapping[str, str], monitor: str | None,
                extra_splits: Sequence[str] = (), hints: Mapping[str, str] | None = None) -> Task:
-    """`task`, checked and bound as `build_task` says; `extra_splits`: the metric prefixes the run's callbacks add
-    (val_ema); `hints`: what turns on a callback that would add another (its split -> the hint)."""
+    """`task`, checked and bound; `extra_splits`: the metric prefixes the run's callbacks add (val_ema); `hints`:
+    what turns on a callback that would add another (its split -> the hint)."""
     task_name = choices.get("task") or type(task).__name__
     dataset_name = f"dataset={choices['dataset']}" if choices.get("dataset") else "the dataset"
     check_fit(task, splits.info, task_name, choices.get("dataset") or "this dataset")
@@ -69,23 +69,21 @@ def check_fit(task: Task, info: Mapping[str, Any], task_name: str, dataset_name:
 
 
 def bind_to_dataset(task: Task, splits: DataSplits, dataset_name: str) -> None:
-    """Bind the task's inputs and target to the dataset's named fields (a dataset that names none: to one
-    of its samples' structure) and tell it the output width to expect (for its first-batch output check)."""
+    """Bind the task's inputs and target to the dataset's fields (or its first sample's structure) and tell it the
+    output width to expect."""
     sample = None if splits.fields is not None else _first_sample(splits.train)
     task.bind(splits.fields, splits.target, sample, dataset_name)
     task.output_width = task.num_outputs(splits.info) if task.check(splits.info) is None else None
 
 
 def _first_sample(dataset: Any) -> Any:
-    """Sample 0 of a dataset that names no fields, to see its structure; drawn with the random state put
-    back afterwards, so that a random transform it applies leaves the run's seeded weights as they were."""
+    """Sample 0, its random transform's draws leaving the run's RNG (and so its weights) as they were."""
     with torch.random.fork_rng(devices=[]):
         return dataset[0]
 
 
 def model_fields(task: Task, info: Mapping[str, Any]) -> dict[str, Any]:
-    """What `${data:FIELD}` gives a model YAML: the dataset's info, and the output width the task needs (if it
-    names one: a method of several models may not)."""
+    """What `${data:FIELD}` gives a model YAML: the dataset's info and the output width the task needs, if any."""
     try:
         return {**info, "num_outputs": task.num_outputs(info)}
     except NotImplementedError:
@@ -93,8 +91,8 @@ def model_fields(task: Task, info: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_model(model_cfg: Any, task: Task | None = None) -> nn.Module:
-    """The model `model_cfg` names (`_target_` and options; `${data:...}` fields filled in from the dataset).
-    With the run's `task`: refused in one line if its `forward` cannot take the inputs the task binds."""
+    """The model `model_cfg` names; with the run's `task`, refused in one line if its `forward` cannot take the
+    inputs the task binds."""
     model = instantiate(model_cfg)
     if task is not None and task.binding is not None:
         check_inputs(model, task)
@@ -102,7 +100,7 @@ def build_model(model_cfg: Any, task: Task | None = None) -> nn.Module:
 
 
 def check_inputs(model: nn.Module, task: Task) -> None:
-    """Refuse a model whose `forward` cannot be called with the inputs the task binds, before any training."""
+    """Refuse a model whose `forward` cannot be called with the inputs the task binds."""
     binding = task.binding
     assert binding is not None
     try:
@@ -124,9 +122,8 @@ def _parameters(signature: inspect.Signature) -> str:
 
 
 def output_setting(model_cfg: Any, overrides: Sequence[str] = ()) -> str:
-    """`model.<key>`: the key of the model config that takes `${data:num_outputs}`; read before the fields are
-    filled in. If the command line replaced that value (`model.out_features=3` among `overrides`), the key it
-    set; else model.num_outputs."""
+    """`model.<key>`: the key of the model config that takes `${data:num_outputs}` (read before it is filled in),
+    or the int key an override (`model.out_features=3`) set; else model.num_outputs."""
     if isinstance(model_cfg, DictConfig):
         config = OmegaConf.to_container(model_cfg, resolve=False)
         for key, value in config.items():

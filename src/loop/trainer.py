@@ -1,12 +1,7 @@
-"""The training loop: epochs of optimizer steps, evaluation, checkpoints and reports.
-
-The loop only sees its settings (`TrainerConfig`) and the parts the run built (`TrainParts`: the models,
-their optimizers and schedules, data, checkpoint store, reporter, callbacks); it does not know how they were
-configured or launched, nor which add-ons the run has: it tells its callbacks (src/loop/callback.py) what it
-does at a few named points. Its story, in `fit`: for each epoch, train its steps (`train_one_epoch`, one
-training step of `grad_accum` micro-batches at a time: the task's `train_step`, src/loop/step.py), evaluate
-(the task's `evaluate`), record, checkpoint, report; stop, with a checkpoint, after `max_steps`, on
-preemption, or when a callback ends the run.
+"""The training loop: for each epoch, train its steps (the task's `train_step`, one of `grad_accum` micro-batches at
+a time), evaluate (the task's `evaluate`), record, checkpoint, report; stop with a checkpoint after `max_steps`, on
+preemption, or when a callback ends the run. It sees only its settings (`TrainerConfig`) and the parts the run built
+(`TrainParts`), and tells its callbacks (src/loop/callback.py) what it does.
 """
 
 from __future__ import annotations
@@ -31,14 +26,13 @@ from src.config.schema import TrainerConfig
 from src.data.batches import to_device
 from src.data.loaders import Data
 from src.loop import records
-from src.loop.callback import Callbacks, EndRun, Run, Step
+from src.loop.callback import Callbacks, EndRun, Outcome, Run, Step
 from src.loop.evaluation import evaluate, metrics_of
-from src.loop.metrics import MetricSums
-from src.loop.precision import autocast_dtype
-from src.loop.step import StepContext
-from src.loop.outcome import Interruptions, Outcome
+from src.loop.performance import autocast_dtype
+from src.loop.step import MetricSums, StepContext
 from src.loop.task import Task
 from src.parallel.distributed import Runtime
+from src.parallel.preemption import Preemption
 from src.reports.images import image_grid
 from src.reports.hparams import run_hparams
 from src.reports.reporting import Reporter, model_summary
@@ -57,7 +51,7 @@ class TrainState:
     train_seconds: float = 0.0  # wall time spent in training epochs
     history: list[dict[str, float]] = field(default_factory=list)
     step_in_epoch: int = 0  # optimizer steps already taken in the unfinished epoch `epoch`
-    epoch_totals: dict[str, list[float]] | None = None  # its train metric sums by name, over all ranks
+    epoch_totals: dict[str, list[float]] | None = None  # its train metric sums, over all ranks
     ended: EndRun | None = None  # why and after which epoch a callback ended the run
     test: dict[str, Any] | None = None  # the final test: its step, the weights tested, their test/* metrics
 
@@ -75,7 +69,7 @@ class TrainState:
 
 @dataclass
 class TrainParts:
-    """What the run built for the loop (train.py; tests build small ones)."""
+    """What the run built for the loop."""
 
     runtime: Runtime
     task: Task
@@ -94,7 +88,7 @@ class TrainParts:
     def one_model(cls, runtime: Runtime, task: Task, module: nn.Module, train_model: nn.Module,
                   optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, data: Data,
                   store: Store, reporter: Reporter, callbacks: Callbacks | None = None, **rest: Any) -> TrainParts:
-        """The parts of a run of one model (named `model`), e.g. in a test."""
+        """The parts of a run of one model (named `model`)."""
         return cls(runtime, task, {"model": module}, {"model": train_model}, {"model": optimizer}, {"model": scheduler},
                    data, store, reporter, callbacks or Callbacks(), **rest)
 
@@ -118,7 +112,7 @@ class Trainer:
         self.amp_dtype = autocast_dtype(config.precision)
         # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
-        self.interruptions = Interruptions(config.max_steps, device, config.log_every_steps)  # armed while fit() runs
+        self.preemption = Preemption(device, config.log_every_steps)  # SIGTERM / SIGUSR2 caught while fit() runs
         self.epoch_metrics = MetricSums(parts.task.sum_shapes(parts.data.splits.info), device)
         self._val_count: int | None = None  # the last val pass's units (metrics.json's val/num_<unit>)
         self.step = StepContext(parts.train_models, parts.modules, parts.optimizers, parts.task.aux, self.scaler,
@@ -135,22 +129,16 @@ class Trainer:
                 "schedulers": Named(parts.schedulers, "schedule"), "scaler": self.scaler, "loop": state,
                 "callbacks": parts.callbacks, "config": parts.saved_config, "output_model": parts.task.output_model}
 
-    # -- the run -----------------------------------------------------------------------
-
     def restore(self, state: TrainState, checkpoint: Checkpoint) -> None:
-        """Every part but the callbacks' from `checkpoint` (the models and optimizers into this run's, sharded or
-        not; `state` in place): a checkpoint that does not fit is refused here, before the run writes anything.
-        `fit` gives the callbacks theirs once they hold the run's parts."""
+        """Every part but the callbacks' from `checkpoint` (`state` in place): one that does not fit is refused here,
+        before the run writes anything. `fit` gives the callbacks theirs once they hold the run's parts."""
         checkpoint.restore({name: part for name, part in self.stateful(state).items() if name != "callbacks"})
         log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", checkpoint.path, state.epoch,
                  state.step, state.step_in_epoch, state.epoch + 1)
 
     def fit(self, state: TrainState, checkpoint: Checkpoint | None = None) -> Outcome:
-        """Train from `state` (updated in place; restored from `checkpoint` if given, see `restore`) to
-        `config.epochs`, evaluating and checkpointing every epoch. Stops early, with a checkpoint to resume from,
-        after `config.max_steps` training steps or when the process is asked to terminate (SIGTERM: preemption);
-        or, after an epoch's checkpoint, when a callback ends the run (a run resumed after that trains no more).
-        Returns why it stopped."""
+        """Train from `state` (updated in place; `checkpoint`: the one it was restored from) to `config.epochs`,
+        evaluating and checkpointing every epoch, then test; returns how training ended."""
         self.parts.reporter.text("model/summary", model_summary(self.parts.modules))
         if state.ended is not None:
             log.info("%s after epoch %d: nothing more to train", state.ended.ended_by, state.ended.epoch)
@@ -161,7 +149,7 @@ class Trainer:
             callbacks.run_start(run)
             if checkpoint is not None:  # the callbacks' state, once they hold the run's parts
                 checkpoint.restore({"callbacks": callbacks})
-            with self.interruptions:
+            with self.preemption:
                 outcome = self._epochs(run)
             self.parts.store.wait()  # the last checkpoint written (trainer.async_checkpoint), or its failure raised
             if outcome is not Outcome.PREEMPTED:  # training is over (a preempted run goes on elsewhere)
@@ -185,9 +173,8 @@ class Trainer:
         return Outcome.COMPLETED
 
     def train_one_epoch(self, epoch: int, run: Run) -> dict[str, float] | Outcome:
-        """One epoch's optimizer steps, from `state.step_in_epoch` on (a resumed epoch goes on where it
-        stopped, with the same remaining samples). Returns its train metrics, or why the run stopped
-        before the epoch's end (after a step checkpoint)."""
+        """One epoch's optimizer steps from `state.step_in_epoch` on (a resumed epoch goes on with the same remaining
+        samples). Returns its train metrics, or why the run stopped before its end (after a step checkpoint)."""
         state = run.state
         restored = self._start_epoch(epoch, state)
         window = LogWindow(self.epoch_metrics.totals(), state.step)
@@ -207,15 +194,14 @@ class Trainer:
         return self._epoch_train_metrics(restored)
 
     def evaluate(self, desc: str = "val", split: str = "val") -> dict[str, Any]:
-        """The task's metrics (and val tables) of the models as they are now over the whole `split`, each sample
-        counted once (`desc` names the pass: its progress bar, its images' tags)."""
+        """The task's metrics of the models as they are now over the whole `split` (`desc`: the progress bar's)."""
         parts = self.parts
         return evaluate(parts.task, parts.modules, parts.data.loader, parts.data.splits.info, parts.runtime.device,
                         self.amp_dtype, parts.seed, lambda batches, _: parts.reporter.track(batches, desc), split)
 
     def summary(self, state: TrainState, num_val_samples: int) -> dict[str, Any]:
-        """The run so far, as written to metrics.json: the last epoch's metrics and the history, the
-        parameter elements trainer.freeze froze, and whether (and after which epoch) a callback ended it."""
+        """The run so far, as written to metrics.json (records.run_summary), with the parameter elements
+        trainer.freeze froze, whether a callback ended it, and the final test."""
         summary = records.run_summary(state.history, num_val_samples, self.parts.runtime.world_size,
                                       self.parts.data.train_sampler.global_batch_size,
                                       state.train_samples / state.train_seconds, self.parts.task.unit)
@@ -229,9 +215,8 @@ class Trainer:
 
     def report(self, state: TrainState, outcome: Outcome, overrides: Sequence[str] = (),
                choices: Mapping[str, Any] | None = None) -> float:
-        """Close the run's reports: a finished run's hparams and final metrics, or, for a run stopped with a
-        checkpoint (max_steps, preemption), how to continue it. Returns the monitored metric's last value (NaN
-        without one: no epoch yet, or trainer.monitor=null); `overrides`, `choices`: the job's (its hparams)."""
+        """Close the run's reports: a finished run's hparams and final metrics, or how to continue an interrupted
+        one. Returns the monitored metric's last value (NaN without one)."""
         reporter, monitor = self.parts.reporter, self.config.monitor
         if not outcome.is_final:
             log.info("stopped at step %d with a checkpoint; continue with: resume=auto hydra.run.dir=%s",
@@ -247,12 +232,9 @@ class Trainer:
         log.info("run dir: %s", reporter.run_dir)
         return summary.get(monitor, float("nan")) if monitor else float("nan")
 
-    # -- the final test ------------------------------------------------------------------
-
     def _final_test(self, run: Run, outcome: Outcome) -> None:
-        """Evaluate the chosen weights once on the test split: best.pt's (its EMA weights too), or the last ones when
-        nothing is monitored; then put the last ones back and checkpoint the result, so a resumed run that has
-        nothing more to train does not test again. Every rank; skipped without a test split or trainer.test."""
+        """Evaluate the chosen weights once on the test split (best.pt's, EMA's too; the last ones when nothing is
+        monitored), put the last ones back and checkpoint the result, so a resumed run does not test again."""
         parts, state = self.parts, run.state
         if not self.config.test or parts.data.splits.test is None:
             if self.config.test and state.test is None:
@@ -283,8 +265,7 @@ class Trainer:
             parts.reporter.write_metrics(self.summary(state, self._val_count or parts.data.num_val_samples))
 
     def _chosen_weights(self, state: TrainState) -> tuple[Checkpoint | None, str]:
-        """The checkpoint of the weights to test, best.pt (or `best`) when a metric is monitored, and what they are;
-        None where they are the last weights, which the model holds."""
+        """The checkpoint of the weights to test (None: the last, which the model holds), and what they are."""
         best = self.parts.store.best()
         if self.config.monitor is None or best is None:
             return None, f"the last, of step {state.step}"
@@ -296,12 +277,9 @@ class Trainer:
         parts = self.stateful(state)
         return {"models": parts["models"], "callbacks": parts["callbacks"]}
 
-    # -- an epoch ----------------------------------------------------------------------
-
     def _start_epoch(self, epoch: int, state: TrainState) -> dict[str, list[float]] | None:
-        """Point the sampler at the epoch (and the resumed step; its samples' augmentation follows from
-        them), and start the epoch's sums: from zero, or those a step checkpoint saved. Returns those
-        restored sums."""
+        """Point the sampler at the epoch (and the resumed step), and start the epoch's sums: from zero, or those a
+        step checkpoint saved, which it returns."""
         self.parts.data.train_sampler.set_epoch(epoch, start_step=state.step_in_epoch)
         for model in self.parts.train_models.values():
             model.train()
@@ -313,29 +291,30 @@ class Trainer:
         return restored
 
     def _after_step(self, run: Run, window: LogWindow) -> Outcome | None:
-        """After an optimizer step: the log window's scalars, then why to stop (the caller checkpoints),
-        or else a periodic step checkpoint if one is due."""
+        """After an optimizer step: the log window's scalars, then why to stop (the caller checkpoints), or else a
+        periodic step checkpoint if one is due."""
         step = run.state.step
         if step % self.config.log_every_steps == 0:
             self._report_window(step, window)
-        interrupted = self.interruptions.check(step)
-        if interrupted is not None:
-            return interrupted
+        if self.config.max_steps is not None and step >= self.config.max_steps:
+            return Outcome.MAX_STEPS
+        if self.preemption.stop_requested(step):  # agreed by every rank, at the same step
+            return Outcome.PREEMPTED
         every = self.config.checkpoint_every_steps
         if every and step % every == 0 and run.state.step_in_epoch < self.parts.data.train_sampler.steps_per_epoch:
             self._save_mid_epoch(run)
         return None
 
     def _epoch_train_metrics(self, restored: dict[str, list[float]] | None) -> dict[str, float]:
-        """The finished epoch's train metrics over all ranks, with `timed_count`: the samples trained
-        (and timed) by this run, not those restored from a checkpoint."""
+        """The finished epoch's train metrics over all ranks, with `timed_count`: the units this run trained (and
+        timed), not those restored from a checkpoint."""
         metrics = metrics_of(self.parts.task, self.epoch_metrics.reduce())
         metrics["timed_count"] = metrics["count"] - (int(restored["count"][0]) if restored is not None else 0)
         return metrics
 
     def _end_epoch(self, epoch: int, run: Run, train: dict[str, float], started: float) -> bool:
-        """Evaluate, record the epoch in `state`, ask the callbacks whether to stop (before the checkpoint,
-        which then holds the decision), report and checkpoint. Returns whether a callback ended the run."""
+        """Evaluate, record the epoch, ask the callbacks whether to stop (before the checkpoint, which then holds the
+        decision), report and checkpoint. Returns whether a callback ended the run."""
         state, parts = run.state, self.parts
         train_seconds = time.perf_counter() - started
         val = self.evaluate()
@@ -362,15 +341,10 @@ class Trainer:
         parts.reporter.write_metrics(self.summary(state, val["count"]))
         return end is not None
 
-    # -- a step ------------------------------------------------------------------------
-
     def _train_step(self, micro_batches: list[Any], state: TrainState) -> None:
-        """One training step: the task's `train_step` over its `grad_accum` micro-batches (src/loop/step.py), then
-        every schedule's step, the fp16 scaler's update and the step's count; the callbacks see its summed loss."""
+        """The task's `train_step` over the step's micro-batches, then the schedules, the fp16 scaler and the count."""
         parts, step = self.parts, self.step
-        # Seeded per step (differently per rank): dropout draws the same after a resume at any step, and
-        # independently across ranks. (Augmentation draws per sample, in the loader: src/data/; a step's own
-        # draws per sample too, micro.randn.)
+        # Seeded per step and rank: dropout draws the same after a resume at any step, and independently per rank.
         seed_generators(step_seed(parts.seed, parts.runtime.env.rank, state.step), parts.runtime.device)
         step.begin([to_device(batch, parts.runtime.device) for batch in micro_batches], state.step + 1)
         try:
@@ -390,8 +364,6 @@ class Trainer:
         state.step_in_epoch += 1
         parts.callbacks.step_end(Step(state.step, step.loss, step.inputs))
 
-    # -- checkpoints ---------------------------------------------------------------------
-
     def _checkpoint(self, run: Run, is_best: bool, mid_epoch: bool = False) -> None:
         """Save the run's parts, once every callback accepts the state (the NaN watch refuses a diverged one)."""
         self.parts.callbacks.checkpoint(run)
@@ -399,7 +371,7 @@ class Trainer:
             self.parts.store.save(self.stateful(run.state), run.state.step, is_best, mid_epoch)
 
     def _save_mid_epoch(self, run: Run) -> None:
-        """A step checkpoint: the model and everything needed to go on from this very step."""
+        """A step checkpoint: everything needed to go on from this very step."""
         state = run.state
         state.epoch_totals = self.epoch_metrics.state_dict()
         self._checkpoint(run, is_best=False, mid_epoch=True)
@@ -407,17 +379,13 @@ class Trainer:
         log.info("checkpoint at step %d (epoch %d, step %d of %d)", state.step, state.epoch + 1,
                  state.step_in_epoch, self.parts.data.train_sampler.steps_per_epoch)
 
-    # -- helpers -----------------------------------------------------------------------
-
     def _lr(self) -> float:
         """The learning rate of the output model's optimizer (its first parameter group)."""
         optimizers = self.parts.optimizers
         return optimizers.get(self.parts.task.output_model, next(iter(optimizers.values()))).param_groups[0]["lr"]
 
     def _improves(self, state: TrainState, value: float) -> bool:
-        better = state.best is None or (
-            value > state.best if self.config.monitor_mode == "max" else value < state.best
-        )
+        better = state.best is None or (value > state.best if self.config.monitor_mode == "max" else value < state.best)
         if better:
             state.best = value
         return better
@@ -435,7 +403,7 @@ class Trainer:
 
 
 def _in_steps(loader: Iterable[Any], accum: int) -> Iterator[list[Any]]:
-    """The loader's micro-batches, `accum` at a time: one optimizer step's each (the sampler gives whole steps)."""
+    """The loader's micro-batches, `accum` at a time (the sampler gives whole steps)."""
     batches = iter(loader)
     while micro_batches := list(itertools.islice(batches, accum)):
         yield micro_batches

@@ -1,12 +1,9 @@
 """A Hydra job under any launcher: what it knows of itself, its run dir (one per run), its errors.
 
-Hydra resolves `${now:...}` in every process, so torchrun ranks that reach Hydra a second apart would each
-create their own timestamped run dir (hydra #2070). Run dirs are therefore named with `${run_timestamp:FORMAT}`:
-rank 0's clock, shared through the launcher's store before Hydra creates any directory; ranks other than 0 skip
-writing `.hydra/` (`${main_rank_only:}`). Importing this module registers those resolvers and `${data:FIELD}`,
-so every process that composes the config (an entry point, a submitit task unpickling its `main`) has them.
-Processes started by torchrun, `dist.nproc_per_node` (src/parallel/workers.py), submitit or `srun` all end up
-with the same RANK / LOCAL_RANK / WORLD_SIZE contract (src/parallel/ranks.py).
+Hydra resolves `${now:...}` in every process, so torchrun ranks reaching Hydra a second apart would each create a
+run dir (hydra #2070): run dirs are named with `${run_timestamp:FORMAT}`, rank 0's clock shared through the
+launcher's store, and ranks other than 0 skip writing `.hydra/` (`${main_rank_only:}`). Importing this module
+registers those resolvers and `${data:FIELD}`, so every process that composes the config has them.
 """
 
 from __future__ import annotations
@@ -35,16 +32,14 @@ STARTED_AT = "DDP_TEMPLATE_RUN_STARTED_AT"  # the run's start time: set once per
 
 @dataclass(frozen=True)
 class RunContext:
-    """What a job knows of itself from Hydra, read once where it starts (train.py's and eval.py's `main`) and
-    passed down: no module keeps it."""
+    """What a job knows of itself from Hydra, read once where it starts and passed down."""
 
     run_dir: Path
     created: bool  # the run dir held nothing but Hydra's files when the job started: this run made it
     in_sweep: bool  # a job of a multirun (-m)
     overrides: tuple[str, ...]  # the command line's overrides of the config (not Hydra's own)
     choices: Mapping[str, Any]  # the option Hydra chose in each config group
-    # What a worker of this job must be given besides `overrides` to compose the same config: the command line's
-    # config folder flags (--config-dir, ...) and `hydra.searchpath` (a fork's own config folders).
+    # What a worker must be given besides `overrides` to compose the same config: --config-dir & co, hydra.searchpath.
     composing: tuple[str, ...] = ()
 
     @classmethod
@@ -58,9 +53,8 @@ class RunContext:
 
 
 def run(main: Callable[[], Any], config_name: str) -> None:
-    """Run an entry point's `@hydra.main` function of conf/`config_name`: Hydra's config errors as one `error:`
-    line, and a worker that ran a process group ended without the interpreter's teardown
-    (src/parallel/distributed.py), after every job."""
+    """Run an entry point's `@hydra.main` function of conf/`config_name`: Hydra's config errors as one `error:` line,
+    and a worker that ran a process group ended without the interpreter's teardown (distributed.exit_after_a_group)."""
     with hydra_errors.one_line_config_errors(is_main_process(), config_name):
         main()
     if is_worker():
@@ -68,8 +62,8 @@ def run(main: Callable[[], Any], config_name: str) -> None:
 
 
 def start() -> RunContext:
-    """Where a job's task function starts: its errors are the run's from here on (Hydra reports them as usual),
-    a submitit or `srun` task becomes a torchrun-style worker, and the job's context is read, once."""
+    """Where a job's task function starts: a submitit or `srun` task becomes a torchrun-style worker, and the job's
+    context is read, once."""
     hydra_errors.config_composed()
     adopt_cluster_env()
     return RunContext.of(HydraConfig.get())
@@ -77,8 +71,8 @@ def start() -> RunContext:
 
 @contextlib.contextmanager
 def usage_errors(context: RunContext) -> Iterator[None]:
-    """A usage error in the block is one `error:` line and exit code 2 (printed by the main process; in a sweep, the
-    job fails and the sweep goes on), and the run dir it leaves unused is removed."""
+    """A usage error in the block is one `error:` line and exit code 2 (in a sweep, the job fails and the sweep goes
+    on), and the run dir it leaves unused is removed."""
     with exit_on_usage_error(is_main_process(), context.in_sweep), \
             discard_unused_run_dir(context.run_dir, context.created, context.in_sweep):
         yield
@@ -98,12 +92,8 @@ def config_flags(argv: Sequence[str]) -> tuple[str, ...]:
 
 
 def run_started_at(environ: MutableMapping[str, str] = os.environ) -> datetime.datetime:
-    """The run's start time: this process's clock alone, or rank 0's in a group.
-
-    Agreed once, then kept in the environment (`DDP_TEMPLATE_RUN_STARTED_AT`), where every later
-    resolution of the run dir reads it and where processes this one starts (workers of
-    `dist.nproc_per_node`, tasks of the submitit launcher) inherit it, so they name the same dirs.
-    """
+    """The run's start time: this process's clock alone, or rank 0's in a group; agreed once, then kept in the
+    environment, which the processes this one starts inherit, so they name the same dirs."""
     if STARTED_AT not in environ:
         environ[STARTED_AT] = _agree_on_start_time().isoformat()
     return datetime.datetime.fromisoformat(environ[STARTED_AT])
@@ -116,7 +106,7 @@ def _agree_on_start_time() -> datetime.datetime:
         return now
     store = distributed.rendezvous_store(env)
     if env.is_main_process:
-        # compare_set keeps the first value: a rank 0 restarted in the same store keeps the dir.
+        # compare_set keeps the first value: a rank 0 restarted in the same store keeps the dir
         store.compare_set(_STORE_KEY, "", now.isoformat())
     return datetime.datetime.fromisoformat(store.get(_STORE_KEY).decode())
 
@@ -125,31 +115,25 @@ def register_resolvers() -> None:
     """The config's `${run_timestamp:FORMAT}` and `${main_rank_only:VALUE}` (conf/config.yaml), and
     `${data:FIELD}` (src/config/data_fields.py)."""
     OmegaConf.register_new_resolver("run_timestamp", lambda fmt: run_started_at().strftime(fmt), replace=True)
-    # Hydra writes `.hydra/` before our code runs, in every process of a group; this
-    # makes `hydra.output_subdir` null on the other ranks whichever launcher started them.
+    # Hydra writes `.hydra/` before our code runs, in every process: `hydra.output_subdir` is null on the other ranks.
     OmegaConf.register_new_resolver("main_rank_only", lambda value: value if is_main_process() else None, replace=True)
     data_fields.register_resolver()  # ${data:FIELD} in model YAMLs
 
 
 def holds_only_hydras_files(run_dir: Path) -> bool:
-    """Whether `run_dir` holds nothing but Hydra's `.hydra/` (or nothing at all). Asked first thing in a
-    job, when Hydra has written only that: such a dir was created for this run, or held only a config that
-    Hydra has just overwritten; any other dir holds something of an earlier run."""
+    """Whether `run_dir` holds nothing but Hydra's `.hydra/`: asked first thing in a job, it tells a dir created for
+    this run from one holding something of an earlier run."""
     return all(path.name == ".hydra" for path in run_dir.iterdir()) if run_dir.is_dir() else True
 
 
 @contextlib.contextmanager
 def discard_unused_run_dir(run_dir: Path, created: bool, in_sweep: bool) -> Iterator[None]:
-    """If the block fails with a usage error before the run has written anything of its own, remove
-    the run dir this run `created` (Hydra's `.hydra/` copy and the log files are all it holds), so a
-    refused run leaves no directory behind: in a single process, and in the process that started
-    `dist.nproc_per_node` workers (they have all exited by then). A dir that held anything before, a
-    sweep's job dir, a dir with checkpoints, metrics or TensorBoard events, and the dir of a torchrun
-    group's workers (one rank may still be writing its log) are never touched."""
+    """If the block fails with a usage error before the run has written anything but `.hydra/` and logs, remove the
+    run dir this run `created`, so a refused run leaves no directory behind. A sweep's job dir and a torchrun
+    group's workers' dir (one rank may still be writing its log) are never touched."""
     try:
         yield
     except Exception as error:
-        # Not in a torchrun group's workers: another rank may still be writing its log there.
         unused = created and all(path.name == ".hydra" or path.suffix == ".log" for path in run_dir.iterdir())
         if find_usage_error(error) is not None and not (in_sweep or is_worker()) and unused:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -127,8 +127,6 @@ DEFERRED = {
     "src/callbacks/utilization.py": {"torch.utils.flop_counter"},  # ~0.1 s, only on GPUs of known peak
     "src/loop/export.py": {"safetensors.torch"},  # an optional package, for exporting only
     "src/loop/init_from.py": {"safetensors.torch"},  # likewise, for a .safetensors file only
-    "src/parallel/fsdp.py": {"torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict",
-                             "torch.distributed.tensor"},  # sharded runs
     "src/parallel/ranks.py": {"submitit"},  # only in submitit's and srun's tasks
     "src/reports/reporting.py": {"torch.utils.tensorboard", "torch.utils.tensorboard.summary"},  # runs that write
     # TensorBoard events (not eval.py)

@@ -7,21 +7,16 @@ from __future__ import annotations
 import functools
 import operator
 from pathlib import Path
-from typing import Any, Mapping
-
-import torch
+from typing import Any
 
 import src.checkpoint.layout as layout
-from src.checkpoint.store import FORMAT, Checkpoint, Store, check_format, state_of
+from src.checkpoint.store import Checkpoint, Store, read_payload
 from src.checkpoint.writing import copy_atomic, save_atomic, stop_every_rank_on_failure
 from src.common.errors import UsageError
 
 
 class FileStore(Store):
     """Writes `last.pt` (every save), `best.pt` (on improvement) and `step_<N>.pt` (mid-epoch saves)."""
-
-    def snapshot(self, parts: Mapping[str, Any]) -> dict[str, Any]:
-        return {"format": FORMAT, **{name: state_of(part) for name, part in parts.items()}}  # the live tensors
 
     def write(self, payload: dict[str, Any], step: int, is_best: bool, mid_epoch: bool) -> None:
         stop_every_rank_on_failure(self.is_main_process,
@@ -46,17 +41,7 @@ class FileCheckpoint(Checkpoint):
     def read(cls, path: Path) -> "FileCheckpoint":
         if not path.is_file():
             raise UsageError(f"checkpoint {path} does not exist")
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # torch raises several types for truncated or foreign files
-            reason = type(error).__name__
-            raise UsageError(f"checkpoint {path} cannot be read ({reason}): is it a complete .pt file?") from None
-        return cls(path, check_format(payload, path))
+        return cls(path, read_payload(path))
 
     def whole(self, *keys: str) -> Any:
         return functools.reduce(operator.getitem, keys, self.state)
-
-
-def is_template_checkpoint(payload: Any) -> bool:
-    """Whether a `.pt` file's loaded payload is a checkpoint of this template (of any version)."""
-    return isinstance(payload, dict) and str(payload.get("format", "")).startswith("ddp-template-checkpoint/")

@@ -67,10 +67,8 @@ def resume_path(directory: Path, resume: str | None) -> Path | None:
     A fresh start refuses a run dir that already holds a run, so its checkpoints are never overwritten."""
     if resume is None:
         if latest(directory) is not None:
-            raise UsageError(
-                f"{directory.parent} already holds a run; pass resume=auto to continue it or choose another "
-                "hydra.run.dir"
-            )
+            raise UsageError(f"{directory.parent} already holds a run; pass resume=auto to continue it or choose "
+                             "another hydra.run.dir")
         return None
     if resume == "auto":
         return latest(directory)

@@ -53,10 +53,8 @@ def load_resume_checkpoint(directory: Path, is_main_process: bool, resume: str |
             failure = str(error)
     for rank, reason in enumerate(distributed.gather_objects(failure)):
         if reason is not None:
-            raise UsageError(
-                f"rank {rank} cannot load {path}, the checkpoint rank 0 resumes from ({reason}); every rank "
-                "must see the run dir: put hydra.run.dir on a filesystem all nodes share"
-            )
+            raise UsageError(f"rank {rank} cannot load {path}, the checkpoint rank 0 resumes from ({reason}); every "
+                             "rank must see the run dir: put hydra.run.dir on a filesystem all nodes share")
     return chosen
 
 

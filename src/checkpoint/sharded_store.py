@@ -1,24 +1,16 @@
-"""Checkpoints as a directory of shards each (dist=fsdp): written by every rank at once with
-torch.distributed.checkpoint (DCP), readable on any world size (DCP reshards).
+"""Checkpoints as a directory of shards each (dist=fsdp), written by every rank at once with
+torch.distributed.checkpoint (DCP) and readable on any world size (DCP reshards):
 
-    checkpoints/
-      step_000000044/     one checkpoint, named by its optimizer step
-        __0_0.distcp        rank 0's tensors: its shards of every sharded tensor (__1_0.distcp: rank 1's, ...)
-        .metadata           DCP's index of every shard, written last: the directory is valid only with it
-        state.pt            every part's state with each tensor replaced by its key in the shards (rank 0's)
-      last                  a small text file naming the newest valid directory ("step_000000044")
-      best                  the same, for the best monitored value
+    checkpoints/step_000000044/   one checkpoint: each rank's shard file (__0_0.distcp, ...), DCP's index of them
+                                  (.metadata, written last: the directory is valid only with it), and state.pt, every
+                                  part's state with each tensor replaced by its key in the shards
+    checkpoints/last, best        small text files naming the newest and the best directory
 
-A save writes `step_<N>.tmp/`, renames it to `step_<N>/`, and only then rewrites `last` (and `best`) atomically: a
-process killed at any point leaves `last` naming the previous complete directory. `trainer.keep_last` directories
-stay, and the one `best` names.
-
-Every tensor of every part goes through DCP: a DTensor is written by every rank (its shard), a plain tensor once
-(so a part whose tensors differ between ranks must hold them as DTensors). Reading, each tensor goes into the tensor
-at the same place in the restoring part's state (so sharded like it), or whole.
-
-Loading never runs code: state.pt is read with `weights_only=True`, no non-tensor value goes through DCP (which
-would unpickle it), and `.metadata` is read with an unpickler that builds only DCP's metadata classes.
+A save writes `step_<N>.tmp/`, renames it to `step_<N>/`, then rewrites `last` (and `best`) atomically: a process
+killed at any point leaves `last` naming a complete directory. A DTensor is written by every rank (its shard), a
+plain tensor once, so a part whose tensors differ between ranks must hold DTensors. Loading never runs code: state.pt
+is read with `weights_only=True`, nothing but tensors goes through DCP (which would unpickle it), and `.metadata` is
+read with an unpickler that builds only DCP's metadata classes.
 """
 
 from __future__ import annotations
@@ -39,9 +31,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.utils._pytree import tree_leaves, tree_map
 
 import src.checkpoint.layout as layout
-from src.checkpoint.store import FORMAT, Checkpoint, Store, check_format, state_of
+from src.checkpoint.store import Checkpoint, Store, read_payload, state_of
 from src.checkpoint.writing import exceeds_room, no_room, save_atomic, stop_every_rank_on_failure
 from src.common import files
 from src.common.errors import UsageError
@@ -58,8 +51,7 @@ class ShardedStore(Store):
         """Every part's tensors by key (this rank's shards), and the parts' states with each tensor replaced by its
         key, for state.pt."""
         tensors: dict[str, torch.Tensor] = {}
-        skeleton = _without_tensors({name: state_of(part) for name, part in parts.items()}, (), tensors)
-        return tensors, {"format": FORMAT, **skeleton}
+        return tensors, _without_tensors(super().snapshot(parts), (), tensors)
 
     def write(self, snapshot: tuple[dict[str, Any], dict[str, Any]], step: int, is_best: bool,
               mid_epoch: bool) -> None:
@@ -90,14 +82,10 @@ def _no_room(error: CheckpointException, staging: Path, tensors: dict[str, Any])
     return no_room(cause, staging, lambda: needed)  # this rank's shard file
 
 
-def _local_bytes(state: Any) -> int:
-    """The bytes of this rank's tensors in a nested state dict (a DTensor's local shard only)."""
-    if isinstance(state, dict):
-        return sum(_local_bytes(value) for value in state.values())
-    if isinstance(state, torch.Tensor):
-        local = state.to_local() if hasattr(state, "to_local") else state
-        return local.numel() * local.element_size()
-    return 0
+def _local_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """The bytes of this rank's tensors (a DTensor's local shard only)."""
+    shards = [tensor.to_local() if hasattr(tensor, "to_local") else tensor for tensor in tensors.values()]
+    return sum(shard.numel() * shard.element_size() for shard in shards)
 
 
 _TENSOR = "\0tensor:"  # state.pt's stand-in for a tensor in the shards: this prefix and its key
@@ -116,22 +104,17 @@ def _without_tensors(state: Any, path: tuple[str, ...], tensors: dict[str, torch
     return state
 
 
+def _key(value: Any) -> str | None:
+    """The key of the tensor `value` stands in for, or None."""
+    return value[len(_TENSOR):] if isinstance(value, str) and value.startswith(_TENSOR) else None
+
+
 def _tensor_keys(skeleton: Any) -> list[str]:
-    if isinstance(skeleton, str) and skeleton.startswith(_TENSOR):
-        return [skeleton[len(_TENSOR):]]
-    values = skeleton.values() if isinstance(skeleton, dict) else skeleton if isinstance(skeleton, (list, tuple)) else ()
-    return [key for value in values for key in _tensor_keys(value)]
+    return [key for key in map(_key, tree_leaves(skeleton)) if key is not None]
 
 
 def _with_tensors(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """`skeleton` with each stand-in replaced by its tensor."""
-    if isinstance(skeleton, str) and skeleton.startswith(_TENSOR):
-        return tensors[skeleton[len(_TENSOR):]]
-    if isinstance(skeleton, dict):
-        return {name: _with_tensors(value, tensors) for name, value in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(_with_tensors(value, tensors) for value in skeleton)
-    return skeleton
+    return tree_map(lambda value: value if _key(value) is None else tensors[_key(value)], skeleton)
 
 
 def _at(state: Any, key: str, start: int) -> Any:
@@ -193,12 +176,7 @@ class ShardedCheckpoint(Checkpoint):
         if not ((directory / METADATA).is_file() and (directory / STATE).is_file()):
             raise UsageError(f"checkpoint {directory} is incomplete (no {METADATA} or {STATE}: its save did not "
                              "finish)")
-        try:
-            payload = torch.load(directory / STATE, map_location="cpu", weights_only=True)
-        except Exception as error:  # a truncated or foreign state.pt
-            raise UsageError(f"checkpoint {directory / STATE} cannot be read ({type(error).__name__}): is it a "
-                             "complete .pt file?") from None
-        state = check_format(payload, directory / STATE)
+        state = read_payload(directory / STATE)
         read_metadata(directory)  # refuse a crafted index before anything reads through it
         return cls(path, state, directory)
 

@@ -1,17 +1,6 @@
-"""What a checkpoint holds, whatever its format: named parts, each saved as its state_dict() (plain data as itself).
-A run hands its store (src/loop/trainer.py `stateful`):
-
-    models       each trained model's weights by its name (`model` for a run of one model): the plain module's
-                 names, whole or sharded (src/checkpoint/states.py)
-    optimizers   each model's optimizer state, keyed by parameter name; schedulers: their states
-    scaler       the fp16 gradient scaler's state
-    loop         TrainState: epoch, step, history, the unfinished epoch's metric sums, best value, `ended`
-    callbacks    each callback's state under its name, e.g. callbacks.ema.weights
-    config       the run's resolved config (plain data: read back by eval.py, never restored)
-    output_model the name of the model eval.py, export and init_from take by default
-
-and a `Checkpoint` read back restores them into this run's parts by the same names. Any part may hold tensors
-anywhere in its state, sharded (DTensors) or not.
+"""What a checkpoint holds, whatever its format: named parts (src/loop/trainer.py `stateful`: models, optimizers,
+schedulers, scaler, loop, callbacks, config, output_model), each saved as its state_dict() (plain data as itself),
+with tensors anywhere in it, sharded or not. A `Checkpoint` read back restores them into this run's parts by name.
 """
 
 from __future__ import annotations
@@ -39,8 +28,14 @@ def state_of(part: Any) -> Any:
     return part.state_dict() if hasattr(part, "state_dict") else part
 
 
-def check_format(payload: Any, path: Path) -> dict[str, Any]:
-    """`payload` as this format lays it out, or one line saying it is no checkpoint of this template."""
+def read_payload(path: Path) -> dict[str, Any]:
+    """The checkpoint payload of the `.pt` file `path` (loaded with `weights_only=True`: never runs code), or one
+    line saying why it is none."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several types for truncated or foreign files
+        reason = type(error).__name__
+        raise UsageError(f"checkpoint {path} cannot be read ({reason}): is it a complete .pt file?") from None
     found = payload.get("format") if isinstance(payload, dict) else None
     if found == FORMAT:
         return payload
@@ -55,24 +50,11 @@ class Checkpoint:
     parts that restore them)."""
 
     def __init__(self, path: Path, state: dict[str, Any]) -> None:
-        self.path = path
-        self.state = state
-
-    @property
-    def config(self) -> Any:
-        return self.state.get("config")
-
-    @property
-    def loop(self) -> Mapping[str, Any]:
-        return self.state.get("loop", {})
-
-    @property
-    def output_model(self) -> str:
-        return self.state.get("output_model", "model")
-
-    @property
-    def model_names(self) -> list[str]:
-        return list(self.state.get("models", {}))
+        self.path, self.state = path, state
+        self.config: Any = state.get("config")  # the run's resolved config
+        self.loop: Mapping[str, Any] = state.get("loop", {})  # the TrainState
+        self.output_model: str = state.get("output_model", "model")
+        self.model_names = list(state.get("models", {}))
 
     def restore(self, parts: Mapping[str, Any]) -> None:
         """Load each of `parts` (by name, as the module's docstring lists them) from the part of the same name;
@@ -167,7 +149,7 @@ class Store:
 
     def snapshot(self, parts: Mapping[str, Any]) -> Any:
         """What `write` writes of `parts`: their states (live tensors, copied by `save` when it writes later)."""
-        raise NotImplementedError
+        return {"format": FORMAT, **{name: state_of(part) for name, part in parts.items()}}
 
     def write(self, snapshot: Any, step: int, is_best: bool, mid_epoch: bool) -> None:
         raise NotImplementedError

@@ -65,10 +65,9 @@ def no_room(error: BaseException, path: Path, size: Callable[[], int]) -> UsageE
         return None
     free, limit = shutil.disk_usage(path.parent).free, _file_size_limit()
     limit_note = "" if limit is None else f", and files may hold at most {limit:,} bytes (ulimit -f)"
-    return UsageError(
-        f"cannot write checkpoint {path} ({cause.strerror}): it needs {size():,} bytes, {free:,} are free "
-        f"there{limit_note}; the previous checkpoint is unchanged: make room, then continue with resume=auto"
-    )
+    return UsageError(f"cannot write checkpoint {path} ({cause.strerror}): it needs {size():,} bytes, {free:,} are "
+                      f"free there{limit_note}; the previous checkpoint is unchanged: make room, then continue with "
+                      "resume=auto")
 
 
 def exceeds_room(needed: int, directory: Path) -> int | None:

@@ -23,7 +23,7 @@ from typing import Any, ContextManager, Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from src.data.batches import to_device
 from src.data.sample_randomness import VAL_EPOCH
@@ -119,10 +119,7 @@ def evaluate(task: Task, models: Mapping[str, nn.Module], loaders: Callable[[str
 
 def _rows(batch: Any) -> int:
     """The samples in a batch: the first dimension of its first tensor."""
-    found: list[int] = []
-    tree_map(lambda part: found.append(part.shape[0]) if isinstance(part, torch.Tensor) and part.dim() else None,
-             batch)
-    return found[0] if found else 0
+    return next((part.shape[0] for part in tree_leaves(batch) if isinstance(part, torch.Tensor) and part.dim()), 0)
 
 
 def _in_lockstep(loader: Iterable[Any], device: torch.device) -> Iterator[Any]:

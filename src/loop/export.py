@@ -22,11 +22,6 @@ from src.common import files
 from src.common.errors import UsageError, exit_on_usage_error
 
 
-def model_state(path: Path, model: str | None = None, weights: str = "model") -> dict[str, torch.Tensor]:
-    """The whole model's tensors of the checkpoint `path`, on the CPU."""
-    return checkpoint.read(path).model_weights(model, weights)
-
-
 def write_safetensors(state: dict[str, torch.Tensor], out: Path, source: Path) -> None:
     try:  # an optional package
         from safetensors.torch import save
@@ -48,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_usage_error(is_main_process=True):
         if not args.out.parent.is_dir():
             raise UsageError(f"cannot write {args.out}: the folder {args.out.parent} does not exist")
-        state = model_state(args.checkpoint, args.model, args.weights)
+        state = checkpoint.read(args.checkpoint).model_weights(args.model, args.weights)
         write_safetensors(state, args.out, args.checkpoint)
         count = sum(tensor.numel() for tensor in state.values())
         print(f"wrote {args.out}: {len(state)} tensors, {count:,} elements, from {args.checkpoint}")

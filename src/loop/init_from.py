@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from src import checkpoint
-from src.checkpoint.file_store import is_template_checkpoint
 from src.checkpoint.layout import is_directory_checkpoint
 from src.common.errors import UsageError
 from src.parallel import distributed, fsdp
@@ -61,7 +60,7 @@ def read_weights(path: Path, names: list[str], output: str) -> dict[str, dict[st
     except Exception as error:  # torch raises several types for truncated or foreign files
         raise UsageError(f"init_from={path} cannot be read ({type(error).__name__}): is it a complete .pt file "
                          "saved with torch.save?") from None
-    if is_template_checkpoint(payload):  # its weights only
+    if isinstance(payload, dict) and str(payload.get("format", "")).startswith("ddp-template-checkpoint/"):
         return _template_weights(checkpoint.read(path), names)
     if not _is_state_dict(payload):
         raise UsageError(f"init_from={path} holds no state_dict (a dict of tensors by name, or a checkpoint of this "

@@ -38,18 +38,15 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[torch.nn.Parameter]
                 return make(parameters, fused=None, foreach=True)
         return make(parameters)
     except ValueError as error:
-        raise UsageError(
-            f"{optimizer_cfg._target_} refused its settings ({error}): change the optimizer.* keys"
-        ) from error
+        message = f"{optimizer_cfg._target_} refused its settings ({error}): change the optimizer.* keys"
+        raise UsageError(message) from error
     except TypeError as error:  # a key the class does not take, e.g. `fused` copied to an RMSprop YAML
         unknown = re.search(r"unexpected keyword argument '(\w+)'", str(error))
         if unknown is None:
             raise
         key = unknown.group(1)
-        raise UsageError(
-            f"{optimizer_cfg._target_} does not take {key}: remove it from the optimizer's YAML, or drop it for this "
-            f"run with ~optimizer.{key}"
-        ) from error
+        raise UsageError(f"{optimizer_cfg._target_} does not take {key}: remove it from the optimizer's YAML, or drop "
+                         f"it for this run with ~optimizer.{key}") from error
 
 
 def _warmup_steps(warmup_epochs: float, steps_per_epoch: int, total_steps: int) -> int:

@@ -1,23 +1,22 @@
 """What a task's training step is given: the step's micro-batches and the primitives that keep the guarantees.
 
 A task's `train_step(step)` (src/loop/task.py) is one training step: the built-in supervised one, or a fork's own
-(a GAN's two updates, a distillation, a contrastive loss over the global batch). The primitives keep what every
-step must keep, whatever the world size, `grad_accum` and strategy:
+(a GAN's two updates, a distillation, a contrastive loss over the global batch). The primitives keep what every step
+must keep, whatever the world size, `grad_accum` and strategy:
 
     step.batches                 this rank's micro-batches of the step (trainer.grad_accum of them), on the device
-    step.models / step.modules   the trained models by name: as the step calls them (DDP / FSDP / compiled
-                                 wrappers), and unwrapped; step.aux: the frozen auxiliary models
+    step.models / step.modules   the trained models by name, as the step calls them (DDP / FSDP / compiled) and
+                                 unwrapped; step.aux: the frozen auxiliary models
     step.divisor(counts)         the step's global count of units (`StepDivisor`), from each micro-batch's count
     step.accumulate(items)       (micro, item) for each micro-batch, the gradient sync held back until the last
     step.autocast()              trainer.precision's mixed precision for the forward
-    step.backward(loss, divisor) back-propagate a loss SUMMED over this micro-batch's units, divided by the step's
-                                 global count, scaled for fp16: the gradient of the mean over every unit of the
-                                 global batch, exact on any world size
+    step.backward(loss, divisor) back-propagate a loss SUMMED over this micro-batch's units as its share of the mean
+                                 over every unit of the global batch (fp16-scaled): exact on any world size
     step.optimizer_step(name)    one model's update: unscale, on_before_optimizer_step, clip, step, zero the grads
     step.add_sums(sums)          metric sums (device tensors, by the names the task's sum_shapes gives)
     step.all_gather(tensor)      every rank's `tensor`, in global-batch order, differentiable to each rank's rows
-    micro.randn(stream, *shape)  random draws per sample, from (seed, step, the sample's place in the global batch,
-                                 stream): the same on any world size and after a resume
+    micro.randn(stream, *shape)  draws per sample, from (seed, step, the sample's place in the global batch, stream):
+                                 the same on any world size and after a resume
 
 The trainer counts the step, steps every schedule, updates the fp16 scaler and tells the callbacks.
 """
@@ -77,15 +76,11 @@ def start_all_reduce(tensor: torch.Tensor) -> dist.Work | None:
 
 
 class StepDivisor:
-    """Turns each micro-step's summed loss into its share of the mean over every unit of the global batch.
-
-    A task's loss is a SUM over the units its `count()` counts. The step's gradient must be the sum of every rank's
-    and micro-step's loss sums over the global count G; DDP and FSDP average gradients over the W ranks, so each rank
-    back-propagates `loss_sum * W / G`. Samples (host ints) are alike on every rank, so G / W is this rank's own
-    count: no communication. A count that depends on the data (device tensors: tokens that are not padding) is
-    all-reduced asynchronously from construction (before the first forward) to the first call (before the first
-    backward): no host sync. A collective when the counts are tensors: every rank builds one per step.
-    """
+    """Turns each micro-step's loss SUM into its share of the mean over every unit of the global batch: DDP and FSDP
+    average gradients over the W ranks, so each rank back-propagates `loss_sum * W / G`, G the global count. Samples
+    (host ints) are alike on every rank, so G / W is this rank's own count; counts that depend on the data (device
+    tensors) are all-reduced asynchronously from construction (before the first forward) to the first call (before
+    the first backward), with no host sync: then a collective, built by every rank each step."""
 
     def __init__(self, counts: Sequence[int | torch.Tensor], world_size: int) -> None:
         self.counts = list(counts)
@@ -118,12 +113,9 @@ BASE_SHAPES: dict[str, tuple[int, ...]] = {"loss": (), "count": ()}
 
 
 class MetricSums:
-    """Running metric sums by name (every task has `loss` and `count`), over the batches since `reset()`.
-
-    Each rank adds its batches' sums on its device, with no host sync; `reduce()` all-reduces them all in ONE
-    collective (they are slices of one float64 vector), so a metric computed from them is exact over every rank's
-    samples. float64 keeps sums of per-sample losses exact to ~1e-6 across world sizes and counts exact up to 2**53.
-    """
+    """Running metric sums by name (every task has `loss` and `count`) since `reset()`, added on the device with no
+    host sync. `reduce()` all-reduces them in ONE collective (slices of one float64 vector: counts exact to 2**53), so
+    a metric computed from them is exact over every rank's samples, not a mean of per-rank means."""
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], device: torch.device) -> None:
         self.shapes = {**BASE_SHAPES, **shapes}
@@ -164,10 +156,8 @@ class MetricSums:
     def load_state_dict(self, saved: Mapping[str, list[float]]) -> None:
         """Add sums saved by `state_dict` (on one rank only, or they count twice)."""
         if set(saved) != set(self.shapes):
-            raise UsageError(
-                f"the checkpoint's metric sums ({', '.join(saved)}) are not this task's ({', '.join(self.shapes)}): "
-                "resume with the task it was saved with"
-            )
+            raise UsageError(f"the checkpoint's metric sums ({', '.join(saved)}) are not this task's "
+                             f"({', '.join(self.shapes)}): resume with the task it was saved with")
         for name, values in saved.items():
             saved_sum = torch.tensor(values, dtype=torch.float64).view(self.shapes[name])
             self._views[name] += saved_sum.to(self._vector.device)

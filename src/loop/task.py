@@ -49,21 +49,10 @@ class Batch(tuple):
         batch.fields = fields
         return batch
 
-    @property
-    def args(self) -> tuple[Any, ...]:
-        return self[0]
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        return self[1]
-
-    @property
-    def target(self) -> Any:
-        return self[2]
-
-    @property
-    def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return self[0], self[1]
+    args = property(lambda self: self[0])  # tuple[Any, ...]
+    kwargs = property(lambda self: self[1])  # dict[str, Any]
+    target = property(lambda self: self[2])
+    inputs = property(lambda self: (self[0], self[1]))  # (args, kwargs)
 
 
 @dataclass(frozen=True)
@@ -123,10 +112,8 @@ class Task:
     output_width: int | None = None
     output_setting = "model.num_outputs"
 
-    def __init__(
-        self, inputs: Sequence[Key] | Mapping[str, Key] | None = None, target: Key | None = None,
-        monitor: str | None = None, mode: str | None = None,
-    ) -> None:
+    def __init__(self, inputs: Sequence[Key] | Mapping[str, Key] | None = None, target: Key | None = None,
+                 monitor: str | None = None, mode: str | None = None) -> None:
         self.inputs = inputs
         self.target = target
         self.monitor = monitor or type(self).monitor
@@ -184,8 +171,7 @@ class Task:
 
     def batch_sums(self, outputs: torch.Tensor, target: torch.Tensor, loss_sum: torch.Tensor,
                    count: int | torch.Tensor, val: bool = False) -> dict[str, torch.Tensor | int]:
-        """Everything a batch adds to the running sums: `loss`, `count`, the task's sums, with `val` its val-only
-        sums."""
+        """Everything a batch adds to the running sums: `loss`, `count`, the task's sums (and val-only ones)."""
         with torch.no_grad():
             extra = self.val_sums(outputs, target) if val else {}
             return {"loss": loss_sum.detach(), "count": count, **self.sums(outputs.detach(), target), **extra}
@@ -268,10 +254,8 @@ def bind(inputs: Sequence[Key] | Mapping[str, Key] | None, target: Key | None, f
     if inputs is None:
         inputs = [key for key in (names if names is not None else range(parts)) if key != target]
     positions = {} if names is None else {name: index for index, name in enumerate(names)}
-    if isinstance(inputs, Mapping):
-        binding = Binding((), dict(inputs), target, positions, dataset)
-    else:
-        binding = Binding(tuple(inputs), {}, target, positions, dataset)
+    args, kwargs = ((), dict(inputs)) if isinstance(inputs, Mapping) else (tuple(inputs), {})
+    binding = Binding(args, kwargs, target, positions, dataset)
     for key in (*binding.args, *binding.kwargs.values()):
         _check_key("task.inputs", key, names, parts, dataset)
     _check_key("task.target", binding.target, names, parts, dataset)

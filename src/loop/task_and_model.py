@@ -50,9 +50,8 @@ def check_task(task: Task, splits: DataSplits, choices: Mapping[str, str], monit
     if split in (hints or {}) and f"val/{name}" in metrics:
         raise UsageError(f"trainer.monitor={monitor} needs {hints[split]}, or monitor val/{name}")
     if monitor not in metrics:
-        raise UsageError(
-            f"trainer.monitor={monitor} is not a metric of task={task_name}; choose one of {', '.join(metrics)}"
-        )
+        raise UsageError(f"trainer.monitor={monitor} is not a metric of task={task_name}; choose one of "
+                         f"{', '.join(metrics)}")
     return task
 
 
@@ -61,25 +60,20 @@ def check_fit(task: Task, info: Mapping[str, Any], task_name: str, dataset_name:
     problem = task.check(info)
     if problem:
         provided = ", ".join(f"{key}={value}" for key, value in info.items())
-        raise UsageError(
-            f"task={task_name} {problem}, but dataset={dataset_name} provides {provided}: choose a task this dataset "
-            "fits (classification needs num_classes, binary num_classes=2, regression num_targets) or a dataset "
-            f"that task={task_name} fits"
-        )
+        raise UsageError(f"task={task_name} {problem}, but dataset={dataset_name} provides {provided}: choose a task "
+                         "this dataset fits (classification needs num_classes, binary num_classes=2, regression "
+                         f"num_targets) or a dataset that task={task_name} fits")
 
 
 def bind_to_dataset(task: Task, splits: DataSplits, dataset_name: str) -> None:
     """Bind the task's inputs and target to the dataset's fields (or its first sample's structure) and tell it the
     output width to expect."""
-    sample = None if splits.fields is not None else _first_sample(splits.train)
+    sample = None
+    if splits.fields is None:
+        with torch.random.fork_rng(devices=[]):  # a random transform's draws leave the run's RNG as it was
+            sample = splits.train[0]
     task.bind(splits.fields, splits.target, sample, dataset_name)
     task.output_width = task.num_outputs(splits.info) if task.check(splits.info) is None else None
-
-
-def _first_sample(dataset: Any) -> Any:
-    """Sample 0, its random transform's draws leaving the run's RNG (and so its weights) as they were."""
-    with torch.random.fork_rng(devices=[]):
-        return dataset[0]
 
 
 def model_fields(task: Task, info: Mapping[str, Any]) -> dict[str, Any]:
@@ -110,15 +104,11 @@ def check_inputs(model: nn.Module, task: Task) -> None:
     try:
         signature.bind(*binding.args, **binding.kwargs)
     except TypeError as error:
-        raise UsageError(
-            f"{type(model).__name__}.forward{_parameters(signature)} cannot take the task's inputs {binding.inputs()} "
-            f"({error}) from {binding.fields()} (target: {binding.target}): set task.inputs=[FIELD,...] to the "
-            "fields it takes, in order, or choose a model that takes these inputs"
-        ) from None
-
-
-def _parameters(signature: inspect.Signature) -> str:
-    return f"({', '.join(str(p).split(':')[0].split('=')[0].strip() for p in signature.parameters.values())})"
+        parameters = ", ".join(str(p).split(":")[0].split("=")[0].strip() for p in signature.parameters.values())
+        raise UsageError(f"{type(model).__name__}.forward({parameters}) cannot take the task's inputs "
+                         f"{binding.inputs()} ({error}) from {binding.fields()} (target: {binding.target}): set "
+                         "task.inputs=[FIELD,...] to the fields it takes, in order, or choose a model that takes these "
+                         "inputs") from None
 
 
 def output_setting(model_cfg: Any, overrides: Sequence[str] = ()) -> str:

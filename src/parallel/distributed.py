@@ -1,7 +1,5 @@
-"""Distributed setup: this process's device and backend, its process group, its model's data-parallel wrapper, and
-the few collectives the template needs. Who this process is comes from the launcher's variables (ranks.py); a plain
-`python train.py` runs as a group of one without a process group.
-"""
+"""This process's device, backend and process group, its model's data-parallel wrapper, and the few collectives the
+template needs; a process no launcher started runs as a group of one without a process group."""
 
 from __future__ import annotations
 
@@ -31,10 +29,8 @@ def select_device(requested: str, env: DistEnv) -> torch.device:
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     if env.local_rank >= torch.cuda.device_count():
-        raise UsageError(
-            f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
-            "start at most one process per GPU (--nproc_per_node)"
-        )
+        raise UsageError(f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+                         "start at most one process per GPU (--nproc_per_node)")
     return torch.device("cuda", env.local_rank)
 
 
@@ -95,9 +91,8 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
 
 
 def _group_store(env: DistEnv) -> dist.Store:
-    """The rendezvous store, under a fresh key namespace for each group this process starts: a sweep under torchrun
-    starts one group per job in the same processes, and the previous group's keys would satisfy (or wedge) the next
-    one's rendezvous. The agent's store outlives a restarted group, so the restart count separates their keys too."""
+    """The rendezvous store, under a fresh key namespace for each group this process starts (a sweep's jobs, a
+    restarted group), whose keys would otherwise satisfy (or wedge) the next group's rendezvous."""
     global _groups_started
     _groups_started += 1
     agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -106,13 +101,8 @@ def _group_store(env: DistEnv) -> dist.Store:
 
 
 def exit_after_a_group(status: int = 0) -> None:
-    """End this process now if it ran a process group: atexit handlers run, the interpreter's teardown does not.
-    Returns if it never joined one.
-
-    DDP keeps a gloo group's worker threads alive after `destroy_process_group()`; one that frees a collective's
-    tensors during the interpreter's teardown cannot take the GIL, and the process aborts (SIGABRT) after a
-    successful run (pytorch/pytorch#179291).
-    """
+    """End this process now if it ran a process group: atexit handlers run, the interpreter's teardown does not (a
+    gloo worker thread DDP keeps alive may free tensors during it and abort the process: pytorch/pytorch#179291)."""
     if _groups_started == 0:
         return
     atexit._run_exitfuncs()
@@ -121,16 +111,13 @@ def exit_after_a_group(status: int = 0) -> None:
     os._exit(status)
 
 
-def prepare_model(
-    module: torch.nn.Module, runtime: Runtime, sync_bn: bool, find_unused_parameters: bool,
-    sharding: Any = None, param_dtype: torch.dtype | None = None,
-    initialise: Callable[[torch.nn.Module], None] = lambda module: None,
-) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """`module` on this rank's device, wrapped for data-parallel training: `(module, train_model)`, the module that
-    is evaluated and saved and the one the loop trains (DDP's wrapper; with `sharding`, the `dist.fsdp` settings,
-    the FSDP2-sharded module both times; one process: the plain module both times). A module on the meta device gets
-    memory only for what this rank holds, its values from `initialise` before any wrapper sees them.
-    """
+def prepare_model(module: torch.nn.Module, runtime: Runtime, sync_bn: bool, find_unused_parameters: bool,
+                  sharding: Any = None, param_dtype: torch.dtype | None = None,
+                  initialise: Callable[[torch.nn.Module], None] = lambda module: None
+                  ) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """`(module, train_model)`: `module` on this rank's device (evaluated and saved) and what the loop trains: DDP's
+    wrapper, or with `sharding` (`dist.fsdp`) the FSDP2-sharded module, or in one process the module. A module on the
+    meta device gets memory only for what this rank holds, and its values from `initialise` before any wrapper."""
     if runtime.env.is_distributed and sync_bn:
         module = convert_sync_batchnorm(module, runtime.device)
     on_meta = any(tensor.is_meta for tensor in itertools.chain(module.parameters(), module.buffers()))
@@ -193,9 +180,8 @@ _this_thread = threading.local()  # the group the object collectives above use i
 
 
 def new_group(timeout_s: float | None) -> Any:
-    """A second group over every rank (gloo), for a thread whose collectives run beside the training thread's (a
-    background checkpoint write: two threads' collectives on one group would interleave differently on each rank).
-    Its collectives wait `timeout_s` (None: torch's default). None in a single process. A collective."""
+    """A second gloo group over every rank, for a thread whose collectives run beside the training thread's (on one
+    group they would interleave differently on each rank), waiting `timeout_s`. None in one process. A collective."""
     if not is_initialized():
         return None
     return dist.new_group(backend="gloo", timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
@@ -240,8 +226,7 @@ def _release_store() -> None:
 
 
 def rendezvous_store(env: DistEnv, timeout_s: float = 600.0) -> dist.Store:
-    """A key-value store shared by the whole group, before the process group: under torchrun the elastic agent's
-    (every rank a client), elsewhere one rank 0 hosts. Kept for the life of the process."""
+    """The group's key-value store, before the process group: torchrun's agent's, or one rank 0 hosts."""
     global _store
     if _store is not None:
         return _store

@@ -1,14 +1,11 @@
-"""Fully sharded data parallel (`dist.strategy=fsdp`): the model sharded over the ranks with PyTorch's FSDP2.
-
-`fully_shard` turns each unit's parameters into DTensors sharded along their first dimension: a rank keeps
-1/world_size of every parameter, gradient and optimizer state. A unit's forward all-gathers its parameters; its
-backward gathers them again and reduce-scatters the gradients, so each rank ends with the mean gradient of its own
-shard: DDP's, sliced.
+"""Fully sharded data parallel (`dist.strategy=fsdp`) with PyTorch's FSDP2: each unit's parameters become DTensors
+sharded along their first dimension, so a rank keeps 1/world_size of every parameter, gradient and optimizer state;
+a unit's forward and backward all-gather its parameters, and its gradients are reduce-scattered (DDP's mean, sliced).
 
 Units: the modules `dist.fsdp.wrap` names by class, else the root's children holding at least
-`dist.fsdp.min_unit_params` parameters (the children of a lone container child; the members of a ModuleList or
-ModuleDict), then the root. Per-unit sharding overlaps a unit's all-gather with the previous unit's compute and
-bounds gathered memory by the largest unit, but each unit costs its own collectives: a small model is one unit.
+`dist.fsdp.min_unit_params` parameters (the children of a lone container child; a ModuleList's or ModuleDict's
+members), then the root. A unit's all-gather overlaps the previous unit's compute and gathered memory is bounded by
+the largest unit, but each unit costs its own collectives: a small model is one unit.
 """
 
 from __future__ import annotations
@@ -36,7 +33,8 @@ def units(module: nn.Module, wrap: Sequence[str], min_unit_params: int = 0) -> l
     if wrap:
         found: list[nn.Module] = []
         for child in module.modules():
-            if child is not module and type(child).__name__ in wrap and not _inside(child, found):
+            if (child is not module and type(child).__name__ in wrap
+                    and not any(child in list(parent.modules()) for parent in found)):
                 found.append(child)
         return found
     return [unit for unit in _candidates(module) if _size(unit) >= max(min_unit_params, 1)]
@@ -48,19 +46,12 @@ def _candidates(module: nn.Module) -> list[nn.Module]:
     holders = [child for child in module.children() if _size(child) > 0]
     if len(holders) == 1 and any(True for _ in holders[0].children()):
         return _candidates(holders[0]) or holders
-    return [unit for child in holders for unit in (_candidates(child) if _is_collection(child) else [child])]
-
-
-def _is_collection(module: nn.Module) -> bool:
-    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
+    return [unit for child in holders
+            for unit in (_candidates(child) if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child])]
 
 
 def _size(module: nn.Module) -> int:
     return sum(parameter.numel() for parameter in module.parameters())
-
-
-def _inside(child: nn.Module, outer: list[nn.Module]) -> bool:
-    return any(child in list(parent.modules()) for parent in outer)
 
 
 def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, cpu_offload: bool,

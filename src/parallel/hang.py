@@ -56,7 +56,8 @@ def diagnosed(store: dist.Store, rank: int, world_size: int, timeout_s: float,
         if not _TIMEOUT.search(str(error)):
             raise
         missing = _ranks_that_did_not_arrive(store, rank, world_size)
-        who = (f"{_ranks(missing)} did not arrive (stopped, hung, or far slower than the others)"
+        ranks = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+        who = (f"{ranks} did not arrive (stopped, hung, or far slower than the others)"
                f"{_end_frozen_peers(store, missing)}" if missing else "every rank was waiting (a network fault?)")
         message = f"{_collective(error)} timed out after {timeout.seconds:g} s ({timeout.key}): {who}"
         log.error(message)
@@ -120,9 +121,11 @@ def _kill(pids: list[int]) -> None:
 
 def _collective(error: BaseException) -> str:
     """Which collective timed out, from the traceback (a torch.distributed call, a DDP wrapper's own, DDP's gradient
-    all-reduce in backward()), and the line of this project that ran it."""
+    all-reduce in backward()), and the line of this project (not of this machinery) that ran it."""
     frames = traceback.extract_tb(error.__traceback__)
-    ours = [f for f in frames if _is_ours(f.filename)]
+    machinery = (Path(__file__).resolve(), Path(__file__).with_name("distributed.py"))
+    ours = [f for f in frames if (path := Path(f.filename).resolve()).is_relative_to(_REPO)
+            and "site-packages" not in path.parts and path not in machinery]
     last = ours[-1] if ours else None
     where = f" ({Path(last.filename).resolve().relative_to(_REPO)}:{last.lineno} {last.name})" if last else ""
     api = [f.name for f in frames if f.filename.endswith("distributed_c10d.py") and not f.name.startswith("_")]
@@ -134,14 +137,3 @@ def _collective(error: BaseException) -> str:
     if any(f.name == "backward" for f in frames):
         return f"DDP's gradient all-reduce in backward(){where}"
     return f"a collective{where}"
-
-
-def _is_ours(filename: str) -> bool:
-    """A file of this project, other than the process-group machinery itself."""
-    path = Path(filename).resolve()
-    return (path.is_relative_to(_REPO) and "site-packages" not in path.parts
-            and path not in (Path(__file__).resolve(), Path(__file__).with_name("distributed.py")))
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

@@ -137,23 +137,17 @@ def discard_unused_run_dir(run_dir: Path, created: bool, in_sweep: bool) -> Iter
         unused = created and all(path.name == ".hydra" or path.suffix == ".log" for path in run_dir.iterdir())
         if find_usage_error(error) is not None and not (in_sweep or is_worker()) and unused:
             shutil.rmtree(run_dir, ignore_errors=True)
-            _remove_empty_parents(run_dir)
+            stop = Path.cwd().resolve()  # and the folders above it (outputs/DATE/) left empty, up to here
+            for parent in run_dir.resolve().parents:
+                if parent == stop or stop not in parent.parents or any(parent.iterdir()):
+                    break
+                parent.rmdir()
         raise
-
-
-def _remove_empty_parents(path: Path) -> None:
-    """Remove the folders above `path` (outputs/DATE/...) that are left empty, up to the working directory."""
-    stop = Path.cwd().resolve()
-    for parent in path.resolve().parents:
-        if parent == stop or stop not in parent.parents or any(parent.iterdir()):
-            return
-        parent.rmdir()
 
 
 def quote_override(value: str) -> str:
     """Quote a value for Hydra's override grammar (paths may hold characters it parses)."""
-    escaped = value.replace("\\", "\\\\").replace("'", "\\'")
-    return f"'{escaped}'"
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 register_resolvers()

@@ -62,8 +62,8 @@ class Preemption:
         """Whether any rank was signalled, as agreed after optimizer step `step`. Call on every rank after every step:
         only check steps cost a collective, and every rank computes the same ones."""
         now = time.perf_counter()
-        if self._next_check is None:
-            self._start_clock(step, now)
+        if self._next_check is None:  # the first step pays for start-up (compilation, warm caches): time from its end
+            self._checked_step, self._checked_at, self._next_check = step, now, step + 1
             return False
         if step < self._next_check:
             return False
@@ -75,11 +75,6 @@ class Preemption:
         self.agreed = signalled > 0
         return self.agreed
 
-    def _start_clock(self, step: int, now: float) -> None:
-        """The first step of a run pays for start-up (compilation, warm caches): time from its end."""
-        self._checked_step, self._checked_at = step, now
-        self._next_check = step + 1
-
     def _schedule(self, step: int, seconds_per_step: float) -> None:
         """The next check: about CHECK_EVERY_S ahead at the slowest rank's pace, or the next log step."""
         timed = max(1, int(CHECK_EVERY_S / max(seconds_per_step, 1e-6)))
@@ -87,4 +82,3 @@ class Preemption:
         self._interval = min(timed, 2 * self._interval)
         next_log_step = (step // self.log_every_steps + 1) * self.log_every_steps
         self._next_check = min(step + self._interval, next_log_step)
-

@@ -37,28 +37,19 @@ def read_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
     """Read the launcher's variables; no variables means a single process."""
     if "WORLD_SIZE" not in environ:
         return DistEnv()
-    return DistEnv(
-        rank=int(environ["RANK"]),
-        local_rank=int(environ.get("LOCAL_RANK", environ["RANK"])),
-        world_size=int(environ["WORLD_SIZE"]),
-        master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=int(environ.get("MASTER_PORT", 29500)),
-    )
+    return DistEnv(int(environ["RANK"]), int(environ.get("LOCAL_RANK", environ["RANK"])), int(environ["WORLD_SIZE"]),
+                   environ.get("MASTER_ADDR", "127.0.0.1"), int(environ.get("MASTER_PORT", 29500)))
 
 
 def is_main_process(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether this process is rank 0 (or the only process), whatever launched it."""
-    return DistEnv(rank=_global_rank(environ)).is_main_process
-
-
-def _global_rank(environ: Mapping[str, str]) -> int:
-    """RANK; in a task not yet adopted, its job's global rank as submitit reads it; 0 without a launcher."""
+    """Whether this process is rank 0 (or the only process), whatever launched it: RANK, or in a task not yet
+    adopted its job's global rank as submitit reads it."""
     if "RANK" in environ:
-        return int(environ["RANK"])
+        return int(environ["RANK"]) == 0
     if not _in_multi_task_job(environ):
-        return 0
+        return True
     key = "SUBMITIT_LOCAL_GLOBALID" if environ.get("SUBMITIT_EXECUTOR") == "local" else "SLURM_PROCID"
-    return int(environ.get(key, "0"))
+    return int(environ.get(key, "0")) == 0
 
 
 def is_worker(environ: Mapping[str, str] = os.environ) -> bool:

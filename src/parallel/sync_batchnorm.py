@@ -54,13 +54,9 @@ class CPUSyncBatchNorm(_BatchNorm):
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
-    def _group_size(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1
-        return dist.get_world_size(self.process_group)
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not self.training or self._group_size() <= 1:
+        if not (self.training and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size(self.process_group) > 1):
             return super().forward(input)
         self._check_input_dim(input)
         # Sums of squares in half precision lose the variance, so accumulate in float32 at least.
@@ -107,14 +103,11 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     # DDP refuses CPU modules holding nn.SyncBatchNorm ("SyncBatchNorm layers only work with GPU modules").
-    converted = _to_cpu_sync_batchnorm(module) if _is_unsynced_batchnorm(module) else module
+    unsynced = isinstance(module, _BatchNorm) and not isinstance(module, (nn.SyncBatchNorm, CPUSyncBatchNorm))
+    converted = _to_cpu_sync_batchnorm(module) if unsynced else module
     for name, child in module.named_children():
         converted.add_module(name, convert_sync_batchnorm(child, device))
     return converted
-
-
-def _is_unsynced_batchnorm(module: nn.Module) -> bool:
-    return isinstance(module, _BatchNorm) and not isinstance(module, (nn.SyncBatchNorm, CPUSyncBatchNorm))
 
 
 def _to_cpu_sync_batchnorm(bn: _BatchNorm) -> CPUSyncBatchNorm:

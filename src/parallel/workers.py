@@ -36,8 +36,9 @@ def run_group(script: str, cfg: Any, context: RunContext) -> float:
     launch_workers(script, cfg.dist.nproc_per_node, context.run_dir, context.overrides, cfg.dist.master_port,
                    cfg.trainer.device, cfg.dist.backend, context.composing)
     metrics_file, monitor = context.run_dir / "metrics.json", cfg.trainer.monitor
-    return json.loads(metrics_file.read_text()).get(monitor, float("nan")) if metrics_file.exists() and monitor \
-        else float("nan")
+    if not (metrics_file.exists() and monitor):
+        return float("nan")
+    return json.loads(metrics_file.read_text()).get(monitor, float("nan"))
 
 
 def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Sequence[str],
@@ -48,7 +49,9 @@ def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Seque
     worker stops the whole group. The workers get this job's overrides and what composes its config besides them
     (`composing`), and leave `.hydra/` to this process. A port in use, or a device or backend the workers could not
     get, is refused before any worker starts; workers that stop on a usage error end this process alike."""
-    _refuse_a_busy_port(master_port)
+    if master_port is not None and not port_is_free(master_port):
+        raise UsageError(f"dist.master_port={master_port} is in use on localhost; pick another port "
+                         "or leave dist.master_port=null for a free one")
     # The workers' own checks, made once here rather than after starting them all.
     last_worker = DistEnv(rank=nproc - 1, local_rank=nproc - 1, world_size=nproc)
     distributed.select_backend(backend, distributed.select_device(device, last_worker))
@@ -67,8 +70,7 @@ def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Seque
 def stopped_on_a_usage_error(exit_codes: Sequence[int]) -> bool:
     """Whether a group whose failed workers exited with `exit_codes` stopped on a usage error: one at least exited
     with its code, and the others did too or were stopped by a signal (the launcher SIGTERMs the survivors)."""
-    return USAGE_ERROR_EXIT_CODE in exit_codes and all(
-        code == USAGE_ERROR_EXIT_CODE or code < 0 for code in exit_codes)
+    return USAGE_ERROR_EXIT_CODE in exit_codes and all(code == USAGE_ERROR_EXIT_CODE or code < 0 for code in exit_codes)
 
 
 def _standalone_config(nproc: int, master_port: int | None) -> LaunchConfig:
@@ -78,12 +80,6 @@ def _standalone_config(nproc: int, master_port: int | None) -> LaunchConfig:
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                         rdzv_backend="c10d", rdzv_endpoint=f"localhost:{master_port or 0}", max_restarts=0,
                         monitor_interval=0.5)
-
-
-def _refuse_a_busy_port(master_port: int | None) -> None:
-    if master_port is not None and not port_is_free(master_port):
-        raise UsageError(f"dist.master_port={master_port} is in use on localhost; pick another port "
-                         "or leave dist.master_port=null for a free one")
 
 
 def port_is_free(port: int) -> bool:
@@ -137,7 +133,10 @@ def recording_errors(function: Callable[..., T]) -> Callable[..., T]:
             return function(*args, **kwargs)
         except Exception as error:
             if find_usage_error(error) is None:
-                _ignore_sigterm()  # until @record has written the error file (see below)
+                # Until @record has written the error file: one cut short by the SIGTERM torchrun's agent sends the
+                # survivors of a failure is empty, and the agent crashes on it instead of restarting the group.
+                if _is_main_thread():
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 raise
             raise _UnrecordedError(error) from None  # @record catches Exception, not BaseException
 
@@ -156,13 +155,6 @@ def recording_errors(function: Callable[..., T]) -> Callable[..., T]:
                 signal.signal(signal.SIGTERM, handler)
 
     return wrapper
-
-
-def _ignore_sigterm() -> None:
-    """A failing worker finishes its error file before SIGTERM can end it: one cut short while @record writes leaves
-    an empty error file, on which torchrun's agent crashes (JSONDecodeError) instead of restarting the group."""
-    if _is_main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _is_main_thread() -> bool:

@@ -32,7 +32,7 @@ from src.common.errors import UsageError
 from src.config import building, data_fields, schema, trusted_targets
 from src.data import loaders
 from src.data.splits import DataSplits
-from src.loop import evaluation, models, performance, task_and_model
+from src.loop import evaluation, performance, task_and_model
 from src.loop.task import Task
 from src.parallel import distributed, job, workers
 from src.parallel.distributed import Runtime
@@ -71,8 +71,8 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
 
     with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
         reporting.setup_logging(run_dir, runtime.env.rank, name="eval")
-        task.aux = models.build_aux(saved.get("aux"), task, runtime.device,
-                                    trusted_targets.trusted(cfg.trusted_targets, cfg))
+        task.aux = task_and_model.build_aux(saved.get("aux"), task, runtime.device,
+                                            trusted_targets.trusted(cfg.trusted_targets, cfg))
         splits = loaders.build_splits(dataset_cfg)
         split = check_data(saved_checkpoint, task, splits, cfg.split, f"dataset={dataset_choice}", dataset_cfg)
         # The plain modules, not DDP: evaluation syncs no gradients, only the metric sums. A sharded checkpoint's

@@ -17,14 +17,12 @@ STORES = {"ddp": FileStore, "fsdp": ShardedStore}
 
 
 def open_store(dist: Any, trainer: Any, directory: Path, is_main_process: bool) -> Store:
-    """The store a run of `dist.strategy` writes into `directory`, keeping `trainer.keep_last` step checkpoints;
-    with `trainer.async_checkpoint` it writes in a thread, its collectives waiting at most `dist.step_timeout_s`
-    (else `dist.timeout_s`)."""
+    """The store a run of `dist.strategy` writes into `directory` (its background writes' collectives waiting
+    `dist.step_timeout_s`, else `dist.timeout_s`)."""
     timeout_s = dist.timeout_s if dist.step_timeout_s is None else dist.step_timeout_s
     return STORES[dist.strategy](directory, is_main_process, trainer.keep_last, trainer.async_checkpoint, timeout_s)
 
 
 def read(path: Path) -> Checkpoint:
-    """The checkpoint at `path`, of either format, or one line saying why it is none (missing, truncated, foreign,
-    incomplete, a crafted index)."""
+    """The checkpoint at `path`, of either format, or one line saying why it is none."""
     return (ShardedCheckpoint if is_directory_checkpoint(path) else FileCheckpoint).read(path)

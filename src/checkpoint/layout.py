@@ -53,8 +53,7 @@ def _later(*paths: Path) -> Path | None:
 
 
 def newest_first(directory: Path) -> list[Path]:
-    """The checkpoints of the newest training state, newest first: `last.pt` (or `last`), then the step checkpoints
-    from the highest step down (`best` is an older state by design)."""
+    """`last.pt` (or `last`), then the step checkpoints from the highest step down (not `best`: an older state)."""
     steps = [path for path in directory.glob("step_*") if STEP.fullmatch(path.name)]
     steps.sort(key=lambda path: path.name.removesuffix(".pt"), reverse=True)
     newest = latest(directory)
@@ -63,8 +62,7 @@ def newest_first(directory: Path) -> list[Path]:
 
 
 def resume_path(directory: Path, resume: str | None) -> Path | None:
-    """The checkpoint to resume from: None (fresh start), `auto` (the newest in `directory`) or an explicit path.
-    A fresh start refuses a run dir that already holds a run, so its checkpoints are never overwritten."""
+    """The checkpoint `resume` (None, `auto` or a path) names; a fresh start refuses a run dir that holds a run."""
     if resume is None:
         if latest(directory) is not None:
             raise UsageError(f"{directory.parent} already holds a run; pass resume=auto to continue it or choose "

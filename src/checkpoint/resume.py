@@ -25,11 +25,8 @@ log = logging.getLogger(__name__)
 
 def load_resume_checkpoint(directory: Path, is_main_process: bool, resume: str | None,
                            allowed: set[str]) -> Checkpoint | None:
-    """The checkpoint to continue from (None: a fresh start), read on every rank (two collectives).
-
-    `directory` is the run's checkpoints/; `resume` is None, `auto` or a path (None means `auto` in a restarted run);
-    `allowed` are the `_target_`s the saved config may name.
-    """
+    """The checkpoint to continue from (None: a fresh start), read on every rank: `resume` is None, `auto` or a path
+    in `directory`, the run's checkpoints/; `allowed`: the `_target_`s its config may name. Two collectives."""
     resume = resume_setting(resume)
     if resume is None:
         layout.resume_path(directory, None)  # a fresh run refuses a run dir that already holds one
@@ -59,8 +56,7 @@ def load_resume_checkpoint(directory: Path, is_main_process: bool, resume: str |
 
 
 def _choose(directory: Path, resume: str, allowed: set[str]) -> tuple[str | None, Checkpoint | None]:
-    """Rank 0's choice as every rank will name it (for `auto` a name inside the checkpoint dir, which each node
-    resolves in its own run dir), and the checkpoint read."""
+    """Rank 0's choice as every rank names it (`auto`: a name each node resolves in its run dir), and it read."""
     if resume != "auto":
         return resume, read_trusted(Path(resume), allowed)
     damaged: list[UsageError] = []

@@ -48,8 +48,7 @@ class ShardedStore(Store):
     """Writes `step_<N>/` directories of shards (one per save, mid-epoch or not), and `last` / `best` naming them."""
 
     def snapshot(self, parts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Every part's tensors by key (this rank's shards), and the parts' states with each tensor replaced by its
-        key, for state.pt."""
+        """This rank's tensors by key, and the parts' states with each tensor replaced by its key (state.pt)."""
         tensors: dict[str, torch.Tensor] = {}
         return tensors, _without_tensors(super().snapshot(parts), (), tensors)
 
@@ -71,9 +70,8 @@ class ShardedStore(Store):
 
 
 def _no_room(error: CheckpointException, staging: Path, tensors: dict[str, Any]) -> UsageError | None:
-    """One line, as for a .pt, when a rank's shard file found no room. DCP strips the causes (torch.save's zip
-    writer reports EFBIG/ENOSPC as "unexpected pos"), so each rank checks its own shard against the free space and
-    the file-size limit, and the ranks agree (a collective)."""
+    """One line when a rank's shard found no room: DCP strips the causes ("unexpected pos"), so each rank checks its
+    own against the free space and file-size limit, and the ranks agree (a collective)."""
     needed = _local_bytes(tensors)
     code = exceeds_room(needed, staging.parent)
     if not any(distributed.gather_objects(code is not None)):
@@ -161,8 +159,7 @@ def _prune(directory: Path, keep_last: int) -> None:
 
 
 class ShardedCheckpoint(Checkpoint):
-    """A checkpoint directory (`path` may be the `last` / `best` file naming it): `state` from its state.pt; the
-    tensors read from its shards, on any world size, into this run's parts (sharded or not)."""
+    """A checkpoint directory (or the `last` / `best` file naming it); its tensors are read into the restoring parts."""
 
     def __init__(self, path: Path, state: dict[str, Any], directory: Path) -> None:
         super().__init__(path, state)
@@ -181,8 +178,7 @@ class ShardedCheckpoint(Checkpoint):
         return cls(path, state, directory)
 
     def restore_part(self, name: str, part: Any) -> None:
-        """Read the part's tensors into those at the same places in its live state (sharded like them: each rank
-        reads its slices), the others whole; then give the part its state."""
+        """Read the part's tensors into those at their places in its live state (each rank its slices), else whole."""
         skeleton = self.state[name]
         live = part.load_targets() if hasattr(part, "load_targets") else state_of(part)
         metadata = read_metadata(self.directory)
@@ -210,8 +206,7 @@ class ShardedCheckpoint(Checkpoint):
 
 @contextlib.contextmanager
 def _alone_is_fine() -> Iterator[None]:
-    """Without a process group (eval.py, export, dist=fsdp on one rank) DCP warns, at every save, that it assumes
-    a single process: it is right."""
+    """Without a process group DCP warns, at every save, that it assumes a single process: it is right."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield

@@ -88,8 +88,8 @@ class OptimizerState:
         return {"state": {names[id(p)]: value for p, value in self.optimizer.state.items()}, "param_groups": groups}
 
     def load_targets(self) -> dict[str, Any]:
-        """What the sharded reader reads this part's tensors into, sharded like their parameters. torch's helper
-        makes them by stepping an optimizer that has none; `load_state_dict` drops those the checkpoint lacks."""
+        """What the sharded reader reads into: state tensors sharded like their parameters (torch's helper makes them
+        by stepping an optimizer that has none; `load_state_dict` drops those the checkpoint lacks)."""
         return get_optimizer_state_dict(self.module, self.optimizer) if self.sharded else self.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -97,7 +97,8 @@ class OptimizerState:
         by_id = self._names()
         if self.sharded:
             whole = not any(is_dtensor(value) for values in state["state"].values() for value in values.values())
-            set_optimizer_state_dict(self.module, self.optimizer, {"state": dict(state["state"]), "param_groups": groups},
+            set_optimizer_state_dict(self.module, self.optimizer, {"state": dict(state["state"]),
+                                                                   "param_groups": groups},
                                      options=StateDictOptions(full_state_dict=whole))
             saved = set(state["state"])
             for parameter in [p for p in self.optimizer.state if by_id[id(p)] not in saved]:
@@ -121,8 +122,7 @@ class OptimizerState:
 
 
 class Named:
-    """Several parts of one kind by name (`what`: model, optimizer, ...). A resumed run must find each of its parts
-    in the checkpoint, and ignores others."""
+    """Several parts of one kind (`what`) by name; a resumed run must find each of its own in the checkpoint."""
 
     def __init__(self, parts: Mapping[str, Any], what: str) -> None:
         self.parts = dict(parts)

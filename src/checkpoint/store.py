@@ -29,8 +29,7 @@ def state_of(part: Any) -> Any:
 
 
 def read_payload(path: Path) -> dict[str, Any]:
-    """The checkpoint payload of the `.pt` file `path` (loaded with `weights_only=True`: never runs code), or one
-    line saying why it is none."""
+    """The checkpoint in the `.pt` file `path` (`weights_only=True`: never runs code), or one line saying why not."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises several types for truncated or foreign files
@@ -46,8 +45,7 @@ def read_payload(path: Path) -> dict[str, Any]:
 
 
 class Checkpoint:
-    """A checkpoint read from disk: `state` holds every part (a sharded one's tensors are read later, into the
-    parts that restore them)."""
+    """A checkpoint read from disk: `state` holds every part (a sharded one's tensors are read when restored)."""
 
     def __init__(self, path: Path, state: dict[str, Any]) -> None:
         self.path, self.state = path, state
@@ -57,8 +55,7 @@ class Checkpoint:
         self.model_names = list(state.get("models", {}))
 
     def restore(self, parts: Mapping[str, Any]) -> None:
-        """Load each of `parts` (by name, as the module's docstring lists them) from the part of the same name;
-        plain data is not restored, and a part the checkpoint lacks starts afresh."""
+        """Load each of `parts` from the part of the same name (not plain data; a part it lacks starts afresh)."""
         for name, part in parts.items():
             if not hasattr(part, "load_state_dict"):
                 continue
@@ -74,13 +71,11 @@ class Checkpoint:
         part.load_state_dict(self.state[name])
 
     def whole(self, *keys: str) -> Any:
-        """The state at `keys` (e.g. "models", "generator"), every tensor in it whole on the CPU, read in this one
-        process with no model built."""
+        """The state at `keys` (e.g. "models", "generator"), its tensors whole on the CPU, read in this process."""
         raise NotImplementedError
 
     def model_weights(self, name: str | None = None, weights: str = "model") -> dict[str, torch.Tensor]:
-        """Model `name`'s tensors (default: the output model), whole on the CPU; with `weights` the name of an EMA
-        callback (`ema`), its averaged parameters over the model's buffers."""
+        """Model `name`'s tensors (default: the output model), whole on the CPU; `weights="ema"`: its EMA weights."""
         name = name or self.output_model
         if name not in self.model_names:
             raise UsageError(f"{self.path} holds no model {name!r}; it holds {', '.join(self.model_names)}")
@@ -100,14 +95,9 @@ class Checkpoint:
 
 
 class Store:
-    """Where a run writes its checkpoints (`directory`), in one format. Called on every rank at the same points; a
-    failed write stops every rank with one line.
-
-    With `background` (trainer.async_checkpoint), `save` waits only for a copy of the state in host memory and
-    writes it in a thread, its collectives on a group of their own. At most one save is in flight: the next `save`
-    and `wait` wait for it and raise its failure on every rank. A background write is as atomic as a synchronous
-    one: a process killed during it leaves the previous checkpoint the newest.
-    """
+    """Where a run writes its checkpoints, in one format; called on every rank alike. With `background`, `save` waits
+    only for a host copy and writes it in a thread (collectives on a group of their own), one save in flight: the
+    next `save` and `wait` wait for it, raising its failure on every rank. Every write is atomic."""
 
     def __init__(self, directory: Path, is_main_process: bool, keep_last: int = 2, background: bool = False,
                  timeout_s: float | None = None) -> None:
@@ -120,8 +110,7 @@ class Store:
         self._host_copy: Any = None  # the last background save's copy, written: the next one copies into it
 
     def save(self, parts: Mapping[str, Any], step: int, is_best: bool, mid_epoch: bool = False) -> None:
-        """Save `parts` (by name) as the newest checkpoint, also the best if `is_best`; a `mid_epoch` one is kept as
-        a step checkpoint too (the newest `keep_last` of them)."""
+        """Save `parts` as the newest checkpoint (the best too if `is_best`; a step checkpoint if `mid_epoch`)."""
         self.wait()
         snapshot = self.snapshot(parts)
         if not self.background:
@@ -138,8 +127,7 @@ class Store:
             writer.join()
 
     def wait_after_failure(self) -> None:
-        """After training failed: until the save in flight has ended, so its process group is not torn down under
-        it; its own failure is only logged, the training's error is the run's."""
+        """After training failed: until the save in flight has ended (its own failure only logged)."""
         writer, self._in_flight = self._in_flight, None
         if writer is not None:
             writer.thread.join()
@@ -148,7 +136,7 @@ class Store:
                             type(writer.failure).__name__, writer.failure)
 
     def snapshot(self, parts: Mapping[str, Any]) -> Any:
-        """What `write` writes of `parts`: their states (live tensors, copied by `save` when it writes later)."""
+        """What `write` writes of `parts`: their states (live tensors)."""
         return {"format": FORMAT, **{name: state_of(part) for name, part in parts.items()}}
 
     def write(self, snapshot: Any, step: int, is_best: bool, mid_epoch: bool) -> None:
@@ -188,9 +176,8 @@ class _Writer:
 
 
 def on_host(state: Any, reuse: Any = None) -> Any:
-    """A copy of `state` the training thread no longer touches: tensors copied to the CPU (a DTensor keeps its
-    sharding, its local shard copied), containers and plain values copied. A tensor goes into the tensor at its
-    place in `reuse` (an earlier copy, no longer in use) when shape, stride and dtype agree."""
+    """A copy of `state` on the CPU (a DTensor's local shard), each tensor into the one at its place in `reuse` (an
+    earlier copy, no longer in use) where shape, stride and dtype agree."""
     if isinstance(state, torch.Tensor):
         if hasattr(state, "to_local"):  # a DTensor
             local = _host_tensor(state.to_local(), reuse.to_local() if hasattr(reuse, "to_local") else None)

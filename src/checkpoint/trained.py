@@ -25,8 +25,7 @@ from src.config import building, trusted_targets
 
 def load_trained(path: str | Path, model: str | None = None, weights: str = "model",
                  trusted: Iterable[str] = ()) -> tuple[nn.Module, dict[str, Any]]:
-    """Model `model` of the checkpoint at `path` (default: its output model) with its `weights` (`model`, or `ema`),
-    in eval mode on the CPU; and the run's resolved config."""
+    """Model `model` (default: the output model) of the checkpoint at `path` with its `weights`, and its config."""
     saved = read_trusted(Path(path), trusted_targets.trusted(trusted))
     return build_saved_model(saved, model or saved.output_model, weights).eval(), saved.config
 
@@ -39,7 +38,6 @@ def read_trusted(path: Path, allowed: set[str]) -> Checkpoint:
 
 
 def build_saved_model(saved: Checkpoint, name: str, weights: str = "model") -> nn.Module:
-    """Model `name` of `saved`, built from its saved config, with its `weights`."""
     configs = building.named(saved.config["model"], "model")
     with building.errors_named("model", configs[name]):
         module = instantiate(configs[name])

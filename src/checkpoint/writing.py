@@ -26,7 +26,6 @@ def save_atomic(payload: dict[str, Any], path: Path) -> None:
 
 
 def copy_atomic(source: Path, target: Path) -> None:
-    """Copy `source` to `target` as `save_atomic` writes."""
     try:
         with files.atomic_file(target) as file, open(source, "rb") as original:
             shutil.copyfileobj(original, file)
@@ -58,8 +57,7 @@ def _file_size_limit() -> int | None:
 
 
 def no_room(error: BaseException, path: Path, size: Callable[[], int]) -> UsageError | None:
-    """A one-line error for a write of `path` that found no room (full, over quota, over the file-size limit);
-    None for any other failure."""
+    """A one-line error for a write of `path` that found no room (full, quota, file-size limit), else None."""
     cause = files.no_room_error(error)
     if cause is None:
         return None
@@ -79,8 +77,7 @@ def exceeds_room(needed: int, directory: Path) -> int | None:
 
 
 def stop_every_rank_on_failure(is_main_process: bool, work: Callable[[], None]) -> None:
-    """Run `work` on rank 0, then tell every rank whether it could, so a failed write stops every rank at once with
-    one line, not rank 0 alone while the others wait in their next collective. Called on every rank."""
+    """Run `work` on rank 0 and tell every rank whether it could: a failure stops every rank at once. A collective."""
     failure: Exception | None = None
     if is_main_process:
         try:

@@ -250,7 +250,7 @@ class TrainSchema:
     trusted_targets: list[str] = MISSING
     print_config: bool = False  # also print the composed config to the console at the start (it is always in
     # .hydra/config.yaml and in each rank's log file, resolved as the rank trains with it)
-    aux: Any = MISSING  # frozen auxiliary models by name (conf/config.yaml; src/loop/models.py)
+    aux: Any = MISSING  # frozen auxiliary models by name (conf/config.yaml; src/loop/task_and_model.py)
     callbacks: Any = field(default_factory=dict)  # the add-ons around the loop, by name (conf/callbacks/)
     logger: Any = field(default_factory=dict)  # where the run's scalars go, by name (conf/logger/): tensorboard,
     # mlflow, wandb, csv; several at once with logger=[tensorboard,mlflow]

@@ -68,8 +68,7 @@ class Update:
 
 @dataclass(frozen=True)
 class EndRun:
-    """A callback's decision to end the run after this epoch, for good: kept, with the epoch, in `TrainState.ended`
-    and the epoch's checkpoint, so a resumed run trains no more."""
+    """A callback's decision to end the run after this epoch, for good (kept in the checkpoint: `TrainState.ended`)."""
 
     reason: str  # metrics.json's stop_reason, e.g. early_stopped, pruned
     message: str  # logged when the run ends, e.g. "early stopping after epoch 3: ..."
@@ -103,10 +102,8 @@ class Run:
 
 
 class Callback:
-    """The base of every add-on: each hook does nothing; override those you need (see the module's docstring).
-
-    `name` is its key in the config (`callbacks.<name>`): its state's name in checkpoints. `metric_splits` names the
-    metric prefixes `on_validation` adds (EMA: `val_ema`), so `trainer.monitor` may name them.
+    """The base of every add-on: each hook does nothing. `name` is its key in the config (`callbacks.<name>`) and in
+    checkpoints; `metric_splits` the metric prefixes `on_validation` adds (`val_ema`), which `trainer.monitor` may name.
     """
 
     name: str = ""
@@ -138,8 +135,7 @@ HOOKS = ("on_run_start", "on_before_optimizer_step", "on_step_end", "on_log", "o
 
 
 def agreed(stop: EndRun | None) -> EndRun | None:
-    """Rank 0's decision, on every rank: the ranks that went on would wait forever for those that stopped. A
-    collective."""
+    """Rank 0's decision on every rank (ranks that went on would wait forever for those that stopped). A collective."""
     return broadcast_object(stop)  # type: ignore[return-value]
 
 
@@ -169,7 +165,6 @@ class Callbacks:
 
     @property
     def metric_splits(self) -> tuple[str, ...]:
-        """The metric prefixes the enabled callbacks add to the record."""
         return tuple(split for callback in self.all.values() if callback.enabled for split in callback.metric_splits)
 
     def enable_hints(self) -> dict[str, str]:
@@ -197,8 +192,7 @@ class Callbacks:
         return self._merged("on_test", run, test)
 
     def epoch_end(self, run: Run, record: Mapping[str, float]) -> EndRun | None:
-        """The first `EndRun` a callback returns, as rank 0 decided it. Every callback is asked, whatever the others
-        answer: their collectives must match on every rank."""
+        """The first `EndRun` a callback returns, as rank 0 decided it; every callback is asked (their collectives)."""
         if not self._by_hook["on_epoch_end"]:
             return None
         return agreed(next((stop for stop in self._call("on_epoch_end", run, record) if stop is not None), None))
@@ -229,8 +223,7 @@ class Callbacks:
 
 
 def build_callbacks(callbacks_cfg: DictConfig, trackers: Callback) -> Callbacks:
-    """The run's callbacks (conf/callbacks/), built in config order after the `trackers` (told first of a failure,
-    before a callback may raise a clearer error); a setting one refuses is one line."""
+    """The run's callbacks (conf/callbacks/) in config order, after the `trackers` (told of a failure first)."""
     built = {"trackers": trackers}
     for name, node in callbacks_cfg.items():
         with errors_named(f"callbacks.{name}", node):

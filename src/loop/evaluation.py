@@ -50,8 +50,7 @@ class Evaluation:
         self.images: dict[str, torch.Tensor] = {}
 
     def batches(self, split: str | None = None) -> Iterator[tuple[Any, Samples]]:
-        """This rank's batches of `split`, on the device, with their samples. Under dist=fsdp every rank runs as many
-        forwards (each gathers the parameters): a rank with fewer batches goes on with empty ones."""
+        """This rank's batches of `split` on the device, with their samples; under dist=fsdp every rank runs as many."""
         split = split or self.split
         loader, first_index = self.loaders(split)
         batches = _in_lockstep(loader, self.device) if self.lockstep else loader
@@ -64,8 +63,7 @@ class Evaluation:
             yield batch, Samples(self.seed, SPLIT_DRAWS.get(split, VAL_EPOCH), positions)
 
     def generated(self, count: int, batch_size: int) -> Iterator[Samples]:
-        """Draws for items 0 to `count` - 1, this rank's contiguous share in batches of at most `batch_size`; every
-        rank runs as many batches, the last ones empty where a share is smaller."""
+        """Draws for this rank's share of items 0 to `count` - 1, in as many batches (some empty) on every rank."""
         rank, world = (dist.get_rank(), dist.get_world_size()) if is_initialized() else (0, 1)
         start, stop = count * rank // world, count * (rank + 1) // world
         batches = -(-(count // world + 1) // batch_size)  # enough for the largest share, on every rank alike
@@ -101,9 +99,8 @@ def evaluate(task: Task, models: Mapping[str, nn.Module], loaders: Callable[[str
              info: Mapping[str, Any], device: torch.device, amp_dtype: torch.dtype | None = None, seed: int = 0,
              track: Callable[[Iterable[Any], str], Iterable[Any]] = lambda batches, _: batches,
              split: str = "val") -> dict[str, Any]:
-    """The task's metrics of `models` on `split` (and its tables, e.g. `confusion`, and `images`) over all ranks,
-    with `count` (the task's units). Pass the unwrapped models: ranks may run different numbers of batches, which
-    DDP's per-forward collectives would not allow. A collective."""
+    """The task's metrics (tables, `images`, `count` of units) of the unwrapped `models` (ranks may run different
+    numbers of batches, which DDP would not allow) on `split`, over all ranks. A collective."""
     sums = MetricSums({**task.sum_shapes(info), **task.val_sum_shapes(info)}, device)
     evaluation = Evaluation(models, task.aux, loaders, sums, device, amp_dtype, seed, track, split)
     modes = {name: model.training for name, model in models.items()}
@@ -123,8 +120,7 @@ def _rows(batch: Any) -> int:
 
 
 def _in_lockstep(loader: Iterable[Any], device: torch.device) -> Iterator[Any]:
-    """`loader`'s batches, then empty ones (its first batch cut to 0 samples) up to the count of the rank with the
-    most, agreed before the first batch."""
+    """`loader`'s batches, then empty ones (its first cut to 0 samples) up to the count of the rank with the most."""
     most = int(all_reduce_max(torch.tensor(len(loader), device=device)))  # type: ignore[arg-type]
     empty = None
     for batch in loader:
@@ -138,5 +134,4 @@ def _in_lockstep(loader: Iterable[Any], device: torch.device) -> Iterator[Any]:
 
 
 def metrics_of(task: Task, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The task's metrics from all-reduced sums, with the `count` of the task's units."""
     return {**task.compute(sums), "count": int(sums["count"])}

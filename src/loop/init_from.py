@@ -34,7 +34,6 @@ SHOWN = 4  # keys named per kind in a log or error line
 
 @dataclass
 class Match:
-    """How a file's tensors fit a model's state_dict."""
 
     loadable: dict[str, torch.Tensor] = field(default_factory=dict)  # same key, same shape
     missing: list[str] = field(default_factory=list)  # in the model, not in the file
@@ -47,8 +46,7 @@ class Match:
 
 
 def read_weights(path: Path, names: list[str], output: str) -> dict[str, dict[str, torch.Tensor]]:
-    """The tensors of `path` by model name (prefixes stripped): a checkpoint's models among `names`, or a plain
-    file's for the `output` model; or one error line saying why not."""
+    """The tensors of `path` by model name: a checkpoint's models among `names`, or a plain file's for `output`."""
     if is_directory_checkpoint(path):
         return _template_weights(checkpoint.read(path), names)
     if not path.is_file():
@@ -153,8 +151,7 @@ def load_initial_weights(modules: dict[str, nn.Module], output: str, path: Path,
 
 
 def load_on_every_rank(modules: dict[str, nn.Module], output: str, path: Path, strict: bool) -> None:
-    """`load_initial_weights` on every rank, or every rank stops with the first failing rank's line, instead of
-    some ranks training from other weights. A collective."""
+    """`load_initial_weights` on every rank, or every rank stops with the first failing rank's line. A collective."""
     failure = None
     try:
         load_initial_weights(modules, output, path, strict)
@@ -177,8 +174,8 @@ def _problems(found: Match) -> str:
 
 
 def freeze(modules: dict[str, nn.Module], prefixes: list[str]) -> int:
-    """Set requires_grad=False on the parameters whose names start with one of `prefixes`; returns how many elements
-    that froze. A prefix no name starts with is an error line, as is a model left with nothing to train."""
+    """Freeze the parameters whose names start with one of `prefixes`; returns how many elements that froze. A prefix
+    matching nothing, or a model left with nothing to train, is one error line."""
     named = [(f"{model}.{name}" if len(modules) > 1 else name, model, parameter) for model, module in modules.items()
              for name, parameter in module.named_parameters()]
     unmatched = [prefix for prefix in prefixes if not any(name.startswith(prefix) for name, _, _ in named)]
@@ -199,8 +196,7 @@ def freeze(modules: dict[str, nn.Module], prefixes: list[str]) -> int:
 
 def starting_weights(init_from: str | None, strict: bool, modules: dict[str, nn.Module], output: str,
                      resumed: Any) -> None:
-    """`init_from`'s weights over the models' own on a fresh start (a `resumed` run's are read later); weights that
-    do not fit are refused before the run writes anything."""
+    """`init_from`'s weights over the models' own on a fresh start (a `resumed` run's are read later)."""
     if resumed is not None and init_from is not None:
         log.info("init_from=%s not applied: the run resumes from %s", init_from, resumed.path)
     elif init_from is not None:

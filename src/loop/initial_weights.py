@@ -34,14 +34,11 @@ HOOKS = ("init_module", "init_weights")
 
 
 def hook_of(model: nn.Module) -> str | None:
-    """The initialisation hook `model` declares: init_module, init_weights, or None."""
     return next((hook for hook in HOOKS if callable(getattr(model, hook, None))), None)
 
 
 class Initial:
-    """A model as built, and what `initialise` needs once it is prepared: each owner module's class as built
-    (sync-BN and FSDP replace them) and, for init_weights, a copy of the model on meta. `hook` None: it has its
-    weights already."""
+    """A model as built, and what `initialise` needs once it is prepared (`hook` None: it has its weights)."""
 
     def __init__(self, model: nn.Module, name: str, hook: str | None) -> None:
         self.model, self.name, self.hook = model, name, hook
@@ -110,8 +107,8 @@ def initialise(initial: Initial, module: nn.Module, seed: int) -> None:
 
 
 def model_seed(seed: int, model: str) -> int:
-    """The seed a model's hook draws from: the run's `seed` for the model named `model` (so a hook replaying its
-    constructor gets `torch.manual_seed(seed); Model()`'s weights); for any other, a 63-bit hash of both."""
+    """The run's `seed` for the model named `model` (so a hook replaying its constructor gets its very weights); for
+    any other, a 63-bit hash of both."""
     if model == "model":
         return seed
     return int.from_bytes(hashlib.blake2b(f"{seed}/{model}".encode(), digest_size=8).digest(), "little") >> 1

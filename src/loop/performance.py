@@ -19,13 +19,11 @@ def autocast_dtype(precision: Any) -> torch.dtype | None:
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> ContextManager[Any]:
-    """Mixed precision for the block when `dtype` is set, else nothing."""
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def set_backend_flags(device: torch.device, tf32: bool, deterministic: bool) -> None:
-    """TF32 for fp32 matmuls and convolutions (`trainer.tf32`), and cuDNN's algorithm choice: deterministic ones
-    (`trainer.deterministic`), or the fastest found by benchmarking each input shape."""
+    """TF32 matmuls and convolutions (`trainer.tf32`); cuDNN's deterministic algorithms, or its benchmarked fastest."""
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cudnn.deterministic = deterministic
@@ -33,8 +31,7 @@ def set_backend_flags(device: torch.device, tf32: bool, deterministic: bool) -> 
 
 
 def with_memory_format(model: nn.Module, channels_last: bool) -> nn.Module:
-    """`model` with NHWC (channels_last) weights and inputs if asked, else unchanged: a forward pre-hook converts
-    every 4-D positional input, in training and evaluation. Call before DDP wraps the model."""
+    """`model` with NHWC weights and 4-D inputs (by a forward pre-hook) if asked. Call before DDP wraps it."""
     if not channels_last:
         return model
     model.register_forward_pre_hook(_channels_last_inputs)
@@ -47,5 +44,4 @@ def _channels_last_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any
 
 
 def compiled(model: nn.Module, enabled: bool) -> nn.Module:
-    """`model` wrapped in torch.compile (`trainer.compile`), or itself."""
     return torch.compile(model) if enabled else model

@@ -44,13 +44,11 @@ T = TypeVar("T")
 
 
 class Samples:
-    """The samples of one batch by their place (`positions`: in the global batch of a training step, in the split
-    of an evaluation), and `step` (a step's number, or an evaluation's stream): what their draws are keyed by."""
+    """A batch's samples by their place (`positions`: in a step's global batch, in a split) and `step` (a step's
+    number, an evaluation's stream): what their draws are keyed by."""
 
     def __init__(self, seed: int, step: int, positions: torch.Tensor) -> None:
-        self.seed = seed
-        self.step = step
-        self.positions = positions
+        self.seed, self.step, self.positions = seed, step, positions
 
     def randn(self, stream: str, *shape: int) -> torch.Tensor:
         """Standard normal values, `(samples, *shape)`: row i from (seed, step, stream, positions[i]) alone."""
@@ -66,8 +64,7 @@ class MicroStep(Samples):
 
     def __init__(self, seed: int, step: int, positions: torch.Tensor, index: int, last: bool) -> None:
         super().__init__(seed, step, positions)
-        self.index = index
-        self.last = last
+        self.index, self.last = index, last
 
 
 def start_all_reduce(tensor: torch.Tensor) -> dist.Work | None:
@@ -196,9 +193,8 @@ class StepContext:
         return StepDivisor(counts, self.world_size)
 
     def accumulate(self, items: Sequence[T], models: Iterable[str] | None = None) -> Iterator[tuple[MicroStep, T]]:
-        """`(micro, item)` for each of the step's micro-batches (`items`: one per micro-batch), the gradient sync of
-        `models` (default: every trained model) held back until the last: DDP's `no_sync`, FSDP's reduce-scatter.
-        A model left out of `models` is synchronised at each micro-step: as correct, and costlier."""
+        """`(micro, item)` for each micro-batch's item, the gradient sync of `models` (default: all; one left out syncs
+        at every micro-step, as correct and costlier) held back until the last: DDP's `no_sync`, FSDP's."""
         names = list(self.models) if models is None else list(models)
         for index, item in enumerate(items):
             last = index == len(items) - 1
@@ -239,8 +235,8 @@ class StepContext:
         self.sums.add(sums)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's `tensor` (same shape) concatenated along dim 0 in rank order, which for one micro-step is
-        global-batch order. Each row's gradient goes back to its rank, summed over the ranks that used it."""
+        """Every rank's `tensor` (same shape) along dim 0 in rank order (global-batch order), each row's gradient
+        summed back to its rank."""
         return _AllGather.apply(tensor) if is_initialized() and self.world_size > 1 else tensor
 
 

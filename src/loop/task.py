@@ -1,23 +1,17 @@
-"""The task contract: what the loop asks of a task. Concrete tasks live in src/components/tasks.py; a fork's own
-method (a GAN, a distillation, a contrastive loss) is a task with its own step (src/recipes/).
+"""The task contract: what the loop asks of a task (concrete ones: src/components/tasks.py; a fork's method with its
+own step: src/recipes/). A task trains the config's models (`models`; `output_model` is the one eval.py, export and
+EMA take) and may read frozen auxiliary ones (`aux_models`, in `self.aux`). Its `train_step(step)` is one training
+step (src/loop/step.py), its `evaluate(val)` one evaluation pass (src/loop/evaluation.py); the supervised defaults
+ask it:
 
-A task's training step is `train_step(step)` (by default supervised, written with src/loop/step.py's primitives)
-and its evaluation `evaluate(val)` (by default each val batch's `val_step` sums: src/loop/evaluation.py). It trains
-the config's models (`models` names those it needs, `output_model` the one eval.py, export and EMA take by default)
-and reads the frozen auxiliary ones in `aux` (the config's `aux`: a teacher).
-
-The supervised step asks a task:
-- `split(batch)`: the model's inputs (positional and keyword) and the target, picked out of a batch of any structure
-  by the binding `bind()` made of the task's `inputs` and `target` and the dataset's named fields;
-- `count(target)`: how many units (`unit`: samples, tokens, pixels) the batch holds, before the forward: a host
-  int when it is the batch size, a device tensor when it depends on the data;
+- `split(batch)`: the model's inputs and the target, picked out of a batch of any structure by the binding of the
+  task's `inputs` and `target` to the dataset's fields;
+- `count(target)`: the batch's units (`unit`: samples, tokens, pixels), before the forward;
 - `loss(outputs, target)`: the loss SUMMED over those units (the loop divides by the global count);
-- `sums(...)`: the batch's metric sums by name (device tensors, no host sync), all-reduced in one collective;
-- `compute(sums)`: the metrics, from the sums over all ranks.
-
-It also checks the model's output once, on the first batch (`check_output`), says what it needs of a dataset
-(`check`), how wide the model's output must be (`num_outputs`: `${data:num_outputs}` in a model YAML), and which
-metric decides best.pt by default (`monitor`, `mode`).
+- `sums(outputs, target)`: the batch's metric sums by name, all-reduced in one collective;
+- `compute(sums)`: the metrics, from the sums over all ranks;
+- `check_output`, `check`, `num_outputs`: the model's output checked once, what it needs of a dataset, how wide the
+  output must be (`${data:num_outputs}`); `monitor` and `mode`: what decides best.pt by default.
 """
 
 from __future__ import annotations
@@ -41,8 +35,7 @@ Shapes = dict[str, tuple[int, ...]]
 
 
 class Batch(tuple):
-    """A batch as the task sees it: the model's inputs (`args`, `kwargs`), the `target`, and the whole batch as the
-    loader gave it (`fields`). Unpacks as `args, kwargs, target = batch`."""
+    """A batch as the task sees it, `args, kwargs, target = batch`, and as the loader gave it (`fields`)."""
 
     def __new__(cls, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, fields: Any = None) -> "Batch":
         batch = super().__new__(cls, (args, kwargs, target))
@@ -57,8 +50,8 @@ class Batch(tuple):
 
 @dataclass(frozen=True)
 class Binding:
-    """Where a batch holds the model's inputs and the target: `args`, `kwargs` (argument name -> key) and `target`,
-    each a position or a field name (`positions`: a tuple batch's field name -> position)."""
+    """Where a batch holds the model's `args`, `kwargs` (argument name -> key) and `target`: positions or field names
+    (`positions`: a tuple batch's field name -> position)."""
 
     args: tuple[Key, ...]
     kwargs: dict[str, Key]
@@ -92,13 +85,10 @@ class Binding:
 
 
 class Task:
-    """The base: batch structure, units and monitored metric; subclasses add the loss and metrics.
-
-    `inputs`: the sample parts passed to the model: None (every field but the target, positionally), a list
-    (positions or field names), or a mapping of argument name to part (`{rgb: rgb}`: `model(rgb=b["rgb"])`).
-    `target`: the part the loss compares the output with (None: the dataset's target field, else the last part).
-    `monitor`/`mode`: the metric (`val/<name>` or `train/<name>`) that decides best.pt and what sweeps optimise.
-    """
+    """The base: batch structure, units and monitored metric; subclasses add the loss and metrics. `inputs`: the parts
+    passed to the model (None: every field but the target; a list of positions or names; a mapping argument ->
+    part); `target`: what the loss compares with (None: the dataset's, else the last part); `monitor`/`mode`: the
+    metric (`val/<name>`) that decides best.pt and what sweeps optimise."""
 
     metric_names: tuple[str, ...] = ("loss",)  # what compute() returns (besides "count")
     models: tuple[str, ...] = ("model",)  # the trained models the task's step uses, by name
@@ -123,8 +113,8 @@ class Task:
 
     def bind(self, fields: Sequence[str] | None, target: str | None, sample: Any = None,
              dataset: str = "the dataset") -> Binding:
-        """Bind `inputs` and `target` to a dataset that names `fields` and its `target`, or, naming nothing, to the
-        structure of its `sample` (a tuple's positions, a dict's keys). Refuses a name the dataset lacks."""
+        """Bind `inputs` and `target` to a dataset's `fields` and `target`, or to its `sample`'s structure; a name the
+        dataset lacks is one error line."""
         self.binding = bind(self.inputs, self.target, fields, target, sample, dataset)
         return self.binding
 
@@ -149,8 +139,7 @@ class Task:
         return int(info[self.needs[0]])
 
     def count(self, target: Any) -> int | torch.Tensor:
-        """This micro-batch's units, from the target alone: the samples as a host int; a count that depends on the
-        data (tokens that are not padding) as a device tensor, never .item(): the loop sums it without a host sync."""
+        """This micro-batch's units, from the target: a host int, or a device tensor (never .item(): no host sync)."""
         return target.shape[0]
 
     def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -158,8 +147,7 @@ class Task:
         raise NotImplementedError
 
     def check_output(self, outputs: torch.Tensor, target: torch.Tensor) -> None:
-        """Raise a UsageError (one line: both shapes, the model setting to change) if `outputs` cannot be what this
-        task expects for `target`. Called once, on the first batch; shapes only, no host sync."""
+        """Raise a UsageError (both shapes, the setting to change) if `outputs` cannot fit `target`; once, no sync."""
 
     def sum_shapes(self, info: Mapping[str, Any]) -> Shapes:
         """Name and shape of every metric sum (besides `loss` and `count`, which every task has)."""
@@ -184,13 +172,11 @@ class Task:
         return {}
 
     def compute(self, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Metrics from the sums over all ranks (float64 CPU tensors): `loss` (per unit) and `metric_names`, plus
-        tables (tensors, e.g. `confusion`) the reporter shows as they are."""
+        """Metrics (`loss` per unit, `metric_names`, tables as tensors) from the sums over all ranks (float64, CPU)."""
         return {"loss": ratio(sums["loss"], sums["count"])}
 
     def train_step(self, step: StepContext) -> None:
-        """One supervised training step: forward and backward each micro-batch (its loss summed over its units,
-        divided by the step's global count), then the model's update. A fork's method overrides it."""
+        """One supervised training step: forward and backward each micro-batch, then the model's update."""
         model = step.models[self.output_model]
         batches = [self.split(batch) for batch in step.batches]
         # Counted from the targets before the first forward: the counts' all-reduce overlaps it.
@@ -208,18 +194,15 @@ class Task:
 
     @property
     def feeds_batches(self) -> bool:
-        """Whether the output model is called with each batch's inputs (the built-in step), so its `forward` is
-        checked against them before any work."""
+        """Whether the output model takes each batch's inputs (the built-in step): its `forward` is checked first."""
         return type(self).train_step is Task.train_step
 
     def train_loss(self, outputs: Any, batch: Batch) -> torch.Tensor:
-        """The loss a training micro-step back-propagates, summed over its units: `loss(outputs, target)`. Override
-        it to use the whole batch or the auxiliary models (a teacher's logits); evaluation reports `loss`."""
+        """The loss SUM a training micro-step back-propagates: `loss`, or one using the whole batch or `aux` models."""
         return self.loss(outputs, batch.target)
 
     def evaluate(self, val: Evaluation) -> None:
-        """Add every batch of the val split to the sums (`val_step`). Override to evaluate otherwise (a kNN accuracy
-        over train embeddings, a generator's samples)."""
+        """Add every val batch's `val_step` sums; override to evaluate otherwise (a kNN accuracy, generated samples)."""
         for index, (batch, _) in enumerate(val.batches()):
             val.add_sums(self.val_step(batch, val, first=index == 0))
 
@@ -246,8 +229,7 @@ def shape(tensor: torch.Tensor) -> str:
 
 def bind(inputs: Sequence[Key] | Mapping[str, Key] | None, target: Key | None, fields: Sequence[str] | None,
          dataset_target: str | None, sample: Any, dataset: str) -> Binding:
-    """The binding of a task's `inputs` and `target` (None: from the dataset) to a dataset's `fields` and
-    `dataset_target`, or, for a dataset that names nothing, to the structure of its `sample`."""
+    """The binding of a task's `inputs` and `target` to a dataset's `fields` and target, or to its `sample`."""
     names, parts = _names_and_parts(fields, sample)
     if target is None:
         target = dataset_target if dataset_target is not None else _default_target(fields, sample, parts, dataset)

@@ -68,9 +68,8 @@ _groups_started = 0
 @contextlib.contextmanager
 def process_group(requested_device: str, requested_backend: str, timeout_s: float,
                   step_timeout_s: float | None = None) -> Iterator[Runtime]:
-    """Join the launcher's process group for the block, then leave it (also when it raises, so a sweep can start
-    the next job's group in the same process). Collectives wait at most `timeout_s` until the first training step
-    and `step_timeout_s` after it; a timeout names the ranks that did not arrive (hang.py)."""
+    """Join the launcher's process group for the block, then leave it, even on failure; collectives wait `timeout_s`
+    until the first training step, then `step_timeout_s`, and a timeout names the ranks that did not arrive."""
     env = read_env()
     device = select_device(requested_device, env)
     backend = select_backend(requested_backend, device)  # nccl on a CPU is a mistake whatever the world size
@@ -91,8 +90,7 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
 
 
 def _group_store(env: DistEnv) -> dist.Store:
-    """The rendezvous store, under a fresh key namespace for each group this process starts (a sweep's jobs, a
-    restarted group), whose keys would otherwise satisfy (or wedge) the next group's rendezvous."""
+    """The rendezvous store, under fresh keys for each group (a sweep's, a restart's): old keys wedge a rendezvous."""
     global _groups_started
     _groups_started += 1
     agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -115,9 +113,8 @@ def prepare_model(module: torch.nn.Module, runtime: Runtime, sync_bn: bool, find
                   sharding: Any = None, param_dtype: torch.dtype | None = None,
                   initialise: Callable[[torch.nn.Module], None] = lambda module: None
                   ) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """`(module, train_model)`: `module` on this rank's device (evaluated and saved) and what the loop trains: DDP's
-    wrapper, or with `sharding` (`dist.fsdp`) the FSDP2-sharded module, or in one process the module. A module on the
-    meta device gets memory only for what this rank holds, and its values from `initialise` before any wrapper."""
+    """`(module, train_model)`: `module` on this rank's device (sharded with `sharding`, materialised from meta and
+    given its values by `initialise`), and what the loop trains: DDP's wrapper, or the module itself."""
     if runtime.env.is_distributed and sync_bn:
         module = convert_sync_batchnorm(module, runtime.device)
     on_meta = any(tensor.is_meta for tensor in itertools.chain(module.parameters(), module.buffers()))
@@ -180,8 +177,7 @@ _this_thread = threading.local()  # the group the object collectives above use i
 
 
 def new_group(timeout_s: float | None) -> Any:
-    """A second gloo group over every rank, for a thread whose collectives run beside the training thread's (on one
-    group they would interleave differently on each rank), waiting `timeout_s`. None in one process. A collective."""
+    """A second gloo group, for a thread whose collectives run beside the training thread's (None in one process)."""
     if not is_initialized():
         return None
     return dist.new_group(backend="gloo", timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))

@@ -26,8 +26,7 @@ ROOT_ONLY = ["root"]  # dist.fsdp.wrap=[root]: the whole model is one unit
 
 
 def units(module: nn.Module, wrap: Sequence[str], min_unit_params: int = 0) -> list[nn.Module]:
-    """The modules sharded as units before the root: those of the classes `wrap` names (outermost matches only),
-    none for `[root]`, or the automatic choice of the module's docstring (none: the root alone)."""
+    """The units sharded before the root: those of the classes `wrap` names (outermost), none, or the automatic ones."""
     if list(wrap) == ROOT_ONLY:
         return []
     if wrap:
@@ -41,8 +40,7 @@ def units(module: nn.Module, wrap: Sequence[str], min_unit_params: int = 0) -> l
 
 
 def _candidates(module: nn.Module) -> list[nn.Module]:
-    """The root's children that hold parameters; the children of a lone container child instead; and in place of a
-    ModuleList or ModuleDict (no forward of its own, which fully_shard needs) what it holds."""
+    """The children holding parameters (a lone container's, and a ModuleList's or ModuleDict's: no forward)."""
     holders = [child for child in module.children() if _size(child) > 0]
     if len(holders) == 1 and any(True for _ in holders[0].children()):
         return _candidates(holders[0]) or holders
@@ -56,10 +54,8 @@ def _size(module: nn.Module) -> int:
 
 def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, cpu_offload: bool,
           param_dtype: torch.dtype | None, min_unit_params: int = 0) -> nn.Module:
-    """`module` sharded in place over the default process group: each unit of `units`, then the root. With
-    `param_dtype` (bf16/16) forward and backward run in that dtype and gradients are reduced in fp32; BatchNorm
-    layers then are units of their own that keep fp32 parameters, as autocast keeps them (batch_norm refuses a
-    bf16 weight beside fp32 running statistics)."""
+    """`module` sharded in place, unit by unit, then the root. With `param_dtype` the gradients are reduced in fp32
+    and BatchNorm layers are units of their own in fp32 (batch_norm refuses a bf16 weight beside fp32 statistics)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     chosen = units(module, wrap, min_unit_params)
@@ -80,15 +76,13 @@ def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, c
 
 
 def is_sharded(module: nn.Module) -> bool:
-    """Whether `fully_shard` made `module` a root or unit."""
     return isinstance(module, FSDPModule)
 
 
 def fused_step_takes_shards(build: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                             parameters: Sequence[nn.Parameter]) -> bool:
-    """Whether the optimizer `build(params)` makes (with `fused: true`) steps DTensor shards: torch's fused Adam and
-    AdamW do, its fused SGD does not ("aten._fused_sgd_ does not have a sharding strategy"). One step on a
-    one-element shard laid out as the first sharded parameter tells (elementwise: no communication)."""
+    """Whether the fused optimizer `build(params)` makes steps DTensor shards (fused SGD does not): one step on a
+    one-element shard tells, without communication."""
     like = next((parameter for parameter in parameters if isinstance(parameter, DTensor)), None)
     if like is None:
         return True
@@ -117,8 +111,7 @@ def no_gradient_sync(model: Any) -> Iterator[None]:
 
 
 def load_full_model_state(module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-    """A whole model's state_dict (every rank holds all of it) into the sharded `module`, each rank keeping its shards
-    (`strict=False`: of the tensors `state` holds)."""
+    """A whole state_dict (on every rank) into the sharded `module`, each rank keeping its shards."""
     set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
@@ -126,15 +119,13 @@ IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how to 
 
 
 def this_implementation(groups: list[dict[str, Any]], optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Saved param_groups with this run's kernel choices: a dist=ddp checkpoint says fused=true, which sharded
-    parameters may not run, and a sharded one says fused=None, slower than a ddp run's."""
+    """Saved param_groups with this run's kernel choices (a ddp run's fused=true may not run on shards)."""
     return [{**group, **{key: own[key] for key in IMPLEMENTATION if key in own}}
             for group, own in zip(groups, optimizer.param_groups)]
 
 
 def reshard(model: nn.Module) -> None:
-    """Free the parameters every sharded module of `model` holds gathered (FSDP2 keeps a root's after a forward
-    without gradients), so its next forward gathers the shards as they are then. No-op unsharded."""
+    """Free the parameters `model`'s sharded modules hold gathered (after a forward without gradients)."""
     for module in model.modules():
         if is_sharded(module):
             module.reshard()
@@ -155,9 +146,8 @@ def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
 
 
 def _slice_of(whole: torch.Tensor, target: Any) -> torch.Tensor:
-    """This rank's slice of `whole` as the DTensor `target` holds it: a view where its placements are Shard and
-    Replicate (what fully_shard makes), else through `distribute_tensor` (every rank holds the same `whole`, so each
-    keeps its slice without communicating)."""
+    """This rank's slice of `whole` as the DTensor `target` holds it: a view, else `distribute_tensor`'s (no
+    communication: every rank holds `whole`)."""
     part, coordinate = whole, target.device_mesh.get_coordinate()
     for mesh_dim, placement in enumerate(target.placements):
         if isinstance(placement, Shard) and coordinate is not None:

@@ -44,8 +44,7 @@ class CollectiveTimeout(RuntimeError):
 @contextlib.contextmanager
 def diagnosed(store: dist.Store, rank: int, world_size: int, timeout_s: float,
               step_timeout_s: float | None) -> Iterator[Callable[[], None]]:
-    """Around a process group's life: give the function that tightens its timeout (after the first training step),
-    and turn a collective's timeout into a CollectiveTimeout naming the ranks that did not arrive."""
+    """Around a process group's life: give what tightens its timeout, and name the ranks a timeout waited for."""
     store.set(f"process/{rank}", f"{socket.gethostname()} {os.getpid()}")  # whom to end if it freezes
     timeout = _Timeout("dist.timeout_s", timeout_s)
     try:
@@ -78,7 +77,6 @@ class _Timeout:
 
 
 def _mark_alive(store: dist.Store, rank: int) -> None:
-    """Tell the ranks taking the census that this one is running."""
     store.set_timeout(datetime.timedelta(seconds=CENSUS_GRACE_S))  # the store's host may be the frozen rank
     with contextlib.suppress(RuntimeError):
         store.set(f"alive_after_fault/{rank}", "1")
@@ -99,8 +97,7 @@ def _ranks_that_did_not_arrive(store: dist.Store, rank: int, world_size: int) ->
 
 
 def _end_frozen_peers(store: dist.Store, missing: list[int]) -> str:
-    """SIGKILL the missing ranks on this host once this process exits (so the launcher's summary shows this error as
-    the root cause, not the kill); says which they are."""
+    """SIGKILL the missing ranks on this host once this process exits (after its error); says which."""
     peers = []
     for rank in missing:
         with contextlib.suppress(RuntimeError, ValueError):
@@ -120,8 +117,7 @@ def _kill(pids: list[int]) -> None:
 
 
 def _collective(error: BaseException) -> str:
-    """Which collective timed out, from the traceback (a torch.distributed call, a DDP wrapper's own, DDP's gradient
-    all-reduce in backward()), and the line of this project (not of this machinery) that ran it."""
+    """Which collective timed out, and the line of this project that ran it, from the traceback."""
     frames = traceback.extract_tb(error.__traceback__)
     machinery = (Path(__file__).resolve(), Path(__file__).with_name("distributed.py"))
     ours = [f for f in frames if (path := Path(f.filename).resolve()).is_relative_to(_REPO)

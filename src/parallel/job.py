@@ -44,7 +44,6 @@ class RunContext:
 
     @classmethod
     def of(cls, hydra_cfg: Any, argv: Sequence[str] = sys.argv) -> "RunContext":
-        """The context of the job `hydra_cfg` (HydraConfig.get()) describes, started with `argv`."""
         run_dir = Path(hydra_cfg.runtime.output_dir)
         searchpath = tuple(o for o in hydra_cfg.overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath")
         return cls(run_dir, holds_only_hydras_files(run_dir), hydra_cfg.mode == RunMode.MULTIRUN,
@@ -53,8 +52,7 @@ class RunContext:
 
 
 def run(main: Callable[[], Any], config_name: str) -> None:
-    """Run an entry point's `@hydra.main` function of conf/`config_name`: Hydra's config errors as one `error:` line,
-    and a worker that ran a process group ended without the interpreter's teardown (distributed.exit_after_a_group)."""
+    """Run an entry point's `@hydra.main` `main`: config errors as one line, a worker ended after its group."""
     with hydra_errors.one_line_config_errors(is_main_process(), config_name):
         main()
     if is_worker():
@@ -62,8 +60,7 @@ def run(main: Callable[[], Any], config_name: str) -> None:
 
 
 def start() -> RunContext:
-    """Where a job's task function starts: a submitit or `srun` task becomes a torchrun-style worker, and the job's
-    context is read, once."""
+    """Where a job starts: a submitit or `srun` task becomes a torchrun-style worker; its context, read once."""
     hydra_errors.config_composed()
     adopt_cluster_env()
     return RunContext.of(HydraConfig.get())
@@ -71,8 +68,7 @@ def start() -> RunContext:
 
 @contextlib.contextmanager
 def usage_errors(context: RunContext) -> Iterator[None]:
-    """A usage error in the block is one `error:` line and exit code 2 (in a sweep, the job fails and the sweep goes
-    on), and the run dir it leaves unused is removed."""
+    """A usage error in the block is one `error:` line and exit code 2, and the run dir it leaves unused goes."""
     with exit_on_usage_error(is_main_process(), context.in_sweep), \
             discard_unused_run_dir(context.run_dir, context.created, context.in_sweep):
         yield
@@ -92,8 +88,7 @@ def config_flags(argv: Sequence[str]) -> tuple[str, ...]:
 
 
 def run_started_at(environ: MutableMapping[str, str] = os.environ) -> datetime.datetime:
-    """The run's start time: this process's clock alone, or rank 0's in a group; agreed once, then kept in the
-    environment, which the processes this one starts inherit, so they name the same dirs."""
+    """The run's start time (rank 0's), agreed once and kept in the environment the processes it starts inherit."""
     if STARTED_AT not in environ:
         environ[STARTED_AT] = _agree_on_start_time().isoformat()
     return datetime.datetime.fromisoformat(environ[STARTED_AT])
@@ -112,8 +107,7 @@ def _agree_on_start_time() -> datetime.datetime:
 
 
 def register_resolvers() -> None:
-    """The config's `${run_timestamp:FORMAT}` and `${main_rank_only:VALUE}` (conf/config.yaml), and
-    `${data:FIELD}` (src/config/data_fields.py)."""
+    """The config's `${run_timestamp:FORMAT}`, `${main_rank_only:VALUE}` and `${data:FIELD}`."""
     OmegaConf.register_new_resolver("run_timestamp", lambda fmt: run_started_at().strftime(fmt), replace=True)
     # Hydra writes `.hydra/` before our code runs, in every process: `hydra.output_subdir` is null on the other ranks.
     OmegaConf.register_new_resolver("main_rank_only", lambda value: value if is_main_process() else None, replace=True)
@@ -121,16 +115,14 @@ def register_resolvers() -> None:
 
 
 def holds_only_hydras_files(run_dir: Path) -> bool:
-    """Whether `run_dir` holds nothing but Hydra's `.hydra/`: asked first thing in a job, it tells a dir created for
-    this run from one holding something of an earlier run."""
+    """Whether `run_dir` holds nothing but Hydra's `.hydra/` (so this run made it)."""
     return all(path.name == ".hydra" for path in run_dir.iterdir()) if run_dir.is_dir() else True
 
 
 @contextlib.contextmanager
 def discard_unused_run_dir(run_dir: Path, created: bool, in_sweep: bool) -> Iterator[None]:
-    """If the block fails with a usage error before the run has written anything but `.hydra/` and logs, remove the
-    run dir this run `created`, so a refused run leaves no directory behind. A sweep's job dir and a torchrun
-    group's workers' dir (one rank may still be writing its log) are never touched."""
+    """On a usage error, remove the run dir this run `created` if it holds only `.hydra/` and logs (never a sweep's
+    job dir, nor under a launcher: another rank may still write its log)."""
     try:
         yield
     except Exception as error:

@@ -59,8 +59,7 @@ class Preemption:
             previous(self.received, None)
 
     def stop_requested(self, step: int) -> bool:
-        """Whether any rank was signalled, as agreed after optimizer step `step`. Call on every rank after every step:
-        only check steps cost a collective, and every rank computes the same ones."""
+        """Whether any rank was signalled, as agreed after step `step`; call on every rank after every step."""
         now = time.perf_counter()
         if self._next_check is None:  # the first step pays for start-up (compilation, warm caches): time from its end
             self._checked_step, self._checked_at, self._next_check = step, now, step + 1

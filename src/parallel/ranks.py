@@ -42,8 +42,7 @@ def read_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
 
 
 def is_main_process(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether this process is rank 0 (or the only process), whatever launched it: RANK, or in a task not yet
-    adopted its job's global rank as submitit reads it."""
+    """Whether this process is rank 0, whatever launched it (a task not yet adopted: its job's rank)."""
     if "RANK" in environ:
         return int(environ["RANK"]) == 0
     if not _in_multi_task_job(environ):
@@ -63,8 +62,7 @@ def _in_multi_task_job(environ: Mapping[str, str]) -> bool:
 
 
 def adopt_cluster_env(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Under submitit or `srun` (no torchrun variables), export RANK & co from the job's environment (submitit's
-    TorchDistributedEnvironment reads SLURM's and its local executor's). Called once, where a job starts."""
+    """Under submitit or `srun`, export RANK & co from the job's environment. Called once, where a job starts."""
     if is_worker(environ) or not _in_multi_task_job(environ):
         return
     environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # a task of `srun python train.py`
@@ -77,8 +75,7 @@ def adopt_cluster_env(environ: MutableMapping[str, str] = os.environ) -> None:
 
 
 def restarted_by_launcher(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether this run is a restart (torchrun's `--max-restarts`, a requeued SLURM job): it continues from its run
-    dir's last checkpoint without being told."""
+    """Whether this run is a restart (torchrun's `--max-restarts`, a requeued SLURM job)."""
     return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or int(environ.get("SLURM_RESTART_COUNT", "0")) > 0
 
 

@@ -20,8 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class _AllReduceSum(torch.autograd.Function):
-    """Sum a tensor over a process group; the backward sums the gradient over the group too: every rank normalises
-    with the global sums, so each rank's local sums receive gradient from every rank's loss."""
+    """Sum over a group, the gradient summed too: each rank's sums get gradient from every rank's loss."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -38,11 +37,8 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 class CPUSyncBatchNorm(_BatchNorm):
-    """BatchNorm over (N, C, *) inputs whose training statistics cover all ranks' batches: in training mode in a group
-    of more than one rank, the per-channel sums, sums of squares and counts are summed over `process_group` (None:
-    the default group), so outputs, gradients and running statistics equal one BatchNorm's on the concatenated
-    batch, whatever each rank's batch size. Otherwise it is exactly torch's BatchNorm.
-    """
+    """BatchNorm over (N, C, *) whose training statistics are summed over `process_group`: outputs, gradients and
+    running statistics equal one BatchNorm's on the ranks' concatenated batches, whatever their sizes."""
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, process_group: dist.ProcessGroup | None = None,
@@ -98,8 +94,7 @@ class CPUSyncBatchNorm(_BatchNorm):
 
 
 def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
-    """Replace every BatchNorm in `module`, in place, by the sync-BN that works on `device`, keeping the names (so the
-    state_dict keys) and tensors. Returns `module`, or its replacement when it is itself a BatchNorm."""
+    """`module` with every BatchNorm replaced, in place, by the sync-BN that works on `device` (same keys, tensors)."""
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     # DDP refuses CPU modules holding nn.SyncBatchNorm ("SyncBatchNorm layers only work with GPU modules").
@@ -123,10 +118,8 @@ def _to_cpu_sync_batchnorm(bn: _BatchNorm) -> CPUSyncBatchNorm:
 
 
 def warn_of_bias_before_batchnorm(module: nn.Module) -> None:
-    """Log one warning line per trained bias whose layer's output feeds a BatchNorm directly, seen in `module`'s first
-    forward (by hooks that then remove themselves). BatchNorm subtracts the batch mean, so such a bias's gradient is
-    rounding noise that differs with the world size, which Adam turns into lr-sized steps: 1 and N ranks then train
-    different weights."""
+    """Warn of each trained bias feeding a BatchNorm directly, in `module`'s first forward: its gradient is rounding
+    noise that differs with the world size, which Adam turns into lr-sized steps."""
     produced: dict[int, tuple[str, weakref.ref]] = {}  # output tensor id -> (the biased layer's name, the tensor)
     handles: list[Any] = []
 

@@ -31,8 +31,7 @@ T = TypeVar("T")
 
 
 def run_group(script: str, cfg: Any, context: RunContext) -> float:
-    """Run the job as a group of `dist.nproc_per_node` workers of `script`; their last value of the monitored metric
-    (NaN before the first validation, as a one-process run returns)."""
+    """Run the job as `dist.nproc_per_node` workers of `script`; their last monitored value (NaN before one)."""
     launch_workers(script, cfg.dist.nproc_per_node, context.run_dir, context.overrides, cfg.dist.master_port,
                    cfg.trainer.device, cfg.dist.backend, context.composing)
     metrics_file, monitor = context.run_dir / "metrics.json", cfg.trainer.monitor
@@ -44,11 +43,9 @@ def run_group(script: str, cfg: Any, context: RunContext) -> float:
 def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Sequence[str],
                    master_port: int | None = None, device: str = "auto", backend: str = "auto",
                    composing: Sequence[str] = ()) -> None:
-    """Run `script` as one DDP group of `nproc` local workers writing into `run_dir`, with torchrun's own machinery
-    (`torchrun --standalone`): a c10d rendezvous on `master_port`, or on a free port the OS picks, and a failed
-    worker stops the whole group. The workers get this job's overrides and what composes its config besides them
-    (`composing`), and leave `.hydra/` to this process. A port in use, or a device or backend the workers could not
-    get, is refused before any worker starts; workers that stop on a usage error end this process alike."""
+    """Run `script` as `nproc` local workers into `run_dir`, as `torchrun --standalone` (a c10d rendezvous on
+    `master_port`, or a free port). A busy port or a device the workers lack is refused first; workers that stop on
+    a usage error end this process alike."""
     if master_port is not None and not port_is_free(master_port):
         raise UsageError(f"dist.master_port={master_port} is in use on localhost; pick another port "
                          "or leave dist.master_port=null for a free one")
@@ -68,8 +65,7 @@ def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Seque
 
 
 def stopped_on_a_usage_error(exit_codes: Sequence[int]) -> bool:
-    """Whether a group whose failed workers exited with `exit_codes` stopped on a usage error: one at least exited
-    with its code, and the others did too or were stopped by a signal (the launcher SIGTERMs the survivors)."""
+    """Whether failed workers' `exit_codes` are a usage error's (the others SIGTERMed by the launcher)."""
     return USAGE_ERROR_EXIT_CODE in exit_codes and all(code == USAGE_ERROR_EXIT_CODE or code < 0 for code in exit_codes)
 
 
@@ -97,8 +93,7 @@ def port_is_free(port: int) -> bool:
 
 
 def worker(function: Callable[..., T]) -> Callable[..., T]:
-    """`function`, a job's run: in a process a launcher started, it reports its failure to the launcher
-    (`recording_errors`) and ends with `launch_workers`' process (`die_with_launcher`)."""
+    """`function`, which in a launcher's worker reports its failure to it and dies with `launch_workers`' process."""
 
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> T:
@@ -111,10 +106,8 @@ def worker(function: Callable[..., T]) -> Callable[..., T]:
 
 
 def die_with_launcher(environ: Mapping[str, str] = os.environ) -> None:
-    """Make a worker that `launch_workers` started end when that process ends, however it ends: torch's launcher
-    starts each worker in a session of its own, so a launcher killed outright would leave its workers writing into
-    the run dir a resumed run continues in. The kernel SIGKILLs the worker when its parent dies (Linux's
-    PR_SET_PDEATHSIG); nothing elsewhere."""
+    """A worker `launch_workers` started dies with it (Linux's PR_SET_PDEATHSIG): a launcher killed outright would
+    leave it writing into the run dir a resumed run continues in."""
     launcher = environ.get(LAUNCHER_PID)
     if launcher is None or not sys.platform.startswith("linux") or os.getppid() != int(launcher):
         return
@@ -125,8 +118,7 @@ def die_with_launcher(environ: Mapping[str, str] = os.environ) -> None:
 
 
 def recording_errors(function: Callable[..., T]) -> Callable[..., T]:
-    """`function` wrapped in torch's @record: an exception's traceback goes to the error file torchrun shows in its
-    failure summary. A usage error passes unrecorded: its one `error:` line is the whole report."""
+    """`function` under torch's @record (its traceback in torchrun's summary), but for a usage error's one line."""
 
     def raising_usage_errors_past_record(*args: Any, **kwargs: Any) -> T:
         try:

@@ -32,7 +32,7 @@ from src.common.errors import UsageError
 from src.config import building, data_fields, schema, trusted_targets
 from src.data import loaders
 from src.data.splits import DataSplits
-from src.loop import evaluation, models, precision, task_and_model
+from src.loop import evaluation, performance, task_and_model
 from src.loop.task import Task
 from src.parallel import distributed, job, workers
 from src.parallel.distributed import Runtime
@@ -71,8 +71,8 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
 
     with distributed.process_group(cfg.trainer.device, cfg.dist.backend, cfg.dist.timeout_s) as runtime:
         reporting.setup_logging(run_dir, runtime.env.rank, name="eval")
-        task.aux = models.build_aux(saved.get("aux"), task, runtime.device,
-                                    trusted_targets.trusted(cfg.trusted_targets, cfg))
+        task.aux = task_and_model.build_aux(saved.get("aux"), task, runtime.device,
+                                            trusted_targets.trusted(cfg.trusted_targets, cfg))
         splits = loaders.build_splits(dataset_cfg)
         split = check_data(saved_checkpoint, task, splits, cfg.split, f"dataset={dataset_choice}", dataset_cfg)
         # The plain modules, not DDP: evaluation syncs no gradients, only the metric sums. A sharded checkpoint's
@@ -85,7 +85,7 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
         loader = functools.partial(loaders.make_eval_loader, global_batch_size=dataset_cfg.get("val_batch_size")
                                    or dataset_cfg.batch_size, rank=runtime.env.rank, world_size=runtime.world_size,
                                    device=runtime.device, num_workers=dataset_cfg.num_workers, seed=saved.seed)
-        amp_dtype = precision.autocast_dtype(cfg.trainer.precision or saved.trainer.precision)
+        amp_dtype = performance.autocast_dtype(cfg.trainer.precision or saved.trainer.precision)
         metrics = evaluation.evaluate(task, modules, lambda name: loader(getattr(splits, name)), splits.info,
                                       runtime.device, amp_dtype, saved.seed, split=split)
         result = report(metrics, split, saved_checkpoint, runtime, run_dir, cfg.weights, task.unit)

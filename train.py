@@ -21,7 +21,7 @@ from src.checkpoint.resume import load_resume_checkpoint
 from src.common.seeding import seed_everything
 from src.config import data_fields, schema, trusted_targets
 from src.data import loaders
-from src.loop import callback, init_from, models, performance, task_and_model
+from src.loop import callback, init_from, performance, task_and_model
 from src.loop.trainer import Trainer, TrainParts, TrainState
 from src.parallel import distributed, job, ranks, workers
 from src.parallel.distributed import Runtime
@@ -72,11 +72,11 @@ def run(cfg: DictConfig, context: RunContext, runtime: Runtime) -> float:
                                                  context.choices["dataset"])
 
     performance.set_backend_flags(runtime.device, trainer_cfg.tf32, trainer_cfg.deterministic)
-    task.aux = models.build_aux(cfg.aux, task, runtime.device, trusted)  # frozen models the task reads
-    modules, train_models = models.build_trained(cfg, trainer_cfg, task, runtime)  # wrapped, sharded, compiled
+    task.aux = task_and_model.build_aux(cfg.aux, task, runtime.device, trusted)  # frozen models the task reads
+    modules, train_models = task_and_model.build_trained(cfg, trainer_cfg, task, runtime)  # wrapped, sharded, compiled
     init_from.starting_weights(cfg.init_from, cfg.init_from_strict, modules, task.output_model, resumed)
-    optimizers, schedulers = models.build_optimizers(cfg, modules, data.train_sampler.steps_per_epoch,
-                                                     trainer_cfg.epochs)
+    optimizers, schedulers = task_and_model.build_optimizers(cfg, modules, data.train_sampler.steps_per_epoch,
+                                                             trainer_cfg.epochs)
     reporter = reporting.Reporter(context.run_dir, runtime.is_main_process, "tensorboard" in cfg.logger,
                                   trainer_cfg.progress, trackers)
     parts = TrainParts(runtime, task, modules, train_models, optimizers, schedulers, data, store, reporter,

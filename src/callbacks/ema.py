@@ -16,7 +16,7 @@ from src.common.errors import UsageError
 from src.config.building import check_arguments
 from src.config.schema import at_least, fraction_or_null
 from src.loop.callback import Callback, Run, Step
-from src.loop.records import metric_values
+from src.loop.trainer import metric_values
 from src.parallel import fsdp
 
 SPLIT, TEST_SPLIT = "val_ema", "test_ema"  # the prefixes of the EMA weights' val and test metrics

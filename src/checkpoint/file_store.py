@@ -1,33 +1,22 @@
-"""Checkpoints as one `.pt` file each (dist=ddp): a plain dict of the parts' states, written atomically and
-durably by rank 0 (every rank holds the same state), loaded with `weights_only=True`, so opening one never
-runs code (and the config saved in one never chooses code either: src/config/trusted_targets.py).
-
-    checkpoints/last.pt            every save; best.pt a copy when the monitored metric improves
-    checkpoints/step_<N>.pt        mid-epoch saves, the newest `trainer.keep_last` of them
-
-The parts are named as src/checkpoint/store.py describes; `models.<name>` is the unwrapped module's state_dict,
-so `torch.load(path)["models"]["model"]` loads into the plain `nn.Module` the config builds (src/checkpoint/
-trained.py does it in one call).
-"""
+"""Checkpoints as one `.pt` file each (dist=ddp): a plain dict of the parts' states, written atomically by rank 0
+(every rank holds the same state) and loaded with `weights_only=True`, so opening one never runs code.
+`torch.load(path)["models"]["model"]` is the plain module's state_dict."""
 
 from __future__ import annotations
 
+import functools
+import operator
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-import torch
-
-from src.checkpoint import layout
-from src.checkpoint.store import FORMAT, Checkpoint, Store, check_format, state_of
+import src.checkpoint.layout as layout
+from src.checkpoint.store import Checkpoint, Store, read_payload
 from src.checkpoint.writing import copy_atomic, save_atomic, stop_every_rank_on_failure
 from src.common.errors import UsageError
 
 
 class FileStore(Store):
     """Writes `last.pt` (every save), `best.pt` (on improvement) and `step_<N>.pt` (mid-epoch saves)."""
-
-    def snapshot(self, parts: Mapping[str, Any]) -> dict[str, Any]:
-        return {"format": FORMAT, **{name: state_of(part) for name, part in parts.items()}}  # the live tensors
 
     def write(self, payload: dict[str, Any], step: int, is_best: bool, mid_epoch: bool) -> None:
         stop_every_rank_on_failure(self.is_main_process,
@@ -50,23 +39,9 @@ class FileCheckpoint(Checkpoint):
 
     @classmethod
     def read(cls, path: Path) -> "FileCheckpoint":
-        """The checkpoint `path`, or one clear line saying why it cannot be one."""
         if not path.is_file():
             raise UsageError(f"checkpoint {path} does not exist")
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # torch raises several types for truncated or foreign files
-            reason = type(error).__name__
-            raise UsageError(f"checkpoint {path} cannot be read ({reason}): is it a complete .pt file?") from None
-        return cls(path, check_format(payload, path))
+        return cls(path, read_payload(path))
 
     def whole(self, *keys: str) -> Any:
-        state: Any = self.state
-        for key in keys:
-            state = state[key]
-        return state
-
-
-def is_template_checkpoint(payload: Any) -> bool:
-    """Whether a `.pt` file's loaded payload is a checkpoint of this template (of any version)."""
-    return isinstance(payload, dict) and str(payload.get("format", "")).startswith("ddp-template-checkpoint/")
+        return functools.reduce(operator.getitem, keys, self.state)

@@ -1,11 +1,9 @@
-"""Where a run's checkpoints live, by name: which is the newest, which a resume takes, whether a run dir holds
-a run. Both formats name their checkpoints alike; nothing here reads one, and nothing here imports torch
-(`src/config/schema.py` asks it before Hydra writes into the run dir).
+"""Where a run's checkpoints live, by name; nothing here reads one.
 
     checkpoints/
-      last.pt  best.pt  step_000000044.pt     one file per checkpoint (dist=ddp, src/checkpoint/file_store.py)
+      last.pt  best.pt  step_000000044.pt     one file per checkpoint (dist=ddp)
       step_000000044/  last  best             a directory per checkpoint, and small files naming the newest
-                                              and the best (dist=fsdp, src/checkpoint/sharded_store.py)
+                                              and the best (dist=fsdp)
 
 A run that switched dist strategies may hold both; the newer wins.
 """
@@ -40,12 +38,12 @@ def resolve(path: Path) -> Path:
 
 
 def latest(directory: Path) -> Path | None:
-    """The newest checkpoint: `last.pt` or `last` (the later written, if a run switched dist)."""
+    """`last.pt` or `last`, the later written."""
     return _later(directory / LAST_FILE, directory / "last")
 
 
 def best(directory: Path) -> Path | None:
-    """The best checkpoint: `best.pt` or `best` (the later written, if a run switched dist)."""
+    """`best.pt` or `best`, the later written."""
     return _later(directory / BEST_FILE, directory / "best")
 
 
@@ -55,8 +53,7 @@ def _later(*paths: Path) -> Path | None:
 
 
 def newest_first(directory: Path) -> list[Path]:
-    """The checkpoints holding the newest training state, newest first: `last.pt` (or `last`), then the step
-    checkpoints (files and directories) from the highest step down. `best` is an older state by design."""
+    """`last.pt` (or `last`), then the step checkpoints from the highest step down (not `best`: an older state)."""
     steps = [path for path in directory.glob("step_*") if STEP.fullmatch(path.name)]
     steps.sort(key=lambda path: path.name.removesuffix(".pt"), reverse=True)
     newest = latest(directory)
@@ -65,15 +62,11 @@ def newest_first(directory: Path) -> list[Path]:
 
 
 def resume_path(directory: Path, resume: str | None) -> Path | None:
-    """The checkpoint to resume from: None (fresh start), `auto` (the newest in `directory`) or an explicit
-    path. A fresh start refuses a run dir that already holds a run, so an old run's checkpoints are never
-    overwritten by accident."""
+    """The checkpoint `resume` (None, `auto` or a path) names; a fresh start refuses a run dir that holds a run."""
     if resume is None:
         if latest(directory) is not None:
-            raise UsageError(
-                f"{directory.parent} already holds a run; pass resume=auto to continue it or choose another "
-                "hydra.run.dir"
-            )
+            raise UsageError(f"{directory.parent} already holds a run; pass resume=auto to continue it or choose "
+                             "another hydra.run.dir")
         return None
     if resume == "auto":
         return latest(directory)

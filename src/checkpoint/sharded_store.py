@@ -1,41 +1,25 @@
-"""Checkpoints as a directory of shards each (dist=fsdp): written by every rank at once with
-torch.distributed.checkpoint (DCP), readable on any world size.
+"""Checkpoints as a directory of shards each (dist=fsdp), written by every rank at once with
+torch.distributed.checkpoint (DCP) and readable on any world size (DCP reshards):
 
-    checkpoints/
-      step_000000044/     one checkpoint, named by its optimizer step
-        __0_0.distcp        rank 0's tensors: its shards of every sharded tensor (__1_0.distcp: rank 1's, ...)
-        .metadata           DCP's index of every shard: written last, by rank 0, once every rank's file is
-                            complete (to `.metadata.tmp`, then renamed): the directory is valid only with it
-        state.pt            every part's state (src/checkpoint/store.py) with each tensor replaced by its key in
-                            the shards: the config, the loop, the optimizers' param_groups, ... (written by rank 0)
-      last                  a small text file naming the newest valid directory ("step_000000044")
-      best                  the same, for the best monitored value
+    checkpoints/step_000000044/   one checkpoint: each rank's shard file (__0_0.distcp, ...), DCP's index of them
+                                  (.metadata, written last: the directory is valid only with it), and state.pt, every
+                                  part's state with each tensor replaced by its key in the shards
+    checkpoints/last, best        small text files naming the newest and the best directory
 
-A save writes `step_<N>.tmp/` (state.pt first, then DCP's shard files and its .metadata), renames it to
-`step_<N>/`, and only then rewrites `last` (and `best`) atomically: a process killed at any point leaves
-`last` naming the previous complete directory. `trainer.keep_last` directories stay, and the one `best`
-names. Resuming on another world size reads each tensor's pieces into this run's shards (DCP reshards).
-
-Every tensor of every part goes through DCP, wherever it sits in the part's state: a model's, an optimizer's, a
-fork's callback's. A DTensor is written by every rank (its shard), a plain tensor once (DCP keeps one copy:
-plain tensors are the same on every rank, e.g. BatchNorm statistics, an optimizer's step count); a part whose
-tensors differ between ranks must hold them as DTensors. Reading, each tensor goes into the tensor at the same
-place in the restoring part's state (so sharded like it: `load_targets` where a part has one), or whole.
-
-Loading never runs code from the file: state.pt is read with `weights_only=True`; DCP itself unpickles
-`.metadata` with pickle and would `torch.load(weights_only=False)` any non-tensor value it holds, so no
-non-tensor value is written through DCP, and `.metadata` is read with an unpickler that only builds DCP's
-own metadata classes (`SafeReader`): a crafted one is one error line, never a call.
-
-Importing this module imports DCP and FSDP (~0.45 s): src/checkpoint/__init__.py does so only for sharded
-runs and sharded paths.
+A save writes `step_<N>.tmp/`, renames it to `step_<N>/`, then rewrites `last` (and `best`) atomically: a process
+killed at any point leaves `last` naming a complete directory. A DTensor is written by every rank (its shard), a
+plain tensor once, so a part whose tensors differ between ranks must hold DTensors. Loading never runs code: state.pt
+is read with `weights_only=True`, nothing but tensors goes through DCP (which would unpickle it), and `.metadata` is
+read with an unpickler that builds only DCP's metadata classes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import io
+import operator
 import os
 import pickle
 import shutil
@@ -47,9 +31,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.utils._pytree import tree_leaves, tree_map
 
-from src.checkpoint import layout
-from src.checkpoint.store import FORMAT, Checkpoint, Store, check_format, state_of
+import src.checkpoint.layout as layout
+from src.checkpoint.store import Checkpoint, Store, read_payload, state_of
 from src.checkpoint.writing import exceeds_room, no_room, save_atomic, stop_every_rank_on_failure
 from src.common import files
 from src.common.errors import UsageError
@@ -59,28 +44,16 @@ STATE = "state.pt"
 METADATA = ".metadata"
 
 
-def is_complete(directory: Path) -> bool:
-    """DCP renames .metadata into place after every rank's shards are written; state.pt comes first."""
-    return (directory / METADATA).is_file() and (directory / STATE).is_file()
-
-
-# -- writing ------------------------------------------------------------------------------------------
-
-
 class ShardedStore(Store):
-    """Writes `step_<N>/` directories of shards, and `last` / `best` naming them."""
+    """Writes `step_<N>/` directories of shards (one per save, mid-epoch or not), and `last` / `best` naming them."""
 
     def snapshot(self, parts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Every part's tensors by key (this rank's shards of the sharded ones), and the parts' states with each
-        tensor replaced by its key, for state.pt."""
+        """This rank's tensors by key, and the parts' states with each tensor replaced by its key (state.pt)."""
         tensors: dict[str, torch.Tensor] = {}
-        skeleton = _without_tensors({name: state_of(part) for name, part in parts.items()}, (), tensors)
-        return tensors, {"format": FORMAT, **skeleton}
+        return tensors, _without_tensors(super().snapshot(parts), (), tensors)
 
     def write(self, snapshot: tuple[dict[str, Any], dict[str, Any]], step: int, is_best: bool,
               mid_epoch: bool) -> None:
-        """Called on every rank; every rank raises if any part failed. Every save is a directory of its own,
-        mid-epoch or not."""
         tensors, rest = snapshot
         self.directory.mkdir(parents=True, exist_ok=True)
         name = layout.step_name(step)
@@ -97,10 +70,8 @@ class ShardedStore(Store):
 
 
 def _no_room(error: CheckpointException, staging: Path, tensors: dict[str, Any]) -> UsageError | None:
-    """One line, as for a .pt (src/checkpoint/writing.py), when a rank's shard file found no room. DCP hands every
-    rank the failures of all ranks with their causes stripped (torch.save's zip writer reports EFBIG/ENOSPC as
-    "unexpected pos"), so each rank checks its own shard against the free space and the file-size limit, and
-    the ranks agree (a collective: every rank calls it)."""
+    """One line when a rank's shard found no room: DCP strips the causes ("unexpected pos"), so each rank checks its
+    own against the free space and file-size limit, and the ranks agree (a collective)."""
     needed = _local_bytes(tensors)
     code = exceeds_room(needed, staging.parent)
     if not any(distributed.gather_objects(code is not None)):
@@ -109,14 +80,10 @@ def _no_room(error: CheckpointException, staging: Path, tensors: dict[str, Any])
     return no_room(cause, staging, lambda: needed)  # this rank's shard file
 
 
-def _local_bytes(state: Any) -> int:
-    """The bytes of this rank's tensors in a nested state dict (a DTensor's local shard only)."""
-    if isinstance(state, dict):
-        return sum(_local_bytes(value) for value in state.values())
-    if isinstance(state, torch.Tensor):
-        local = state.to_local() if hasattr(state, "to_local") else state
-        return local.numel() * local.element_size()
-    return 0
+def _local_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """The bytes of this rank's tensors (a DTensor's local shard only)."""
+    shards = [tensor.to_local() if hasattr(tensor, "to_local") else tensor for tensor in tensors.values()]
+    return sum(shard.numel() * shard.element_size() for shard in shards)
 
 
 _TENSOR = "\0tensor:"  # state.pt's stand-in for a tensor in the shards: this prefix and its key
@@ -135,22 +102,17 @@ def _without_tensors(state: Any, path: tuple[str, ...], tensors: dict[str, torch
     return state
 
 
+def _key(value: Any) -> str | None:
+    """The key of the tensor `value` stands in for, or None."""
+    return value[len(_TENSOR):] if isinstance(value, str) and value.startswith(_TENSOR) else None
+
+
 def _tensor_keys(skeleton: Any) -> list[str]:
-    if isinstance(skeleton, str) and skeleton.startswith(_TENSOR):
-        return [skeleton[len(_TENSOR):]]
-    values = skeleton.values() if isinstance(skeleton, dict) else skeleton if isinstance(skeleton, (list, tuple)) else ()
-    return [key for value in values for key in _tensor_keys(value)]
+    return [key for key in map(_key, tree_leaves(skeleton)) if key is not None]
 
 
 def _with_tensors(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """`skeleton` with each stand-in replaced by its tensor."""
-    if isinstance(skeleton, str) and skeleton.startswith(_TENSOR):
-        return tensors[skeleton[len(_TENSOR):]]
-    if isinstance(skeleton, dict):
-        return {name: _with_tensors(value, tensors) for name, value in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(_with_tensors(value, tensors) for value in skeleton)
-    return skeleton
+    return tree_map(lambda value: value if _key(value) is None else tensors[_key(value)], skeleton)
 
 
 def _at(state: Any, key: str, start: int) -> Any:
@@ -196,12 +158,8 @@ def _prune(directory: Path, keep_last: int) -> None:
             shutil.rmtree(path)
 
 
-# -- reading ------------------------------------------------------------------------------------------
-
-
 class ShardedCheckpoint(Checkpoint):
-    """A checkpoint directory (`path` may be the `last` / `best` file naming it): `state` from its state.pt; the
-    tensors read from its shards, on any world size, into this run's module and optimizer (sharded or not)."""
+    """A checkpoint directory (or the `last` / `best` file naming it); its tensors are read into the restoring parts."""
 
     def __init__(self, path: Path, state: dict[str, Any], directory: Path) -> None:
         super().__init__(path, state)
@@ -209,25 +167,18 @@ class ShardedCheckpoint(Checkpoint):
 
     @classmethod
     def read(cls, path: Path) -> "ShardedCheckpoint":
-        """The checkpoint `path` is (or names), or one line saying why it cannot be read."""
         directory = layout.resolve(path)
         if not directory.is_dir():
             raise UsageError(f"checkpoint {path} names {directory}, which does not exist")
-        if not is_complete(directory):
+        if not ((directory / METADATA).is_file() and (directory / STATE).is_file()):
             raise UsageError(f"checkpoint {directory} is incomplete (no {METADATA} or {STATE}: its save did not "
                              "finish)")
-        try:
-            payload = torch.load(directory / STATE, map_location="cpu", weights_only=True)
-        except Exception as error:  # a truncated or foreign state.pt
-            raise UsageError(f"checkpoint {directory / STATE} cannot be read ({type(error).__name__}): is it a "
-                             "complete .pt file?") from None
-        state = check_format(payload, directory / STATE)
+        state = read_payload(directory / STATE)
         read_metadata(directory)  # refuse a crafted index before anything reads through it
         return cls(path, state, directory)
 
     def restore_part(self, name: str, part: Any) -> None:
-        """Read the part's tensors into those at the same places in its live state (sharded like them: each rank
-        reads its slices), the others whole; then give the part its state."""
+        """Read the part's tensors into those at their places in its live state (each rank its slices), else whole."""
         skeleton = self.state[name]
         live = part.load_targets() if hasattr(part, "load_targets") else state_of(part)
         metadata = read_metadata(self.directory)
@@ -236,39 +187,32 @@ class ShardedCheckpoint(Checkpoint):
             found, saved = _at(live, key, 1), metadata.state_dict_metadata[key]
             fits = isinstance(found, torch.Tensor) and tuple(found.shape) == tuple(saved.size)
             targets[key] = found if fits else torch.empty(saved.size, dtype=saved.properties.dtype)
-        if targets:
-            with _alone_is_fine():
-                dcp.load(targets, storage_reader=SafeReader(self.directory), process_group=distributed.collective_group())
+        self._load(targets, process_group=distributed.collective_group())
         part.load_state_dict(_with_tensors(skeleton, targets))
 
     def whole(self, *keys: str) -> Any:
-        """The state at `keys` with its tensors read whole in this one process: their shapes and dtypes come from
-        the index."""
-        skeleton: Any = self.state
-        for key in keys:
-            skeleton = skeleton[key]
-        metadata = read_metadata(self.directory)
-        targets = {key: torch.empty(metadata.state_dict_metadata[key].size,
-                                    dtype=metadata.state_dict_metadata[key].properties.dtype)
+        skeleton = functools.reduce(operator.getitem, keys, self.state)
+        saved = read_metadata(self.directory).state_dict_metadata
+        targets = {key: torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
                    for key in _tensor_keys(skeleton)}
+        self._load(targets, no_dist=True)
+        return _with_tensors(skeleton, targets)
+
+    def _load(self, targets: dict[str, torch.Tensor], **where: Any) -> None:
         if targets:
             with _alone_is_fine():
-                dcp.load(targets, storage_reader=SafeReader(self.directory), no_dist=True)
-        return _with_tensors(skeleton, targets)
+                dcp.load(targets, storage_reader=SafeReader(self.directory), **where)
 
 
 @contextlib.contextmanager
 def _alone_is_fine() -> Iterator[None]:
-    """Without a process group (one process: eval.py, export, dist=fsdp on one rank) DCP warns that it assumes
-    a single process: it is right, and says so at every save."""
+    """Without a process group DCP warns, at every save, that it assumes a single process: it is right."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
-# -- the index, read safely -----------------------------------------------------------------------------
-
-_ALLOWED = {
+_ALLOWED = {  # what DCP's index may build
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
                                               "MetadataIndex", "TensorProperties", "_MEM_FORMAT_ENCODING",
                                               "StorageMeta"},

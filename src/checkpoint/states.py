@@ -1,20 +1,10 @@
-"""The run's models and optimizers as checkpoint parts: states keyed by parameter name, whole or sharded.
-
-A checkpoint stores what each part's `state_dict()` returns and gives it back to `load_state_dict()`
-(src/checkpoint/store.py). A model and its optimizer need a little more than torch's own methods, so that
-any checkpoint resumes on any world size and strategy:
-
-- `ModelState`: the unwrapped module's state_dict (no `module.` or `_orig_mod.` prefixes); under dist=fsdp
-  its parameters are DTensors, this rank's shards. It loads a whole state_dict (a dist=ddp `.pt`) into a
-  sharded module, each rank keeping its slices, and a sharded one into a plain module.
-- `OptimizerState`: the optimizer's state keyed by parameter name (torch keys it by position), so that a
-  dist=ddp and a dist=fsdp run read each other's, and the sharded reader can reshard it.
-- `Named`: several parts of one kind by name (the run's models, optimizers, schedulers).
-"""
+"""The run's models and optimizers as checkpoint parts, so that any checkpoint resumes on any world size and
+strategy: `ModelState` (the unwrapped module's state_dict, DTensor shards under dist=fsdp; loads a whole state into a
+sharded module and a sharded one into a plain module), `OptimizerState` (keyed by parameter name, not torch's
+position, so dist=ddp and dist=fsdp runs read each other's) and `Named` (several parts of one kind by name)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,15 +21,13 @@ from torch.distributed.checkpoint.state_dict import (
 from src.common.errors import UsageError
 from src.parallel import fsdp
 
-log = logging.getLogger(__name__)
-
 
 def is_dtensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and hasattr(value, "device_mesh")
 
 
 class ModelState:
-    """A trained model's weights as a checkpoint part; `name` and `source` only word errors."""
+    """A trained model's weights as a checkpoint part; `name` and `source` word its errors."""
 
     def __init__(self, module: nn.Module, name: str = "model") -> None:
         self.module = module
@@ -52,8 +40,7 @@ class ModelState:
         return self.module.state_dict()
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """`state` into the module: whole or sharded tensors, into a plain or a sharded module. Keys or shapes
-        that differ are one line naming the file, a few keys of each kind and what to do."""
+        """Whole or sharded tensors into a plain or a sharded module; keys or shapes that differ are one line."""
         try:
             if fsdp.is_sharded(self.module):
                 whole = not any(is_dtensor(tensor) for tensor in state.values())
@@ -101,23 +88,23 @@ class OptimizerState:
         return {"state": {names[id(p)]: value for p, value in self.optimizer.state.items()}, "param_groups": groups}
 
     def load_targets(self) -> dict[str, Any]:
-        """What the sharded reader reads this part's tensors into: every state tensor, sharded like its parameter.
-        torch's helper makes them by stepping an optimizer that has none (lr 0, zero gradients); the loaded
-        values replace them, and `load_state_dict` drops those of parameters the checkpoint holds no state for."""
+        """What the sharded reader reads into: state tensors sharded like their parameters (torch's helper makes them
+        by stepping an optimizer that has none; `load_state_dict` drops those the checkpoint lacks)."""
         return get_optimizer_state_dict(self.module, self.optimizer) if self.sharded else self.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         groups = fsdp.this_implementation(state["param_groups"], self.optimizer)
+        by_id = self._names()
         if self.sharded:
             whole = not any(is_dtensor(value) for values in state["state"].values() for value in values.values())
-            set_optimizer_state_dict(self.module, self.optimizer, {"state": dict(state["state"]), "param_groups": groups},
+            set_optimizer_state_dict(self.module, self.optimizer, {"state": dict(state["state"]),
+                                                                   "param_groups": groups},
                                      options=StateDictOptions(full_state_dict=whole))
             saved = set(state["state"])
-            names = self._names()
-            for parameter in [p for p in self.optimizer.state if names[id(p)] not in saved]:
+            for parameter in [p for p in self.optimizer.state if by_id[id(p)] not in saved]:
                 del self.optimizer.state[parameter]  # made up by torch's helper: this parameter had no state
             return
-        live = [self._group_names(group) for group in self.optimizer.param_groups]
+        live = [[by_id[id(parameter)] for parameter in group["params"]] for group in self.optimizer.param_groups]
         positions = {name: index for index, name in enumerate(name for names in live for name in names)}
         unknown = [name for name in state["state"] if name not in positions]
         if unknown or len(groups) != len(live):
@@ -133,14 +120,9 @@ class OptimizerState:
         """Parameter name by id: the module's names, which a plain and a sharded module share."""
         return {id(parameter): name for name, parameter in self.module.named_parameters()}
 
-    def _group_names(self, group: Mapping[str, Any]) -> list[str]:
-        names = self._names()
-        return [names[id(parameter)] for parameter in group["params"]]
-
 
 class Named:
-    """Several parts of one kind by name (models, optimizers, schedulers): their states under their names.
-    A resumed run must find every part it has in the checkpoint (`what` words the error), and ignores others."""
+    """Several parts of one kind (`what`) by name; a resumed run must find each of its own in the checkpoint."""
 
     def __init__(self, parts: Mapping[str, Any], what: str) -> None:
         self.parts = dict(parts)

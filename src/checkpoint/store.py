@@ -1,23 +1,6 @@
-"""What a checkpoint holds, whatever its format: named parts, each saved as its own state.
-
-A run hands its store the parts that make it resumable, by name (src/loop/trainer.py `stateful`):
-
-    models       each trained model's weights by its name (`model` for a run of one model), as
-                 src/checkpoint/states.py keys them: the plain module's names, whole or sharded
-    optimizers   each model's optimizer state, keyed by parameter name; schedulers: their states
-    scaler       the fp16 gradient scaler's state
-    loop         where the loop stands: epoch, step, history, the unfinished epoch's metric sums, the best
-                 monitored value, and `stopped` (reason, epoch) once a callback ended the run
-    callbacks    each callback's state under its name, e.g. callbacks.ema.weights (src/loop/callback.py)
-    config       the run's resolved config (plain data: read back by eval.py, never restored)
-    output_model the name of the model eval.py, export and init_from take by default
-
-and a `Checkpoint` read back restores them into this run's parts by the same names. Any part may hold
-tensors anywhere in its state, sharded (DTensors) or not: both formats save them all. Two formats implement
-this: one `.pt` file per checkpoint (src/checkpoint/file_store.py, dist=ddp) and a directory of shards per
-checkpoint written by every rank (src/checkpoint/sharded_store.py, dist=fsdp); src/checkpoint/__init__.py
-picks one by the strategy for writing and by the path for reading, so a run resumes either. No caller knows
-which.
+"""What a checkpoint holds, whatever its format: named parts (src/loop/trainer.py `stateful`: models, optimizers,
+schedulers, scaler, loop, callbacks, config, output_model), each saved as its state_dict() (plain data as itself),
+with tensors anywhere in it, sharded or not. A `Checkpoint` read back restores them into this run's parts by name.
 """
 
 from __future__ import annotations
@@ -31,14 +14,13 @@ from typing import Any
 
 import torch
 
-from src.checkpoint import layout
+import src.checkpoint.layout as layout
 from src.common.errors import UsageError
 from src.parallel import distributed
 
 log = logging.getLogger(__name__)
 
 FORMAT = "ddp-template-checkpoint/3"
-MODELS, CONFIG, OUTPUT_MODEL = "models", "config", "output_model"
 
 
 def state_of(part: Any) -> Any:
@@ -46,8 +28,13 @@ def state_of(part: Any) -> Any:
     return part.state_dict() if hasattr(part, "state_dict") else part
 
 
-def check_format(payload: Any, path: Path) -> dict[str, Any]:
-    """`payload` as this format lays it out, or one line saying it is no checkpoint of this template."""
+def read_payload(path: Path) -> dict[str, Any]:
+    """The checkpoint in the `.pt` file `path` (`weights_only=True`: never runs code), or one line saying why not."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several types for truncated or foreign files
+        reason = type(error).__name__
+        raise UsageError(f"checkpoint {path} cannot be read ({reason}): is it a complete .pt file?") from None
     found = payload.get("format") if isinstance(payload, dict) else None
     if found == FORMAT:
         return payload
@@ -57,36 +44,18 @@ def check_format(payload: Any, path: Path) -> dict[str, Any]:
     raise UsageError(f"{path} is not a checkpoint of this template (no format={FORMAT!r} in it)")
 
 
-# -- reading -------------------------------------------------------------------------------------------------
-
-
 class Checkpoint:
-    """A checkpoint read from disk: `state` holds every part (a sharded one's tensors are read later, into the
-    parts that restore them)."""
+    """A checkpoint read from disk: `state` holds every part (a sharded one's tensors are read when restored)."""
 
     def __init__(self, path: Path, state: dict[str, Any]) -> None:
-        self.path = path
-        self.state = state
-
-    @property
-    def config(self) -> Any:
-        return self.state.get(CONFIG)
-
-    @property
-    def loop(self) -> Mapping[str, Any]:
-        return self.state.get("loop", {})
-
-    @property
-    def output_model(self) -> str:
-        return self.state.get(OUTPUT_MODEL, "model")
-
-    @property
-    def model_names(self) -> list[str]:
-        return list(self.state.get(MODELS, {}))
+        self.path, self.state = path, state
+        self.config: Any = state.get("config")  # the run's resolved config
+        self.loop: Mapping[str, Any] = state.get("loop", {})  # the TrainState
+        self.output_model: str = state.get("output_model", "model")
+        self.model_names = list(state.get("models", {}))
 
     def restore(self, parts: Mapping[str, Any]) -> None:
-        """Load each of `parts` (this run's models, optimizers, ... by name; see the module's docstring) from the
-        part of the same name; plain data is not restored, and a part the checkpoint lacks starts afresh."""
+        """Load each of `parts` from the part of the same name (not plain data; a part it lacks starts afresh)."""
         for name, part in parts.items():
             if not hasattr(part, "load_state_dict"):
                 continue
@@ -102,20 +71,17 @@ class Checkpoint:
         part.load_state_dict(self.state[name])
 
     def whole(self, *keys: str) -> Any:
-        """The part of the state at `keys` (e.g. "models", "generator"), every tensor in it whole on the CPU, read
-        in this one process with no model built."""
+        """The state at `keys` (e.g. "models", "generator"), its tensors whole on the CPU, read in this process."""
         raise NotImplementedError
 
     def model_weights(self, name: str | None = None, weights: str = "model") -> dict[str, torch.Tensor]:
-        """Model `name`'s tensors (default: the output model), by the plain module's names, whole on the CPU; with
-        `weights` the name of an EMA callback (`ema`), its averaged parameters over the model's buffers."""
+        """Model `name`'s tensors (default: the output model), whole on the CPU; `weights="ema"`: its EMA weights."""
         name = name or self.output_model
         if name not in self.model_names:
             raise UsageError(f"{self.path} holds no model {name!r}; it holds {', '.join(self.model_names)}")
-        tensors = dict(self.whole(MODELS, name))
+        tensors = dict(self.whole("models", name))
         if weights != "model":
-            averaged = self.state.get("callbacks", {}).get(weights, {})
-            if averaged.get("model", name) != name or "weights" not in averaged:
+            if not self.has_weights(weights, name):
                 raise UsageError(f"{self.path} holds no {weights} weights of model {name!r} (its run had "
                                  f"callbacks.{weights}.decay=null or averaged another model): evaluate weights=model")
             tensors.update(self.whole("callbacks", weights, "weights"))
@@ -128,19 +94,10 @@ class Checkpoint:
         return "weights" in averaged and averaged.get("model", name or self.output_model) == (name or self.output_model)
 
 
-# -- writing -------------------------------------------------------------------------------------------------
-
-
 class Store:
-    """Where a run writes its checkpoints (`directory`, its run dir's checkpoints/), in one format. Called on
-    every rank at the same points; a failed write stops every rank with one line.
-
-    With `background` (trainer.async_checkpoint), `save` waits only for a copy of the state in host memory and
-    writes it in a thread, while training goes on; its collectives run on a group of their own
-    (src/parallel/distributed.py `new_group`). At most one save is in flight: the next `save`, and `wait` (the
-    end of the run, preemption included), wait for it, and raise its failure on every rank. A write is as
-    atomic as a synchronous one: a process killed during it leaves the previous checkpoint the newest.
-    """
+    """Where a run writes its checkpoints, in one format; called on every rank alike. With `background`, `save` waits
+    only for a host copy and writes it in a thread (collectives on a group of their own), one save in flight: the
+    next `save` and `wait` wait for it, raising its failure on every rank. Every write is atomic."""
 
     def __init__(self, directory: Path, is_main_process: bool, keep_last: int = 2, background: bool = False,
                  timeout_s: float | None = None) -> None:
@@ -153,15 +110,13 @@ class Store:
         self._host_copy: Any = None  # the last background save's copy, written: the next one copies into it
 
     def save(self, parts: Mapping[str, Any], step: int, is_best: bool, mid_epoch: bool = False) -> None:
-        """Save `parts` (by name, as `Checkpoint.restore` takes them) as the newest checkpoint, also the best if
-        `is_best`; a `mid_epoch` one is kept as a step checkpoint too (the newest `keep_last` of them)."""
+        """Save `parts` as the newest checkpoint (the best too if `is_best`; a step checkpoint if `mid_epoch`)."""
         self.wait()
         snapshot = self.snapshot(parts)
         if not self.background:
             self.write(snapshot, step, is_best, mid_epoch)
             return
-        # The training thread's last wait: it may change the parts from here on. Into the previous save's copy
-        # where the shapes allow: writing into memory already mapped costs about half of a fresh allocation.
+        # The training thread's last wait: it may change the parts from here on.
         snapshot = self._host_copy = on_host(snapshot, reuse=self._host_copy)
         self._in_flight = _Writer(lambda: self.write(snapshot, step, is_best, mid_epoch), self.group)
 
@@ -172,9 +127,7 @@ class Store:
             writer.join()
 
     def wait_after_failure(self) -> None:
-        """After training failed for another reason: until the save in flight (if any) has ended, so the process
-        group its collectives run on is not torn down under it (they wait at most dist.step_timeout_s for a
-        rank that is gone); its own failure is only logged, the training's error is the run's."""
+        """After training failed: until the save in flight has ended (its own failure only logged)."""
         writer, self._in_flight = self._in_flight, None
         if writer is not None:
             writer.thread.join()
@@ -183,8 +136,8 @@ class Store:
                             type(writer.failure).__name__, writer.failure)
 
     def snapshot(self, parts: Mapping[str, Any]) -> Any:
-        """What `write` writes of `parts`: their states (live tensors, copied by `save` when it writes later)."""
-        raise NotImplementedError
+        """What `write` writes of `parts`: their states (live tensors)."""
+        return {"format": FORMAT, **{name: state_of(part) for name, part in parts.items()}}
 
     def write(self, snapshot: Any, step: int, is_best: bool, mid_epoch: bool) -> None:
         raise NotImplementedError
@@ -223,10 +176,8 @@ class _Writer:
 
 
 def on_host(state: Any, reuse: Any = None) -> Any:
-    """A copy of `state` the training thread no longer touches: tensors copied to the CPU (a DTensor keeps its
-    sharding, with its local shard copied), containers and plain values copied. A tensor goes into the CPU
-    tensor at its place in `reuse` (an earlier copy of the same structure, no longer in use) when their
-    shape, stride and dtype agree, and into new memory otherwise."""
+    """A copy of `state` on the CPU (a DTensor's local shard), each tensor into the one at its place in `reuse` (an
+    earlier copy, no longer in use) where shape, stride and dtype agree."""
     if isinstance(state, torch.Tensor):
         if hasattr(state, "to_local"):  # a DTensor
             local = _host_tensor(state.to_local(), reuse.to_local() if hasattr(reuse, "to_local") else None)

@@ -1,15 +1,12 @@
-"""A trained model in one call: from any checkpoint of train.py to the built `nn.Module` with its weights.
+"""A trained model in one call, from any checkpoint of train.py:
 
     from src.checkpoint.trained import load_trained
     model, config = load_trained("outputs/DATE/TIME/checkpoints/best.pt")   # or a sharded step_<N>/, last, best
     model, config = load_trained(path, weights="ema")                         # its EMA weights
     model, _ = load_trained(path, model="discriminator")                      # another model of a multi-model run
 
-The model is built from the config saved in the checkpoint (its `_target_` and the shapes the dataset gave it),
-whole, on the CPU, in eval mode; its weights are the checkpoint's (a sharded checkpoint's shards are read whole,
-in this one process, on any world size it was written by). Opening a checkpoint never runs code from it: a saved
-config that names a callable no config group of conf/ names is refused in one line, as eval.py refuses it, unless
-`trusted_targets` lists it. The run's auxiliary models (a distillation's teacher) are loaded with it.
+The model is built from the config saved in the checkpoint, whole, on the CPU, in eval mode. A saved config that
+names a callable no config group of conf/ names is refused in one line, unless `trusted` lists it.
 """
 
 from __future__ import annotations
@@ -28,21 +25,19 @@ from src.config import building, trusted_targets
 
 def load_trained(path: str | Path, model: str | None = None, weights: str = "model",
                  trusted: Iterable[str] = ()) -> tuple[nn.Module, dict[str, Any]]:
-    """Model `model` of the checkpoint at `path` (default: its output model), built and with its `weights` (`model`,
-    or `ema`: its EMA callback's average), in eval mode on the CPU; and the run's resolved config."""
-    saved = read_trusted(Path(path), trusted)
+    """Model `model` (default: the output model) of the checkpoint at `path` with its `weights`, and its config."""
+    saved = read_trusted(Path(path), trusted_targets.trusted(trusted))
     return build_saved_model(saved, model or saved.output_model, weights).eval(), saved.config
 
 
-def read_trusted(path: Path, trusted: Iterable[str] = ()) -> Checkpoint:
-    """The checkpoint at `path`, refused in one line if it is none or its config names a callable not trusted."""
+def read_trusted(path: Path, allowed: set[str]) -> Checkpoint:
+    """The checkpoint at `path`, refused in one line if it is none or its config names a `_target_` not `allowed`."""
     saved = checkpoint.read(path)
-    trusted_targets.check_saved_config(saved.config, path, trusted_targets.trusted(trusted))
+    trusted_targets.check_saved_config(saved.config, path, allowed)
     return saved
 
 
 def build_saved_model(saved: Checkpoint, name: str, weights: str = "model") -> nn.Module:
-    """Model `name` of `saved`, built from its saved config, with its `weights`."""
     configs = building.named(saved.config["model"], "model")
     with building.errors_named("model", configs[name]):
         module = instantiate(configs[name])

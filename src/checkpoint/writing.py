@@ -1,6 +1,5 @@
-"""Writing a checkpoint, as both formats do: atomically and durably, by the ranks that hold its bytes, and
-with one line saying how many bytes it needs when the disk has no room. A failed write leaves the previous
-checkpoint as it was and stops every rank at once."""
+"""Writing a checkpoint, as both formats do: atomically and durably, and with one line saying how many bytes it
+needs when the disk has no room. A failed write leaves the previous checkpoint as it was and stops every rank."""
 
 from __future__ import annotations
 
@@ -18,11 +17,7 @@ from src.parallel import distributed
 
 
 def save_atomic(payload: dict[str, Any], path: Path) -> None:
-    """Write `payload` to `path` durably, so that a crash mid-write leaves the old file intact.
-
-    A disk with no room for it (full, over quota, over the file-size limit) is one line
-    saying how many bytes the checkpoint needs; the old file is left as it was.
-    """
+    """Write `payload` to `path` durably: a crash mid-write leaves the old file intact."""
     try:
         with files.atomic_file(path) as file:
             torch.save(payload, file)
@@ -31,7 +26,6 @@ def save_atomic(payload: dict[str, Any], path: Path) -> None:
 
 
 def copy_atomic(source: Path, target: Path) -> None:
-    """Copy `source` to `target` durably (best.pt, step_<N>.pt), as `save_atomic` writes."""
     try:
         with files.atomic_file(target) as file, open(source, "rb") as original:
             shutil.copyfileobj(original, file)
@@ -47,8 +41,6 @@ def serialized_size(payload: dict[str, Any]) -> int:
 
 
 class _ByteCounter:
-    """A write-only file that only counts what is written to it."""
-
     count = 0
 
     def write(self, data: bytes) -> int:
@@ -59,33 +51,33 @@ class _ByteCounter:
         pass
 
 
+def _file_size_limit() -> int | None:
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if limit == resource.RLIM_INFINITY else limit
+
+
 def no_room(error: BaseException, path: Path, size: Callable[[], int]) -> UsageError | None:
-    """A one-line error for a write of `path` that found no room (None for any other failure)."""
+    """A one-line error for a write of `path` that found no room (full, quota, file-size limit), else None."""
     cause = files.no_room_error(error)
     if cause is None:
         return None
-    free = shutil.disk_usage(path.parent).free
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    limit_note = "" if limit == resource.RLIM_INFINITY else f", and files may hold at most {limit:,} bytes (ulimit -f)"
-    return UsageError(
-        f"cannot write checkpoint {path} ({cause.strerror}): it needs {size():,} bytes, {free:,} are free "
-        f"there{limit_note}; the previous checkpoint is unchanged: make room, then continue with resume=auto"
-    )
+    free, limit = shutil.disk_usage(path.parent).free, _file_size_limit()
+    limit_note = "" if limit is None else f", and files may hold at most {limit:,} bytes (ulimit -f)"
+    return UsageError(f"cannot write checkpoint {path} ({cause.strerror}): it needs {size():,} bytes, {free:,} are "
+                      f"free there{limit_note}; the previous checkpoint is unchanged: make room, then continue with "
+                      "resume=auto")
 
 
 def exceeds_room(needed: int, directory: Path) -> int | None:
-    """The errno of writing `needed` bytes into `directory` now (EFBIG over the file-size limit, ENOSPC over
-    the free space), or None if they fit."""
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if limit != resource.RLIM_INFINITY and needed > limit:
+    """The errno of writing `needed` bytes into `directory` now (EFBIG, ENOSPC), or None if they fit."""
+    limit = _file_size_limit()
+    if limit is not None and needed > limit:
         return errno.EFBIG
     return errno.ENOSPC if needed > shutil.disk_usage(directory).free else None
 
 
 def stop_every_rank_on_failure(is_main_process: bool, work: Callable[[], None]) -> None:
-    """Run `work` on rank 0, then tell every rank whether it could, so a failed write (a full disk) stops
-    every rank at once with one line, not rank 0 alone while the others wait for it in their next
-    collective. Called on every rank."""
+    """Run `work` on rank 0 and tell every rank whether it could: a failure stops every rank at once. A collective."""
     failure: Exception | None = None
     if is_main_process:
         try:

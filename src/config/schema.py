@@ -57,7 +57,7 @@ def setting(default: Any, rule: Rule | None = None) -> Any:
 
 # -- settings train.py and eval.py share -------------------------------------------------------------
 
-PRECISIONS = ("32", "bf16", "16")  # float32 | autocast to bfloat16 | to float16 (src/loop/precision.py)
+PRECISIONS = ("32", "bf16", "16")  # float32 | autocast to bfloat16 | to float16 (src/loop/performance.py)
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -141,7 +141,7 @@ class TrainSchema:
     init_from_strict: bool = True  # false: load the weights that match, keep a fresh initialisation for the rest
     trusted_targets: list[str] = MISSING
     print_config: bool = False  # also print the composed config to the console (it is always in the log files)
-    aux: Any = MISSING  # frozen auxiliary models by name (src/loop/models.py)
+    aux: Any = MISSING  # frozen auxiliary models by name (src/loop/task_and_model.py)
     callbacks: Any = field(default_factory=dict)  # the add-ons around the loop, by name (conf/callbacks/)
     logger: Any = field(default_factory=dict)  # where the run's scalars go, by name (conf/logger/)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

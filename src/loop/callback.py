@@ -1,37 +1,27 @@
-"""The contract between the loop and its add-ons: a `Callback` is told what the loop does at a few named
-points, and may report, change what it shows, or stop the run; `Callbacks` calls a list of them.
+"""The contract between the loop and its add-ons: a `Callback` is told what the loop does at a few named points,
+and may report, change what it shows, or stop the run. The template's own add-ons are callbacks (src/callbacks/),
+composed from the `callbacks` config group; the loop names none of them. Every hook is called on every rank, in
+the config's order:
 
-The template's own add-ons are callbacks (src/callbacks/: EMA weights, early stopping, Optuna pruning, the
-NaN watch, MFU, the profiler, the confusion matrix, the input grid), composed from the `callbacks` config
-group (conf/callbacks/); a fork adds its own with one class and one YAML. The loop (src/loop/trainer.py)
-names none of them. Every hook is called on every rank, in the config's order:
+    on_run_start(run)                  before the first step: the run's parts and its state (fresh or resumed)
+    on_before_optimizer_step(update)   before each optimizer's step, its gradients all-reduced (under dist=fsdp:
+                                       this rank's shards) and unscaled, before trainer.grad_clip
+    on_step_end(step)                  after each training step: its number, its summed loss (a device tensor:
+                                       never read it on the host here, that stalls every step) and the model
+                                       inputs of its first micro-batch (None if the task's step sets none)
+    on_log(step, scalars)              at log steps, with the window's all-reduced train scalars; returns more
+    on_validation(run, val)            after the epoch's val pass, with its metrics; returns more metrics
+    on_test(run, test)                 once, after the final test of the chosen weights; returns more metrics
+    on_epoch_end(run, record)          with the epoch's record; returns an `EndRun` to end the run after this
+                                       epoch (rank 0's decision is every rank's: `agreed`)
+    on_checkpoint(run)                 before a checkpoint is written; raise to refuse it
+    on_run_end(run, outcome)           after the last step, however training ended (an `Outcome`)
+    on_exception(run, error)           when the loop raises; may raise a clearer error in its place
+    state_dict() / load_state_dict()   saved in every checkpoint under the callback's name; given back right
+                                       after `on_run_start` when a run resumes
 
-    on_run_start(run)              before the first step: the run's parts and its state (fresh or resumed)
-    on_before_optimizer_step(update)   before each optimizer's step (`update`: the step's number, the model's
-                                   name, module and optimizer), its gradients all-reduced (under dist=fsdp: this
-                                   rank's shards of them) and unscaled, before trainer.grad_clip: gradient
-                                   surgery, per-group clipping, gradient norms
-    on_step_end(step)              after each training step: its number, its summed loss (a device tensor:
-                                   every loss the step back-propagated) and the model inputs of its first
-                                   micro-batch (None in a task's own step that sets none). No host sync here: a
-                                   value read on the host (`.item()`, `bool()`) would stall every step
-    on_log(step, scalars)          at log steps, with the window's all-reduced train scalars; returns more
-    on_validation(run, val)        after the epoch's val pass, with its metrics (and tables, e.g. the
-                                   confusion matrix); returns more metrics for the epoch's record
-    on_test(run, test)             once, when training ends, after the chosen weights' test pass, with its metrics;
-                                   returns more metrics (e.g. test_ema/*)
-    on_epoch_end(run, record)      with the epoch's final record (and the history in `run.state`); returns a
-                                   `EndRun` to end the run after this epoch, agreed by every rank (`agreed`)
-    on_checkpoint(run)             before a checkpoint is written; raise to refuse it
-    on_run_end(run, outcome)       after the last step, however training ended (an `Outcome`)
-    on_exception(run, error)       when the loop raises; may raise a clearer error in its place
-    state_dict() / load_state_dict(state)   saved in every checkpoint under the callback's name, and
-                                   given back right after `on_run_start` when a run resumes (the run's parts
-                                   hold the checkpoint's state by then)
-
-Only the callbacks that override a hook are called for it, and a callback that sets `enabled = False`
-(in its constructor or in `on_run_start`: nothing to do in this run) is never called again and saves no
-state, so a step pays for the callbacks that act on steps and nothing for the others.
+Only the callbacks that override a hook are called for it, and a callback that sets `enabled = False` (in its
+constructor or `on_run_start`) is never called again and saves no state.
 """
 
 from __future__ import annotations
@@ -39,6 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -51,7 +42,6 @@ from src.parallel.distributed import broadcast_object
 
 if TYPE_CHECKING:  # annotations only: the loop's types, which import this module
     from src.config.schema import TrainerConfig
-    from src.loop.outcome import Outcome
     from src.loop.trainer import TrainParts, TrainState
 
 log = logging.getLogger(__name__)
@@ -62,15 +52,13 @@ class Step:
     """A training step, as `on_step_end` sees it."""
 
     number: int  # training steps taken so far, this one included (1 = the run's first)
-    loss: torch.Tensor | None  # the losses it back-propagated, summed, on the device: never read it here
-    inputs: tuple[tuple[Any, ...], dict[str, Any]] | None  # the model's (positional, keyword) inputs of its first
-    # micro-batch, when the step names them (the built-in supervised step does)
+    loss: torch.Tensor | None  # the losses it back-propagated, summed, on the device
+    inputs: tuple[tuple[Any, ...], dict[str, Any]] | None  # its first micro-batch's (positional, keyword) inputs
 
 
 @dataclass(frozen=True)
 class Update:
-    """One optimizer's step within a training step, as `on_before_optimizer_step` sees it: its gradients are in
-    `module`'s parameters' `.grad`, all-reduced and unscaled; change them in place."""
+    """One optimizer's step, as `on_before_optimizer_step` sees it: change the gradients of `module` in place."""
 
     number: int  # the training step being taken (1 = the run's first)
     name: str  # the model's name (its optimizer's): `model` in a run of one model
@@ -80,13 +68,26 @@ class Update:
 
 @dataclass(frozen=True)
 class EndRun:
-    """A callback's decision to end the run after this epoch, for good: the loop records it, with the epoch, in
-    `TrainState.ended` and the epoch's checkpoint, and a resumed run trains no more."""
+    """A callback's decision to end the run after this epoch, for good (kept in the checkpoint: `TrainState.ended`)."""
 
-    reason: str  # metrics.json's stop_reason, e.g. early_stopped, pruned (a sweep's summary reads it)
-    message: str  # logged by every rank when the run ends, e.g. "early stopping after epoch 3: ..."
+    reason: str  # metrics.json's stop_reason, e.g. early_stopped, pruned
+    message: str  # logged when the run ends, e.g. "early stopping after epoch 3: ..."
     ended_by: str  # a resumed run's log: "<ended_by> after epoch N: nothing more to train"
     epoch: int = 0  # the epoch it ended after (set by the loop)
+
+
+class Outcome(Enum):
+    """How training ended; every rank reaches the same outcome at the same step."""
+
+    COMPLETED = "completed"  # every epoch trained
+    MAX_STEPS = "max_steps"  # trainer.max_steps optimizer steps taken, with a checkpoint
+    PREEMPTED = "preempted"  # a rank got SIGTERM or SIGUSR2, with a checkpoint
+    ENDED = "ended"  # a callback ended the run after an epoch (an `EndRun`), with that epoch's checkpoint
+
+    @property
+    def is_final(self) -> bool:
+        """Whether the run is over (an interruption, to continue with resume=auto, is not)."""
+        return self in (Outcome.COMPLETED, Outcome.ENDED)
 
 
 @dataclass
@@ -97,16 +98,12 @@ class Run:
     parts: TrainParts
     state: TrainState
     resumed: bool  # the run continues from a checkpoint
-    evaluate: Callable[..., dict[str, Any]]  # evaluate(desc, split="val"): the models' metrics, as they are now, on
-    # the whole split (the task's evaluation; EMA puts its weights in first)
+    evaluate: Callable[..., dict[str, Any]]  # evaluate(desc, split="val"): the models' metrics now, on the whole split
 
 
 class Callback:
-    """The base of every add-on: each hook does nothing; override the ones you need (see the module's docstring).
-
-    `name` is the callback's key in the config (`callbacks.<name>`), set when the list is built: its state's
-    name in checkpoints. `metric_splits` names the record's metric prefixes `on_validation` adds (EMA:
-    `val_ema`), so `trainer.monitor` may name them.
+    """The base of every add-on: each hook does nothing. `name` is its key in the config (`callbacks.<name>`) and in
+    checkpoints; `metric_splits` the metric prefixes `on_validation` adds (`val_ema`), which `trainer.monitor` may name.
     """
 
     name: str = ""
@@ -114,29 +111,19 @@ class Callback:
     metric_splits: tuple[str, ...] = ()
 
     def on_run_start(self, run: Run) -> None: ...
-
     def on_before_optimizer_step(self, update: Update) -> None: ...
-
     def on_step_end(self, step: Step) -> None: ...
-
     def on_log(self, step: int, scalars: Mapping[str, float]) -> Mapping[str, float] | None: ...
-
     def on_validation(self, run: Run, val: Mapping[str, Any]) -> Mapping[str, float] | None: ...
-
     def on_test(self, run: Run, test: Mapping[str, Any]) -> Mapping[str, float] | None: ...
-
     def on_epoch_end(self, run: Run, record: Mapping[str, float]) -> EndRun | None: ...
-
     def on_checkpoint(self, run: Run) -> None: ...
-
     def on_run_end(self, run: Run, outcome: Outcome) -> None: ...
-
     def on_exception(self, run: Run, error: BaseException) -> None: ...
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
     def state_dict(self) -> dict[str, Any]:
         return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
     def enable_hint(self) -> str | None:
         """When disabled: what turns it on, for a `trainer.monitor` naming one of its `metric_splits`."""
@@ -144,20 +131,16 @@ class Callback:
 
 
 HOOKS = ("on_run_start", "on_before_optimizer_step", "on_step_end", "on_log", "on_validation", "on_test",
-         "on_epoch_end", "on_checkpoint", "on_run_end",
-         "on_exception")
+         "on_epoch_end", "on_checkpoint", "on_run_end", "on_exception")
 
 
 def agreed(stop: EndRun | None) -> EndRun | None:
-    """Rank 0's decision, on every rank: a decision that changes training (stop, prune) must be the same
-    everywhere, or the ranks that go on wait forever in their next collective. A collective: every rank
-    calls it (a no-op in a single process)."""
+    """Rank 0's decision on every rank (ranks that went on would wait forever for those that stopped). A collective."""
     return broadcast_object(stop)  # type: ignore[return-value]
 
 
 class Callbacks:
-    """The run's callbacks, in config order, called hook by hook (each hook calls only the enabled
-    callbacks that override it)."""
+    """The run's callbacks, in config order, called hook by hook (only the enabled ones that override it)."""
 
     def __init__(self, callbacks: Mapping[str, Callback] | None = None) -> None:
         self.all = dict(callbacks or {})
@@ -171,9 +154,17 @@ class Callbacks:
         self._by_hook = {hook: [callback for callback in enabled
                                 if getattr(type(callback), hook) is not getattr(Callback, hook)] for hook in HOOKS}
 
+    def _call(self, hook: str, *args: Any) -> list[Any]:
+        return [getattr(callback, hook)(*args) for callback in self._by_hook[hook]]
+
+    def _merged(self, hook: str, *args: Any) -> dict[str, float]:
+        extra: dict[str, float] = {}
+        for more in self._call(hook, *args):
+            extra.update(more or {})
+        return extra
+
     @property
     def metric_splits(self) -> tuple[str, ...]:
-        """The metric prefixes the enabled callbacks add to the record."""
         return tuple(split for callback in self.all.values() if callback.enabled for split in callback.metric_splits)
 
     def enable_hints(self) -> dict[str, str]:
@@ -182,56 +173,38 @@ class Callbacks:
                 for split in callback.metric_splits if (hint := callback.enable_hint())}
 
     def run_start(self, run: Run) -> None:
-        for callback in self._by_hook["on_run_start"]:
-            callback.on_run_start(run)
+        self._call("on_run_start", run)
         self._update_hooks()  # a callback may have found nothing to do in this run
 
     def before_optimizer_step(self, update: Update) -> None:
-        for callback in self._by_hook["on_before_optimizer_step"]:
-            callback.on_before_optimizer_step(update)
+        self._call("on_before_optimizer_step", update)
 
     def step_end(self, step: Step) -> None:
-        for callback in self._by_hook["on_step_end"]:
-            callback.on_step_end(step)
+        self._call("on_step_end", step)
 
     def log(self, step: int, scalars: Mapping[str, float]) -> dict[str, float]:
-        extra: dict[str, float] = {}
-        for callback in self._by_hook["on_log"]:
-            extra.update(callback.on_log(step, scalars) or {})
-        return extra
+        return self._merged("on_log", step, scalars)
 
     def validation(self, run: Run, val: Mapping[str, Any]) -> dict[str, float]:
-        extra: dict[str, float] = {}
-        for callback in self._by_hook["on_validation"]:
-            extra.update(callback.on_validation(run, val) or {})
-        return extra
+        return self._merged("on_validation", run, val)
 
     def test(self, run: Run, test: Mapping[str, Any]) -> dict[str, float]:
-        extra: dict[str, float] = {}
-        for callback in self._by_hook["on_test"]:
-            extra.update(callback.on_test(run, test) or {})
-        return extra
+        return self._merged("on_test", run, test)
 
     def epoch_end(self, run: Run, record: Mapping[str, float]) -> EndRun | None:
-        """The first `EndRun` a callback returns, as rank 0 decided it. Every callback is asked, on every rank
-        alike, whatever the others answer: their collectives must match."""
-        deciders = self._by_hook["on_epoch_end"]
-        if not deciders:
+        """The first `EndRun` a callback returns, as rank 0 decided it; every callback is asked (their collectives)."""
+        if not self._by_hook["on_epoch_end"]:
             return None
-        stops = [callback.on_epoch_end(run, record) for callback in deciders]
-        return agreed(next((stop for stop in stops if stop is not None), None))
+        return agreed(next((stop for stop in self._call("on_epoch_end", run, record) if stop is not None), None))
 
     def checkpoint(self, run: Run) -> None:
-        for callback in self._by_hook["on_checkpoint"]:
-            callback.on_checkpoint(run)
+        self._call("on_checkpoint", run)
 
     def run_end(self, run: Run, outcome: Outcome) -> None:
-        for callback in self._by_hook["on_run_end"]:
-            callback.on_run_end(run, outcome)
+        self._call("on_run_end", run, outcome)
 
     def exception(self, run: Run, error: BaseException) -> None:
-        for callback in self._by_hook["on_exception"]:
-            callback.on_exception(run, error)
+        self._call("on_exception", run, error)
 
     def state_dict(self) -> dict[str, Any]:
         """Each enabled callback's state, under its name (callbacks without state save nothing)."""
@@ -250,8 +223,7 @@ class Callbacks:
 
 
 def build_callbacks(callbacks_cfg: DictConfig, trackers: Callback) -> Callbacks:
-    """The run's callbacks (conf/callbacks/), built in config order after the `trackers` (told first of a failure,
-    before a callback may raise a clearer error); a setting one refuses is one line."""
+    """The run's callbacks (conf/callbacks/) in config order, after the `trackers` (told of a failure first)."""
     built = {"trackers": trackers}
     for name, node in callbacks_cfg.items():
         with errors_named(f"callbacks.{name}", node):

@@ -1,20 +1,17 @@
 """Evaluation: the models' loss and metrics over a split, every sample counted exactly once, on any world size.
 
-A task's `evaluate(val)` (src/loop/task.py) adds sums to an `Evaluation`; the sums of every rank are added up in one
-all-reduce and the task computes its metrics from them. The default adds each val batch's `val_step` sums; a method
-evaluates as it needs with the same primitives:
+A task's `evaluate(val)` (src/loop/task.py) adds sums to an `Evaluation`, summed over every rank in one all-reduce;
+the task computes its metrics from them. A method evaluates as it needs with these primitives:
 
-    val.batches(split)        this rank's shard of a split (default: the one evaluated, `val.split`: val, or test at
-                              the end; "train": the training samples without augmentation), each sample once:
-                              (batch, samples), `samples` keying per-sample draws
+    val.batches(split)        this rank's shard of a split (default `val.split`: val, or test at the end; "train":
+                              the training samples without augmentation), each sample once: (batch, samples),
+                              `samples` keying per-sample draws
     val.models / val.aux      the trained models (unwrapped, in eval mode) and the auxiliary ones, by name
     val.autocast()            trainer.precision's mixed precision
-    val.add_sums(sums)        a batch's sums (device tensors, by the names of the task's sum_shapes and
-                              val_sum_shapes)
-    val.generated(count, batch) draws for `count` items the models make (a generator's samples), this rank's share
-                              of them in batches: the same items on any world size
-    val.gather(tensor)        every rank's rows of `tensor` (their counts may differ by rank), in rank order:
-                              for a split, in sample order
+    val.add_sums(sums)        a batch's sums (device tensors, named as the task's sum_shapes and val_sum_shapes)
+    val.generated(count, batch) draws for `count` items the models make (a generator's samples), this rank's
+                              share of them in batches: the same items on any world size
+    val.gather(tensor)        every rank's rows of `tensor` (their counts may differ), in rank order
     val.image(tag, images)    images (N, C, H, W) shown as a grid in TensorBoard (rank 0's)
 """
 
@@ -26,13 +23,12 @@ from typing import Any, ContextManager, Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from src.data.batches import to_device
 from src.data.sample_randomness import VAL_EPOCH
-from src.loop.metrics import MetricSums
-from src.loop.precision import autocast
-from src.loop.step import Samples
+from src.loop.performance import autocast
+from src.loop.step import MetricSums, Samples
 from src.loop.task import Task
 from src.parallel import fsdp
 from src.parallel.distributed import all_reduce_max, is_initialized
@@ -42,8 +38,7 @@ SPLIT_DRAWS = {"val": VAL_EPOCH, "train": VAL_EPOCH - 1, "test": VAL_EPOCH - 2, 
 
 
 class Evaluation:
-    """One evaluation pass of the task's models (see the module's docstring). `loaders(split)` gives this rank's
-    loader of a split and the index of its first sample."""
+    """One evaluation pass; `loaders(split)` gives this rank's loader of a split and the index of its first sample."""
 
     def __init__(self, models: Mapping[str, nn.Module], aux: Mapping[str, nn.Module],
                  loaders: Callable[[str], tuple[Iterable[Any], int]], sums: MetricSums, device: torch.device,
@@ -55,9 +50,7 @@ class Evaluation:
         self.images: dict[str, torch.Tensor] = {}
 
     def batches(self, split: str | None = None) -> Iterator[tuple[Any, Samples]]:
-        """This rank's batches of `split` (default: the split evaluated), on the device, with the samples they hold.
-        Under dist=fsdp every rank runs as many forwards (a sharded model gathers its parameters in each): a rank
-        with fewer batches goes on with empty ones, which add nothing to the sums."""
+        """This rank's batches of `split` on the device, with their samples; under dist=fsdp every rank runs as many."""
         split = split or self.split
         loader, first_index = self.loaders(split)
         batches = _in_lockstep(loader, self.device) if self.lockstep else loader
@@ -70,9 +63,7 @@ class Evaluation:
             yield batch, Samples(self.seed, SPLIT_DRAWS.get(split, VAL_EPOCH), positions)
 
     def generated(self, count: int, batch_size: int) -> Iterator[Samples]:
-        """Draws for items 0 to `count` - 1 that the models make (no data: a generator's samples), this rank's
-        contiguous share of them in batches of at most `batch_size`; every rank runs as many batches (a sharded
-        model gathers its parameters in each), the last ones empty where a share is smaller."""
+        """Draws for this rank's share of items 0 to `count` - 1, in as many batches (some empty) on every rank."""
         rank, world = (dist.get_rank(), dist.get_world_size()) if is_initialized() else (0, 1)
         start, stop = count * rank // world, count * (rank + 1) // world
         batches = -(-(count // world + 1) // batch_size)  # enough for the largest share, on every rank alike
@@ -108,10 +99,8 @@ def evaluate(task: Task, models: Mapping[str, nn.Module], loaders: Callable[[str
              info: Mapping[str, Any], device: torch.device, amp_dtype: torch.dtype | None = None, seed: int = 0,
              track: Callable[[Iterable[Any], str], Iterable[Any]] = lambda batches, _: batches,
              split: str = "val") -> dict[str, Any]:
-    """The task's metrics of `models` on `split` (and its val tables, e.g. `confusion`, and `images`), summed over
-    all ranks, with `count` (the task's units: samples, tokens, ...). Pass the unwrapped models: evaluation needs no gradient
-    sync, and ranks may run a different number of batches, which DDP's per-forward collectives would not allow.
-    A collective: every rank must call it."""
+    """The task's metrics (tables, `images`, `count` of units) of the unwrapped `models` (ranks may run different
+    numbers of batches, which DDP would not allow) on `split`, over all ranks. A collective."""
     sums = MetricSums({**task.sum_shapes(info), **task.val_sum_shapes(info)}, device)
     evaluation = Evaluation(models, task.aux, loaders, sums, device, amp_dtype, seed, track, split)
     modes = {name: model.training for name, model in models.items()}
@@ -127,15 +116,11 @@ def evaluate(task: Task, models: Mapping[str, nn.Module], loaders: Callable[[str
 
 def _rows(batch: Any) -> int:
     """The samples in a batch: the first dimension of its first tensor."""
-    found: list[int] = []
-    tree_map(lambda part: found.append(part.shape[0]) if isinstance(part, torch.Tensor) and part.dim() else None,
-             batch)
-    return found[0] if found else 0
+    return next((part.shape[0] for part in tree_leaves(batch) if isinstance(part, torch.Tensor) and part.dim()), 0)
 
 
 def _in_lockstep(loader: Iterable[Any], device: torch.device) -> Iterator[Any]:
-    """`loader`'s batches, then empty ones (its first batch cut to 0 samples) until this rank has yielded as
-    many as the rank with the most. The count is agreed before the first batch, when no forward is under way."""
+    """`loader`'s batches, then empty ones (its first cut to 0 samples) up to the count of the rank with the most."""
     most = int(all_reduce_max(torch.tensor(len(loader), device=device)))  # type: ignore[arg-type]
     empty = None
     for batch in loader:
@@ -149,5 +134,4 @@ def _in_lockstep(loader: Iterable[Any], device: torch.device) -> Iterator[Any]:
 
 
 def metrics_of(task: Task, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The task's metrics from all-reduced sums, with the `count` of the task's units."""
     return {**task.compute(sums), "count": int(sums["count"])}

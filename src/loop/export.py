@@ -3,13 +3,10 @@
     python -m src.loop.export outputs/DATE/TIME/checkpoints/best model.safetensors
     python -m src.loop.export CHECKPOINT generator.safetensors --model generator --weights ema
 
-CHECKPOINT is any checkpoint of this template: a sharded one of dist=fsdp (a `step_<N>/` directory, or the
-`last` / `best` file naming one), whose shards are gathered here into whole tensors, in one process with no
-process group; or a `.pt` of dist=ddp. `--model` picks one model of a run of several (default: its output model, e.g.
-a GAN's generator), `--weights ema` its EMA weights. OUT holds the model's state_dict, unsharded, under the plain module's
-names (no `module.`, `_orig_mod.` or FSDP prefixes), so `model.load_state_dict(safetensors.torch.load_file(OUT))`
-loads it into the plain `nn.Module` the config builds, and `init_from=OUT` fine-tunes from it. Only tensors are
-read and written: nothing from the checkpoint is executed. The file is written atomically.
+CHECKPOINT is any checkpoint of this template (a sharded one is gathered here, in one process). OUT holds the
+model's whole state_dict under the plain module's names, so `model.load_state_dict(load_file(OUT))` loads it into
+the module the config builds, and `init_from=OUT` fine-tunes from it. Nothing from the checkpoint is executed; the
+file is written atomically.
 """
 
 from __future__ import annotations
@@ -25,13 +22,8 @@ from src.common import files
 from src.common.errors import UsageError, exit_on_usage_error
 
 
-def model_state(path: Path, model: str | None = None, weights: str = "model") -> dict[str, torch.Tensor]:
-    """The whole model's tensors of the checkpoint `path`, on the CPU (refuses a file that is none)."""
-    return checkpoint.read(path).model_weights(model, weights)
-
-
 def write_safetensors(state: dict[str, torch.Tensor], out: Path, source: Path) -> None:
-    try:  # an optional package: imported only to export
+    try:  # an optional package
         from safetensors.torch import save
     except ImportError:
         raise UsageError("exporting needs the safetensors package (pip install safetensors)") from None
@@ -51,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_usage_error(is_main_process=True):
         if not args.out.parent.is_dir():
             raise UsageError(f"cannot write {args.out}: the folder {args.out.parent} does not exist")
-        state = model_state(args.checkpoint, args.model, args.weights)
+        state = checkpoint.read(args.checkpoint).model_weights(args.model, args.weights)
         write_safetensors(state, args.out, args.checkpoint)
         count = sum(tensor.numel() for tensor in state.values())
         print(f"wrote {args.out}: {len(state)} tensors, {count:,} elements, from {args.checkpoint}")

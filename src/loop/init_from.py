@@ -1,20 +1,14 @@
-"""Fine-tuning: a fresh run that starts from another run's (or another library's) model weights, and
-parameters frozen out of training.
+"""Fine-tuning: a fresh run that starts from other weights, and parameters frozen out of training.
 
-`init_from=PATH` reads MODEL WEIGHTS ONLY (never an optimizer, schedule or step count) from a
-checkpoint of this template (each of the run's models from the checkpoint's model of the same name; a
-sharded dist=fsdp directory is gathered whole), or into the run's output model (the one model, or the one
-its task names: a GAN's generator) from a state_dict saved with `torch.save` (loaded with
-`weights_only=True`, so opening it never runs code) or a `.safetensors` file when the `safetensors`
-package is installed. Keys are matched after stripping DDP's `module.` and
-torch.compile's `_orig_mod.` prefixes. What does not match (keys the model lacks, keys the file
-lacks, tensors whose shapes differ) is one log line per kind; with `init_from_strict=true` (the
-default) any of it is one error line instead, before any training. With `init_from_strict=false`
-the model keeps its fresh initialisation there: a new head for another class count.
+`init_from=PATH` reads MODEL WEIGHTS ONLY (never an optimizer, schedule or step count): from a checkpoint of this
+template (each model from its model of the same name, a sharded one gathered whole), or into the run's output model
+from a `torch.save`d state_dict (`weights_only=True`) or a `.safetensors` file. DDP's `module.` and torch.compile's
+`_orig_mod.` prefixes are stripped. What does not match (missing, unexpected, other shapes) is one log line per
+kind, or with `init_from_strict=true` (the default) one error line before any training; with false the model keeps
+its fresh initialisation there (a new head).
 
-`trainer.freeze=[PREFIX, ...]` sets requires_grad=False on every parameter whose name starts with a
-prefix, before DDP and the optimizer see the model: they get no gradient and no optimizer state. In a run of
-several models a parameter's name starts with its model's (`discriminator.net.1.weight`).
+`trainer.freeze=[PREFIX, ...]` sets requires_grad=False on the parameters whose names start with a prefix (in a run
+of several models, with its model's name: `discriminator.net.1.weight`), before DDP and the optimizer see them.
 """
 
 from __future__ import annotations
@@ -28,7 +22,6 @@ import torch
 from torch import nn
 
 from src import checkpoint
-from src.checkpoint.file_store import is_template_checkpoint
 from src.checkpoint.layout import is_directory_checkpoint
 from src.common.errors import UsageError
 from src.parallel import distributed, fsdp
@@ -41,7 +34,6 @@ SHOWN = 4  # keys named per kind in a log or error line
 
 @dataclass
 class Match:
-    """How a file's tensors fit a model's state_dict."""
 
     loadable: dict[str, torch.Tensor] = field(default_factory=dict)  # same key, same shape
     missing: list[str] = field(default_factory=list)  # in the model, not in the file
@@ -54,9 +46,8 @@ class Match:
 
 
 def read_weights(path: Path, names: list[str], output: str) -> dict[str, dict[str, torch.Tensor]]:
-    """The tensors of `path` by model name (prefixes stripped): a checkpoint of this template's models among
-    `names`, or a plain file's for the `output` model; or one error line saying why not."""
-    if is_directory_checkpoint(path):  # dist=fsdp's directory (or last / best): gathered here
+    """The tensors of `path` by model name: a checkpoint's models among `names`, or a plain file's for `output`."""
+    if is_directory_checkpoint(path):
         return _template_weights(checkpoint.read(path), names)
     if not path.is_file():
         raise UsageError(f"init_from={path} does not exist")
@@ -67,7 +58,7 @@ def read_weights(path: Path, names: list[str], output: str) -> dict[str, dict[st
     except Exception as error:  # torch raises several types for truncated or foreign files
         raise UsageError(f"init_from={path} cannot be read ({type(error).__name__}): is it a complete .pt file "
                          "saved with torch.save?") from None
-    if is_template_checkpoint(payload):  # its weights only
+    if isinstance(payload, dict) and str(payload.get("format", "")).startswith("ddp-template-checkpoint/"):
         return _template_weights(checkpoint.read(path), names)
     if not _is_state_dict(payload):
         raise UsageError(f"init_from={path} holds no state_dict (a dict of tensors by name, or a checkpoint of this "
@@ -76,8 +67,7 @@ def read_weights(path: Path, names: list[str], output: str) -> dict[str, dict[st
 
 
 def _template_weights(saved: Any, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """Each of the run's models that the checkpoint holds, by name; a run of one model and a checkpoint of one
-    take its weights whatever their names."""
+    """Each of the run's models the checkpoint holds, by name (one model from one, whatever their names)."""
     if len(names) == 1 and len(saved.model_names) == 1:
         return {names[0]: strip_prefixes(saved.model_weights(saved.model_names[0]))}
     found = {name: strip_prefixes(saved.model_weights(name)) for name in names if name in saved.model_names}
@@ -88,7 +78,7 @@ def _template_weights(saved: Any, names: list[str]) -> dict[str, dict[str, torch
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:  # an optional package: imported only for a .safetensors file
+    try:  # an optional package
         from safetensors.torch import load_file
     except ImportError:
         raise UsageError(f"init_from={path} is a safetensors file: install the safetensors package to read it "
@@ -129,7 +119,7 @@ def match(module: nn.Module, state: dict[str, torch.Tensor]) -> Match:
 
 
 def load_initial_weights(modules: dict[str, nn.Module], output: str, path: Path, strict: bool) -> dict[str, Match]:
-    """Load `path`'s matching weights into the run's `modules` (see the module's docstring); returns the matches."""
+    """Load `path`'s matching weights into the run's `modules`; returns the matches."""
     files = read_weights(path, list(modules), output)
     matches = {}
     for name, state in files.items():
@@ -141,7 +131,7 @@ def load_initial_weights(modules: dict[str, nn.Module], output: str, path: Path,
         if strict and not found.complete:
             raise UsageError(f"{label} does not fit the model ({_problems(found)}); pass init_from_strict=false "
                              "to load the weights that match and keep the rest freshly initialised (e.g. a new head)")
-        if fsdp.is_sharded(module):  # each rank keeps its shards of the file's tensors
+        if fsdp.is_sharded(module):
             fsdp.load_full_model_state(module, found.loadable, strict=False)
         else:
             module.load_state_dict(found.loadable, strict=False)
@@ -161,9 +151,7 @@ def load_initial_weights(modules: dict[str, nn.Module], output: str, path: Path,
 
 
 def load_on_every_rank(modules: dict[str, nn.Module], output: str, path: Path, strict: bool) -> None:
-    """`load_initial_weights` on every rank, or every rank stops with the first failing rank's line (rank 0
-    prints it), instead of some ranks training from other weights, or waiting for ranks that stopped.
-    A collective: every rank calls it."""
+    """`load_initial_weights` on every rank, or every rank stops with the first failing rank's line. A collective."""
     failure = None
     try:
         load_initial_weights(modules, output, path, strict)
@@ -186,11 +174,10 @@ def _problems(found: Match) -> str:
 
 
 def freeze(modules: dict[str, nn.Module], prefixes: list[str]) -> int:
-    """Set requires_grad=False on the parameters whose names start with one of `prefixes` (in a run of several
-    models, a name starts with its model's: `discriminator.net.1.`); returns how many parameter elements that
-    froze. A prefix no parameter name starts with is an error line, as is a model left with nothing to train."""
-    named = [(name, model, parameter) for model, module in modules.items()
-             for name, parameter in _qualified(module, model, len(modules) > 1)]
+    """Freeze the parameters whose names start with one of `prefixes`; returns how many elements that froze. A prefix
+    matching nothing, or a model left with nothing to train, is one error line."""
+    named = [(f"{model}.{name}" if len(modules) > 1 else name, model, parameter) for model, module in modules.items()
+             for name, parameter in module.named_parameters()]
     unmatched = [prefix for prefix in prefixes if not any(name.startswith(prefix) for name, _, _ in named)]
     if unmatched:
         tops = sorted({name.split(".", 1)[0] if len(modules) == 1 else ".".join(name.split(".", 2)[:2])
@@ -207,15 +194,9 @@ def freeze(modules: dict[str, nn.Module], prefixes: list[str]) -> int:
     return sum(parameter.numel() for _, parameter in frozen)
 
 
-def _qualified(module: nn.Module, model: str, several: bool) -> list[tuple[str, nn.Parameter]]:
-    return [(f"{model}.{name}" if several else name, parameter) for name, parameter in module.named_parameters()]
-
-
 def starting_weights(init_from: str | None, strict: bool, modules: dict[str, nn.Module], output: str,
                      resumed: Any) -> None:
-    """`init_from`'s weights (weights only: the optimizer, schedule and step count start afresh) over the models'
-    own on a fresh start; a `resumed` run's are read later, into the same modules. Weights that do not fit are
-    refused before the run writes anything."""
+    """`init_from`'s weights over the models' own on a fresh start (a `resumed` run's are read later)."""
     if resumed is not None and init_from is not None:
         log.info("init_from=%s not applied: the run resumes from %s", init_from, resumed.path)
     elif init_from is not None:

@@ -1,29 +1,17 @@
 """A fresh run's initial weights: the ones the model's own code gives, the same under dist=ddp and dist=fsdp and on
-any world size.
-
-A model either declares how it initialises, or is built by its constructor:
+any world size. A model declares one hook, or none:
 
 - `init_module(self, module, name)`: initialise one module's own parameters and buffers (not its children's);
-  called for every module that owns tensors, with its name, in `named_modules()` order, drawing from one RNG
-  stream seeded once for the model (`model_seed`). A per-name rule is one `if` (GPT-2's `c_proj` scaled by
-  1/sqrt(2 n_layer)). A model whose constructor draws only through its layers' `reset_parameters()`, in the order
-  it registers them, gets its constructor's very weights from `module.reset_parameters()`: the built-in models do.
-- `init_weights(self)`: initialise the whole model (torchtitan's models have one), called once, the RNG seeded as
-  for `init_module`.
-- neither: the constructor's values, drawn from the run's RNG as seeded (`self.apply(self._init_weights)` in
-  `__init__`, a zero-initialised head: whatever the constructor does).
+  called for every module that owns tensors, in `named_modules()` order, from one RNG stream seeded once for the
+  model (`model_seed`). A model whose constructor draws only through its layers' `reset_parameters()`, in the order
+  it registers them, gets its constructor's very weights from `module.reset_parameters()`.
+- `init_weights(self)`: initialise the whole model, called once, the RNG seeded alike.
+- neither: the constructor's values, drawn from the run's RNG as seeded, built whole on every rank.
 
-A model that declares a hook is built on the meta device (no memory, no draws), given memory only for what this
-rank holds (its shards under dist=fsdp, after sharding), and initialised by its hook, on a whole-size CPU copy of
-one module at a time (`init_module`) or of the model (`init_weights`) of which each rank keeps its slices: the
-weights are the same whatever the strategy and world size, and a rank's peak memory is its shards plus one module
-(`init_module`) or plus the whole model once (`init_weights`). A model that cannot be built on the meta device
-(its constructor reads a file, or makes a tensor on a named device) is built whole, then initialised alike; the
-log says so. A model without a hook is built whole on every rank (then sharded under dist=fsdp), and the log
-says so under dist=fsdp with what to add.
-
-A hook must set every tensor it is called for: one it leaves unset (on the meta device nothing else sets it) is
-one error line naming it.
+A model with a hook is built on the meta device and given memory only for what this rank holds (its shards under
+dist=fsdp); its hook runs on a whole-size CPU copy of one module at a time (`init_module`) or of the model
+(`init_weights`), of which each rank keeps its slices. One that cannot be built on meta is built whole, then
+initialised alike. A tensor a hook leaves unset is one error line naming it.
 """
 
 from __future__ import annotations
@@ -46,14 +34,11 @@ HOOKS = ("init_module", "init_weights")
 
 
 def hook_of(model: nn.Module) -> str | None:
-    """The initialisation hook `model` declares: init_module, init_weights, or None."""
     return next((hook for hook in HOOKS if callable(getattr(model, hook, None))), None)
 
 
 class Initial:
-    """A model as built for a fresh run, and what `initialise` needs to give it its weights by its `hook` once it is
-    prepared: each owner module's class as built (`classes`: DDP's sync-BN and FSDP replace them) and, for
-    init_weights, the model as built on the meta device (`meta`). `hook` None: it has its weights already."""
+    """A model as built, and what `initialise` needs once it is prepared (`hook` None: it has its weights)."""
 
     def __init__(self, model: nn.Module, name: str, hook: str | None) -> None:
         self.model, self.name, self.hook = model, name, hook
@@ -63,8 +48,7 @@ class Initial:
 
 
 def build(make: Callable[[], nn.Module], name: str, seed: int, sharded: bool) -> Initial:
-    """Model `name` as `make()` builds it: on the meta device if it declares a hook and can be (`initialise` gives
-    it its weights once prepared), else whole, with its weights."""
+    """Model `name` as `make()` builds it: on the meta device if it declares a hook and can be, else whole."""
     label = "the model" if name == "model" else f"model {name}"
     model, reason = _built_on_meta(make)
     if model is not None and hook_of(model) is not None:
@@ -79,7 +63,7 @@ def build(make: Callable[[], nn.Module], name: str, seed: int, sharded: bool) ->
     hook = hook_of(model)
     if hook is not None:
         log.warning("%s is built whole on every rank, then initialised by its %s: %s", label, hook, reason)
-        _initialise(Initial(model, name, hook), model, seed)
+        initialise(Initial(model, name, hook), model, seed)
     return Initial(model, name, None)
 
 
@@ -97,13 +81,9 @@ def _built_on_meta(make: Callable[[], nn.Module]) -> tuple[nn.Module | None, str
 
 
 def initialise(initial: Initial, module: nn.Module, seed: int) -> None:
-    """Give `module` (`initial.model` once prepared: plain, or sharded) its weights by `initial.hook`; nothing for a
-    model built with its weights."""
-    if initial.hook is not None:
-        _initialise(initial, module, seed)
-
-
-def _initialise(initial: Initial, module: nn.Module, seed: int) -> None:
+    """Give `module` (`initial.model` once prepared: plain, or sharded) its weights by `initial.hook`, if any."""
+    if initial.hook is None:
+        return
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(model_seed(seed, initial.name))
         if initial.hook == "init_module":
@@ -127,9 +107,8 @@ def _initialise(initial: Initial, module: nn.Module, seed: int) -> None:
 
 
 def model_seed(seed: int, model: str) -> int:
-    """The seed a model's hook draws from: the run's `seed` for a run's one model (named `model`), so that a hook that
-    replays its constructor's layer initialisations gets the weights `torch.manual_seed(seed); Model()` gets; for
-    each of several models its own, from a hash of both (63 bits)."""
+    """The run's `seed` for the model named `model` (so a hook replaying its constructor gets its very weights); for
+    any other, a 63-bit hash of both."""
     if model == "model":
         return seed
     return int.from_bytes(hashlib.blake2b(f"{seed}/{model}".encode(), digest_size=8).digest(), "little") >> 1
@@ -153,7 +132,7 @@ _UNSET_INT = -(2**62)  # what an integer tensor holds until a hook sets it (NaN 
 
 
 def _unset(module: nn.Module) -> None:
-    """Fill `module`'s tensors with values no initialiser gives, so `_check_set` sees those left unset."""
+    """Fill `module`'s tensors with values no initialiser gives, so `_check_set` finds those left unset."""
     for _, tensor in _tensors(module):
         if tensor.is_floating_point() or tensor.is_complex():
             tensor.fill_(float("nan"))
@@ -173,8 +152,7 @@ def _check_set(module: nn.Module, hook: str, where: str) -> None:
 
 
 def _full_size_copy(module: nn.Module, built_as: type) -> nn.Module:
-    """`module` as the class it was built as (before sync-BN and FSDP replaced it), with its settings and empty
-    full-size CPU tensors of its own, and no children: what its hook is given."""
+    """`module` as the class it was built as, with its settings, empty full-size CPU tensors and no children."""
     full = object.__new__(built_as)
     full.__dict__.update(module.__dict__)
     full.__dict__["_parameters"] = {key: None if p is None else nn.Parameter(_empty(p), p.requires_grad)

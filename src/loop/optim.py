@@ -1,9 +1,6 @@
-"""The optimizer, and learning-rate schedules counted in optimizer steps (not micro-steps, not epochs).
-
-Each schedule is a function `(optimizer, total_steps, steps_per_epoch, **options)`
-returning a scheduler that the loop steps once per optimizer step. `conf/scheduler/*.yaml`
-names one with `_target_` and `_partial_: true`; the loop fills in the step counts, so
-options can be given in epochs whatever the dataset size, batch size or world size.
+"""The optimizer, and learning-rate schedules counted in optimizer steps. Each schedule is a function
+`(optimizer, total_steps, steps_per_epoch, **options)` returning a scheduler the loop steps once per optimizer step;
+`conf/scheduler/*.yaml` names one with `_target_` and `_partial_: true`, so options can be given in epochs.
 """
 
 from __future__ import annotations
@@ -25,18 +22,10 @@ log = logging.getLogger(__name__)
 
 
 def build_optimizer(optimizer_cfg: Any, parameters: Iterable[torch.nn.Parameter], sharded: bool = False) -> Optimizer:
-    """The optimizer `optimizer_cfg` names (`_target_`, `_partial_: true`), over `parameters`.
-
-    torch checks its own settings (betas in [0, 1), eps and weight decay >= 0, ...): such a
-    refusal is the user's to fix, so it becomes one `error:` line instead of a traceback.
-    `sharded`: the parameters are FSDP2's DTensor shards. Some of torch's fused kernels take them (torch
-    2.14: Adam's and AdamW's), others do not (`aten._fused_sgd_ does not have a sharding strategy`): with
-    `fused: true`, one step on a one-element shard tells which (src/parallel/fsdp.py), and a kernel that
-    refuses becomes the multi-tensor (foreach) kernels, with a log line. Not torch's CPU default, a loop
-    over the parameters: every DTensor op pays a dispatch, and foreach pays it once per group (measured
-    here: digits CNN, dist=fsdp on 2 ranks, 14% more samples/s; the fused AdamW's step takes 0.6 of the
-    foreach one's).
-    """
+    """The optimizer `optimizer_cfg` names (`_target_`, `_partial_: true`) over `parameters`; a setting torch
+    refuses is one `error:` line. `sharded` (FSDP2's DTensor shards) with `fused: true`: a fused kernel that does
+    not take shards (SGD's) becomes the foreach kernels, not torch's per-parameter loop, which pays a DTensor
+    dispatch per op."""
     def make(params: Iterable[torch.nn.Parameter], **options: Any) -> Optimizer:
         return instantiate(optimizer_cfg, **options)(params=params)
 
@@ -49,31 +38,23 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[torch.nn.Parameter]
                 return make(parameters, fused=None, foreach=True)
         return make(parameters)
     except ValueError as error:
-        raise UsageError(
-            f"{optimizer_cfg._target_} refused its settings ({error}): change the optimizer.* keys"
-        ) from error
+        message = f"{optimizer_cfg._target_} refused its settings ({error}): change the optimizer.* keys"
+        raise UsageError(message) from error
     except TypeError as error:  # a key the class does not take, e.g. `fused` copied to an RMSprop YAML
         unknown = re.search(r"unexpected keyword argument '(\w+)'", str(error))
         if unknown is None:
             raise
         key = unknown.group(1)
-        raise UsageError(
-            f"{optimizer_cfg._target_} does not take {key}: remove it from the optimizer's YAML, or drop it for this "
-            f"run with ~optimizer.{key}"
-        ) from error
+        raise UsageError(f"{optimizer_cfg._target_} does not take {key}: remove it from the optimizer's YAML, or drop "
+                         f"it for this run with ~optimizer.{key}") from error
 
 
 def _warmup_steps(warmup_epochs: float, steps_per_epoch: int, total_steps: int) -> int:
     return min(total_steps, round(warmup_epochs * steps_per_epoch))
 
 
-def cosine_with_warmup(
-    optimizer: Optimizer,
-    total_steps: int,
-    steps_per_epoch: int,
-    warmup_epochs: float = 0.0,
-    min_lr_ratio: float = 0.0,
-) -> LambdaLR:
+def cosine_with_warmup(optimizer: Optimizer, total_steps: int, steps_per_epoch: int, warmup_epochs: float = 0.0,
+                       min_lr_ratio: float = 0.0) -> LambdaLR:
     """Linear warmup from ~0 to the base LR, then a half cosine down to `min_lr_ratio` x base."""
     warmup = _warmup_steps(warmup_epochs, steps_per_epoch, total_steps)
 
@@ -93,12 +74,7 @@ def step_decay(optimizer: Optimizer, total_steps: int, steps_per_epoch: int, ste
     return LambdaLR(optimizer, lambda step: gamma ** (step // period))
 
 
-def constant(
-    optimizer: Optimizer,
-    total_steps: int,
-    steps_per_epoch: int,
-    warmup_epochs: float = 0.0,
-) -> LambdaLR:
+def constant(optimizer: Optimizer, total_steps: int, steps_per_epoch: int, warmup_epochs: float = 0.0) -> LambdaLR:
     """The base LR throughout, after an optional linear warmup."""
     warmup = _warmup_steps(warmup_epochs, steps_per_epoch, total_steps)
     return LambdaLR(optimizer, lambda step: (step + 1) / warmup if step < warmup else 1.0)

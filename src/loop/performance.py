@@ -1,21 +1,29 @@
-"""Speed knobs set once at run start (how well a run then uses its GPUs: src/callbacks/utilization.py).
-
-- `set_backend_flags`: TF32 matmuls/convolutions (`trainer.tf32`) and cuDNN's algorithm choice
-  (`trainer.deterministic`: reproducible algorithms; otherwise cudnn.benchmark picks the fastest).
-- `with_memory_format`: `trainer.channels_last` puts the weights and every input batch in NHWC.
-"""
+"""Speed settings, applied once at run start: mixed precision (`trainer.precision`), TF32 and cuDNN's algorithm
+choice, channels_last, torch.compile."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
 
+# Each allowed `trainer.precision` (src/config/schema.py checks the value) and its autocast dtype.
+PRECISIONS: dict[str, torch.dtype | None] = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
+
+
+def autocast_dtype(precision: Any) -> torch.dtype | None:
+    """The autocast dtype for a checked `trainer.precision` (32 -> None: autocast off)."""
+    return PRECISIONS[str(precision)]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> ContextManager[Any]:
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
 
 def set_backend_flags(device: torch.device, tf32: bool, deterministic: bool) -> None:
-    """TF32 for fp32 matmuls and convolutions (Ampere+ GPUs; no effect on the CPU), and cuDNN's
-    algorithm choice: deterministic ones, or the fastest found by benchmarking each input shape."""
+    """TF32 matmuls and convolutions (`trainer.tf32`); cuDNN's deterministic algorithms, or its benchmarked fastest."""
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cudnn.deterministic = deterministic
@@ -23,11 +31,7 @@ def set_backend_flags(device: torch.device, tf32: bool, deterministic: bool) -> 
 
 
 def with_memory_format(model: nn.Module, channels_last: bool) -> nn.Module:
-    """`model` with NHWC (channels_last) weights and inputs if asked, else unchanged.
-
-    The inputs are converted by a forward pre-hook, so every batch that reaches the model is NHWC,
-    in training and evaluation and whichever loader produced it. Call before DDP wraps the model.
-    """
+    """`model` with NHWC weights and 4-D inputs (by a forward pre-hook) if asked. Call before DDP wraps it."""
     if not channels_last:
         return model
     model.register_forward_pre_hook(_channels_last_inputs)
@@ -35,11 +39,9 @@ def with_memory_format(model: nn.Module, channels_last: bool) -> nn.Module:
 
 
 def _channels_last_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Every 4-D (N, C, H, W) positional input in NHWC; other inputs as they are."""
     return tuple(arg.contiguous(memory_format=torch.channels_last) if isinstance(arg, torch.Tensor) and arg.dim() == 4
                  else arg for arg in args)
 
 
 def compiled(model: nn.Module, enabled: bool) -> nn.Module:
-    """`model` wrapped in torch.compile (`trainer.compile`), or itself."""
     return torch.compile(model) if enabled else model

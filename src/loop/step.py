@@ -1,36 +1,30 @@
 """What a task's training step is given: the step's micro-batches and the primitives that keep the guarantees.
 
-A task's `train_step(step)` (src/loop/task.py) is one training step: the built-in supervised one, or a fork's
-own (a GAN's two updates, a distillation, a contrastive loss over the global batch). It writes the method's
-logic; the primitives here keep what every step must keep, whatever the world size, `grad_accum` and strategy:
+A task's `train_step(step)` (src/loop/task.py) is one training step: the built-in supervised one, or a fork's own
+(a GAN's two updates, a distillation, a contrastive loss over the global batch). The primitives keep what every step
+must keep, whatever the world size, `grad_accum` and strategy:
 
     step.batches                 this rank's micro-batches of the step (trainer.grad_accum of them), on the device
-    step.models / step.modules   the trained models by name: as the step calls them (DDP / FSDP / compiled
-                                 wrappers), and unwrapped; step.aux: the frozen auxiliary models
-    step.divisor(counts)         the step's global count of units (samples, tokens, ...) over every rank and
-                                 micro-batch, from each micro-batch's count on this rank (src/loop/counting.py)
-    step.accumulate(items)       the micro-steps: (micro, item) for each micro-batch, DDP's / FSDP's gradient
-                                 sync held back until the last one
+    step.models / step.modules   the trained models by name, as the step calls them (DDP / FSDP / compiled) and
+                                 unwrapped; step.aux: the frozen auxiliary models
+    step.divisor(counts)         the step's global count of units (`StepDivisor`), from each micro-batch's count
+    step.accumulate(items)       (micro, item) for each micro-batch, the gradient sync held back until the last
     step.autocast()              trainer.precision's mixed precision for the forward
-    step.backward(loss, divisor) back-propagate a loss SUMMED over this micro-batch's units, divided by the
-                                 step's global count, scaled for fp16: the gradient of the mean over every unit
-                                 of the global batch, exact on any world size
-    step.optimizer_step(name)    one model's update: unscale, callbacks' on_before_optimizer_step, clip
-                                 (trainer.grad_clip), step, zero the gradients
+    step.backward(loss, divisor) back-propagate a loss SUMMED over this micro-batch's units as its share of the mean
+                                 over every unit of the global batch (fp16-scaled): exact on any world size
+    step.optimizer_step(name)    one model's update: unscale, on_before_optimizer_step, clip, step, zero the grads
     step.add_sums(sums)          metric sums (device tensors, by the names the task's sum_shapes gives)
-    step.all_gather(tensor)      every rank's `tensor` (same shape), concatenated in global-batch order, with
-                                 gradients flowing back to each rank's own rows: losses over the global batch
-    micro.randn(stream, *shape)  random draws per sample of the micro-batch, from (seed, step, the sample's place
-                                 in the global batch, stream): the same on any world size and after a resume
+    step.all_gather(tensor)      every rank's `tensor`, in global-batch order, differentiable to each rank's rows
+    micro.randn(stream, *shape)  draws per sample, from (seed, step, the sample's place in the global batch, stream):
+                                 the same on any world size and after a resume
 
-The trainer counts the step, steps every schedule once, updates the fp16 scaler and tells the callbacks; a
-task's step never touches the counters a resume relies on. Dropout draws per rank and step (seeded before the
-step), as before.
+The trainer counts the step, steps every schedule, updates the fp16 scaler and tells the callbacks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ContextManager, TypeVar
 
@@ -39,26 +33,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from src.common.errors import UsageError
 from src.data.sample_randomness import normal_per_sample, uniform_per_sample
 from src.loop.callback import Update
-from src.loop.counting import StepDivisor
-from src.loop.metrics import MetricSums
-from src.loop.precision import autocast
+from src.loop.performance import autocast
 from src.parallel import fsdp
-from src.parallel.distributed import is_initialized
+from src.parallel.distributed import all_reduce_sum, is_initialized
 
 T = TypeVar("T")
 
 
 class Samples:
-    """The samples of one batch by their place (`positions`: in the global batch of a training step, in the split
-    of an evaluation): what their random draws are keyed by. `step` keys the draws too (a training step's
-    number, or an evaluation's fixed stream)."""
+    """A batch's samples by their place (`positions`: in a step's global batch, in a split) and `step` (a step's
+    number, an evaluation's stream): what their draws are keyed by."""
 
     def __init__(self, seed: int, step: int, positions: torch.Tensor) -> None:
-        self.seed = seed
-        self.step = step
-        self.positions = positions
+        self.seed, self.step, self.positions = seed, step, positions
 
     def randn(self, stream: str, *shape: int) -> torch.Tensor:
         """Standard normal values, `(samples, *shape)`: row i from (seed, step, stream, positions[i]) alone."""
@@ -74,13 +64,104 @@ class MicroStep(Samples):
 
     def __init__(self, seed: int, step: int, positions: torch.Tensor, index: int, last: bool) -> None:
         super().__init__(seed, step, positions)
-        self.index = index
-        self.last = last
+        self.index, self.last = index, last
+
+
+def start_all_reduce(tensor: torch.Tensor) -> dist.Work | None:
+    """Launch the sum of `tensor` over all ranks, in place; returns the pending work (None in one process)."""
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True) if is_initialized() else None
+
+
+class StepDivisor:
+    """Turns each micro-step's loss SUM into its share of the mean over every unit of the global batch: DDP and FSDP
+    average gradients over the W ranks, so each rank back-propagates `loss_sum * W / G`, G the global count. Samples
+    (host ints) are alike on every rank, so G / W is this rank's own count; counts that depend on the data (device
+    tensors) are all-reduced asynchronously from construction (before the first forward) to the first call (before
+    the first backward), with no host sync: then a collective, built by every rank each step."""
+
+    def __init__(self, counts: Sequence[int | torch.Tensor], world_size: int) -> None:
+        self.counts = list(counts)
+        self.world_size = world_size
+        self.local: int | None = None  # samples: this rank's count over the step, the same on every rank
+        self.global_count: torch.Tensor | None = None
+        self._pending: dist.Work | None = None
+        self._scale: torch.Tensor | None = None
+        if all(isinstance(count, int) for count in self.counts):
+            self.local = sum(self.counts)  # type: ignore[arg-type]
+            return
+        device = next(count.device for count in self.counts if isinstance(count, torch.Tensor))
+        self.global_count = torch.stack([torch.as_tensor(count, device=device, dtype=torch.int64)
+                                         for count in self.counts]).sum()
+        self._pending = start_all_reduce(self.global_count)
+
+    def __call__(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The loss to back-propagate for one micro-step whose loss, summed over its units, is `loss_sum`."""
+        if self.local is not None:
+            return loss_sum / self.local
+        if self._scale is None:
+            if self._pending is not None:
+                self._pending.wait()  # queues the wait on the device stream: no host sync on GPUs
+            # A step whose micro-batches hold no unit at all (every target padding) adds nothing.
+            self._scale = (self.world_size / self.global_count.clamp(min=1).double()).to(loss_sum.dtype)
+        return loss_sum * self._scale
+
+
+BASE_SHAPES: dict[str, tuple[int, ...]] = {"loss": (), "count": ()}
+
+
+class MetricSums:
+    """Running metric sums by name (every task has `loss` and `count`) since `reset()`, added on the device with no
+    host sync. `reduce()` all-reduces them in ONE collective (slices of one float64 vector: counts exact to 2**53), so
+    a metric computed from them is exact over every rank's samples, not a mean of per-rank means."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], device: torch.device) -> None:
+        self.shapes = {**BASE_SHAPES, **shapes}
+        self._offsets: dict[str, slice] = {}
+        start = 0
+        for name, shape in self.shapes.items():
+            size = math.prod(shape)
+            self._offsets[name] = slice(start, start + size)
+            start += size
+        self._vector = torch.zeros(start, dtype=torch.float64, device=device)
+        self._views = {name: self._vector[where].view(self.shapes[name]) for name, where in self._offsets.items()}
+
+    def reset(self) -> None:
+        self._vector.zero_()
+
+    @torch.no_grad()
+    def add(self, sums: Mapping[str, torch.Tensor | float]) -> None:
+        """Add a batch's sums (device tensors or numbers); names not tracked are ignored."""
+        for name, value in sums.items():
+            view = self._views.get(name)
+            if view is not None:
+                view += value.detach() if isinstance(value, torch.Tensor) else value
+
+    def totals(self) -> torch.Tensor:
+        """This rank's sums as one vector (a copy): a window's baseline."""
+        return self._vector.clone()
+
+    def reduce(self, baseline: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Every sum over all ranks (since `baseline`, if given), as float64 CPU tensors by name. A collective."""
+        vector = self.totals() if baseline is None else self._vector - baseline
+        reduced = all_reduce_sum(vector).cpu()
+        return {name: reduced[where].view(self.shapes[name]) for name, where in self._offsets.items()}
+
+    def state_dict(self) -> dict[str, list[float]]:
+        """All ranks' sums by name (a collective): what a mid-epoch checkpoint keeps, for any world size."""
+        return {name: value.flatten().tolist() for name, value in self.reduce().items()}
+
+    def load_state_dict(self, saved: Mapping[str, list[float]]) -> None:
+        """Add sums saved by `state_dict` (on one rank only, or they count twice)."""
+        if set(saved) != set(self.shapes):
+            raise UsageError(f"the checkpoint's metric sums ({', '.join(saved)}) are not this task's "
+                             f"({', '.join(self.shapes)}): resume with the task it was saved with")
+        for name, values in saved.items():
+            saved_sum = torch.tensor(values, dtype=torch.float64).view(self.shapes[name])
+            self._views[name] += saved_sum.to(self._vector.device)
 
 
 class StepContext:
-    """One run's training steps: the trainer calls `begin` before each and `end` after it (see the module's
-    docstring for what a task's step uses)."""
+    """One run's training steps: the trainer calls `begin` before each and `end` after it."""
 
     def __init__(self, models: Mapping[str, nn.Module], modules: Mapping[str, nn.Module],
                  optimizers: Mapping[str, torch.optim.Optimizer], aux: Mapping[str, nn.Module],
@@ -107,18 +188,13 @@ class StepContext:
     def end(self) -> None:
         self.first = False
 
-    # -- the primitives ----------------------------------------------------------------------------------------
-
     def divisor(self, counts: Sequence[int | torch.Tensor]) -> StepDivisor:
-        """The step's global count of units, from this rank's count of each micro-batch (`Task.count`): host ints
-        (samples) need no communication, device tensors (tokens, pixels) one all-reduce, started now."""
+        """The step's global count of units, from this rank's count of each micro-batch (`Task.count`)."""
         return StepDivisor(counts, self.world_size)
 
     def accumulate(self, items: Sequence[T], models: Iterable[str] | None = None) -> Iterator[tuple[MicroStep, T]]:
-        """`(micro, item)` for each of the step's micro-batches (`items`: one per micro-batch, e.g. the batches),
-        the gradient sync of `models` (default: every trained model) held back until the last: DDP's `no_sync`,
-        FSDP's reduce-scatter. Name the models that get a backward in every micro-step; one left out is
-        synchronised at each, as correct, and costlier."""
+        """`(micro, item)` for each micro-batch's item, the gradient sync of `models` (default: all; one left out syncs
+        at every micro-step, as correct and costlier) held back until the last: DDP's `no_sync`, FSDP's."""
         names = list(self.models) if models is None else list(models)
         for index, item in enumerate(items):
             last = index == len(items) - 1
@@ -130,8 +206,7 @@ class StepContext:
                 yield micro, item
 
     def positions(self, micro: int) -> torch.Tensor:
-        """The places in the global batch of micro-batch `micro`'s samples on this rank (the sampler's layout:
-        src/data/loaders.py GlobalBatchSampler)."""
+        """The places in the global batch of micro-batch `micro`'s samples on this rank (GlobalBatchSampler's)."""
         start = (micro * self.world_size + self.rank) * self.micro_batch_size
         return torch.arange(start, start + self.micro_batch_size, device=self.device)
 
@@ -160,9 +235,8 @@ class StepContext:
         self.sums.add(sums)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's `tensor` (each of the same shape, e.g. this micro-batch's embeddings) concatenated along
-        dim 0 in rank order, which for one micro-step is global-batch order. Differentiable: the gradient of each
-        row goes back to the rank it came from, summed over the ranks that used it."""
+        """Every rank's `tensor` (same shape) along dim 0 in rank order (global-batch order), each row's gradient
+        summed back to its rank."""
         return _AllGather.apply(tensor) if is_initialized() and self.world_size > 1 else tensor
 
 

@@ -1,28 +1,17 @@
-"""The task contract: what the loop asks of a task. Concrete tasks live in src/components/tasks.py; a fork's own
-method (a GAN, a distillation, a contrastive loss) is a task too, with its own step (src/recipes/).
+"""The task contract: what the loop asks of a task (concrete ones: src/components/tasks.py; a fork's method with its
+own step: src/recipes/). A task trains the config's models (`models`; `output_model` is the one eval.py, export and
+EMA take) and may read frozen auxiliary ones (`aux_models`, in `self.aux`). Its `train_step(step)` is one training
+step (src/loop/step.py), its `evaluate(val)` one evaluation pass (src/loop/evaluation.py); the supervised defaults
+ask it:
 
-A task's training step is `train_step(step)`: by default supervised learning, written with the primitives of
-src/loop/step.py; a method overrides it. Its evaluation is `evaluate(val)`: by default each val batch's
-`val_step` sums (src/loop/evaluation.py). The models it trains are the config's (`model`, or a mapping of
-named models: `models` names those it needs, `output_model` the one eval.py, export and EMA take by default),
-its frozen auxiliary models `aux` (a teacher: the config's `aux`).
-
-The supervised step asks a task five things:
-- `split(batch)`: the model's inputs (positional and keyword) and the target, picked out of a
-  batch of any structure (tuple, list or dict of tensors) by the binding `bind()` made of the task's
-  `inputs` and `target` and the dataset's named fields;
-- `count(target)`: how many units (`unit`: samples, tokens, pixels) the batch holds, computable before
-  the forward; a host int when it is the batch size, a device tensor when it depends on the data;
-- `loss(outputs, target)`: the loss SUMMED over those units, so the loop can divide by the global
-  count (every rank's and micro-step's units) and the gradient is exact whatever the world size;
-- `sums(...)`: the batch's metric sums by name (device tensors, no host sync), which the loop
-  accumulates and all-reduces in one collective and saves by name for a mid-epoch resume;
-- `compute(sums)`: the metrics, from the sums over all ranks: exact on any world size.
-
-It also checks the model's output against the target once, on the first batch (`check_output`), says
-what it needs of a dataset (`check`), how wide the model's output must be (`num_outputs`, what
-`${data:num_outputs}` gives a model YAML), and which metric decides `best.pt` by default (`monitor`,
-`mode`, declared in its YAML).
+- `split(batch)`: the model's inputs and the target, picked out of a batch of any structure by the binding of the
+  task's `inputs` and `target` to the dataset's fields;
+- `count(target)`: the batch's units (`unit`: samples, tokens, pixels), before the forward;
+- `loss(outputs, target)`: the loss SUMMED over those units (the loop divides by the global count);
+- `sums(outputs, target)`: the batch's metric sums by name, all-reduced in one collective;
+- `compute(sums)`: the metrics, from the sums over all ranks;
+- `check_output`, `check`, `num_outputs`: the model's output checked once, what it needs of a dataset, how wide the
+  output must be (`${data:num_outputs}`); `monitor` and `mode`: what decides best.pt by default.
 """
 
 from __future__ import annotations
@@ -46,37 +35,23 @@ Shapes = dict[str, tuple[int, ...]]
 
 
 class Batch(tuple):
-    """A batch as the task sees it: the model's inputs (`args`, `kwargs`), the `target`, and the whole batch as the
-    loader gave it (`fields`: every field, those that are neither input nor target too). Unpacks as
-    `args, kwargs, target = batch`."""
+    """A batch as the task sees it, `args, kwargs, target = batch`, and as the loader gave it (`fields`)."""
 
     def __new__(cls, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, fields: Any = None) -> "Batch":
         batch = super().__new__(cls, (args, kwargs, target))
         batch.fields = fields
         return batch
 
-    @property
-    def args(self) -> tuple[Any, ...]:
-        return self[0]
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        return self[1]
-
-    @property
-    def target(self) -> Any:
-        return self[2]
-
-    @property
-    def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return self[0], self[1]
+    args = property(lambda self: self[0])  # tuple[Any, ...]
+    kwargs = property(lambda self: self[1])  # dict[str, Any]
+    target = property(lambda self: self[2])
+    inputs = property(lambda self: (self[0], self[1]))  # (args, kwargs)
 
 
 @dataclass(frozen=True)
 class Binding:
-    """Where a batch holds the model's inputs and the target: `args` and `kwargs` (argument name -> key)
-    and `target`, each a position or a field name. A name picks a dict batch's key, or a tuple batch's
-    part at its place among the fields (`positions`: name -> position), and a position a named field."""
+    """Where a batch holds the model's `args`, `kwargs` (argument name -> key) and `target`: positions or field names
+    (`positions`: a tuple batch's field name -> position)."""
 
     args: tuple[Key, ...]
     kwargs: dict[str, Key]
@@ -89,8 +64,8 @@ class Binding:
             raise UsageError(f"{self.dataset} names {len(self.positions)} fields ({', '.join(self.positions)}) but "
                              f"its samples have {len(batch)} parts: name one field per part in DataSplits(fields=...)")
         return Batch(tuple(self._pick(batch, key) for key in self.args),
-                     {name: self._pick(batch, key) for name, key in self.kwargs.items()}, self._pick(batch, self.target),
-                     batch)
+                     {name: self._pick(batch, key) for name, key in self.kwargs.items()},
+                     self._pick(batch, self.target), batch)
 
     def _pick(self, batch: Any, key: Key) -> Any:
         if isinstance(key, str) and not isinstance(batch, Mapping):
@@ -110,15 +85,10 @@ class Binding:
 
 
 class Task:
-    """The base: batch structure, units and monitored metric; subclasses add the loss and metrics.
-
-    `inputs`: the sample parts passed to the model: None (the default: every field but the target, in
-    order, positionally), a list (positional: `model(b[0], b[1])`, or by field name: `[rgb, mask]`), or a
-    mapping of argument name to part (keywords: `{rgb: rgb}` gives `model(rgb=b["rgb"])`). `target`: the
-    part the loss compares the model's output with (None: the dataset's target field; for a dataset that
-    names none, the last part). `monitor`/`mode`: the metric (`val/<name>` or `train/<name>`, a name in
-    `metric_names`) that decides best.pt and what sweeps optimise.
-    """
+    """The base: batch structure, units and monitored metric; subclasses add the loss and metrics. `inputs`: the parts
+    passed to the model (None: every field but the target; a list of positions or names; a mapping argument ->
+    part); `target`: what the loss compares with (None: the dataset's, else the last part); `monitor`/`mode`: the
+    metric (`val/<name>`) that decides best.pt and what sweeps optimise."""
 
     metric_names: tuple[str, ...] = ("loss",)  # what compute() returns (besides "count")
     models: tuple[str, ...] = ("model",)  # the trained models the task's step uses, by name
@@ -127,16 +97,13 @@ class Task:
     monitor: str | None = "val/loss"  # the default monitored metric and mode, unless the YAML names others
     mode = "min"
     unit = "samples"  # what count() counts: samples | tokens | pixels (log lines, metrics.json, throughput)
-    # What check_output compares with and names: the output width num_outputs() gave for the run's dataset
-    # and the model setting that sets it (src/loop/task_and_model.py sets both: the key of the run's model config
-    # that takes ${data:num_outputs}).
+    # What check_output compares with and names: the output width for the run's dataset and the model setting that
+    # sets it (src/loop/task_and_model.py sets both).
     output_width: int | None = None
     output_setting = "model.num_outputs"
 
-    def __init__(
-        self, inputs: Sequence[Key] | Mapping[str, Key] | None = None, target: Key | None = None,
-        monitor: str | None = None, mode: str | None = None,
-    ) -> None:
+    def __init__(self, inputs: Sequence[Key] | Mapping[str, Key] | None = None, target: Key | None = None,
+                 monitor: str | None = None, mode: str | None = None) -> None:
         self.inputs = inputs
         self.target = target
         self.monitor = monitor or type(self).monitor
@@ -144,23 +111,17 @@ class Task:
         self.binding: Binding | None = None
         self.aux: dict[str, nn.Module] = {}  # the run's frozen auxiliary models, by name (set when the run builds)
 
-    # -- batches --------------------------------------------------------------------------------
-
     def bind(self, fields: Sequence[str] | None, target: str | None, sample: Any = None,
              dataset: str = "the dataset") -> Binding:
-        """Bind `inputs` and `target` to a dataset that names `fields` and its `target` (src/data/splits.py).
-        A dataset that names nothing is bound by the structure of one of its samples, `sample`: positions
-        of a tuple (the last is the target), keys of a dict. Refuses a name the dataset does not have."""
+        """Bind `inputs` and `target` to a dataset's `fields` and `target`, or to its `sample`'s structure; a name the
+        dataset lacks is one error line."""
         self.binding = bind(self.inputs, self.target, fields, target, sample, dataset)
         return self.binding
 
     def split(self, batch: Any) -> Batch:
-        """The model's inputs and the target of `batch`. A task no dataset was bound to binds to the structure of
-        the first batch it splits."""
+        """The model's inputs and target of `batch` (a task bound to no dataset binds to its first batch)."""
         binding = self.binding if self.binding is not None else self.bind(None, None, batch)
         return binding.split(batch)
-
-    # -- what the task needs of the dataset --------------------------------------------------------
 
     # The info field the task learns from, and what it means: its value is the model's output width.
     needs: tuple[str, str] | None = None
@@ -177,12 +138,8 @@ class Task:
             raise NotImplementedError(f"{type(self).__name__} names no `needs` field: define num_outputs()")
         return int(info[self.needs[0]])
 
-    # -- units, loss and metrics --------------------------------------------------------------------
-
     def count(self, target: Any) -> int | torch.Tensor:
-        """This micro-batch's units, from the target alone (before the forward): the samples, as a host
-        int; a task whose count depends on the data (tokens that are not padding, labelled pixels) returns
-        it as a device tensor, never with .item(): the loop sums it over ranks without a host sync."""
+        """This micro-batch's units, from the target: a host int, or a device tensor (never .item(): no host sync)."""
         return target.shape[0]
 
     def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -190,8 +147,7 @@ class Task:
         raise NotImplementedError
 
     def check_output(self, outputs: torch.Tensor, target: torch.Tensor) -> None:
-        """Raise a UsageError (one line: both shapes, the model setting to change) if `outputs` cannot be
-        what this task expects for `target`. Called once, on the first batch; shapes only, no host sync."""
+        """Raise a UsageError (both shapes, the setting to change) if `outputs` cannot fit `target`; once, no sync."""
 
     def sum_shapes(self, info: Mapping[str, Any]) -> Shapes:
         """Name and shape of every metric sum (besides `loss` and `count`, which every task has)."""
@@ -203,8 +159,7 @@ class Task:
 
     def batch_sums(self, outputs: torch.Tensor, target: torch.Tensor, loss_sum: torch.Tensor,
                    count: int | torch.Tensor, val: bool = False) -> dict[str, torch.Tensor | int]:
-        """Everything a batch adds to the running sums: `loss` (the `loss()` sum), `count`, the task's sums,
-        and with `val` its val-only sums. What the loop and evaluation accumulate, one call each."""
+        """Everything a batch adds to the running sums: `loss`, `count`, the task's sums (and val-only ones)."""
         with torch.no_grad():
             extra = self.val_sums(outputs, target) if val else {}
             return {"loss": loss_sum.detach(), "count": count, **self.sums(outputs.detach(), target), **extra}
@@ -217,17 +172,11 @@ class Task:
         return {}
 
     def compute(self, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Metrics from the sums over all ranks (float64 CPU tensors): `loss` (per unit) and `metric_names`,
-        plus tables (tensors, e.g. `confusion`) the reporter shows as they are."""
+        """Metrics (`loss` per unit, `metric_names`, tables as tensors) from the sums over all ranks (float64, CPU)."""
         return {"loss": ratio(sums["loss"], sums["count"])}
 
-
-    # -- the step and the evaluation: supervised by default; a method overrides them -----------------------------
-
     def train_step(self, step: StepContext) -> None:
-        """One training step: forward and backward each of the step's micro-batches, each micro-batch's loss
-        summed over its units and divided by the step's global count, then the model's update. A fork's method
-        overrides this, with the same primitives (src/loop/step.py)."""
+        """One supervised training step: forward and backward each micro-batch, then the model's update."""
         model = step.models[self.output_model]
         batches = [self.split(batch) for batch in step.batches]
         # Counted from the targets before the first forward: the counts' all-reduce overlaps it.
@@ -245,18 +194,15 @@ class Task:
 
     @property
     def feeds_batches(self) -> bool:
-        """Whether the output model is called with each batch's inputs (the built-in step): then its `forward` is
-        checked against them before any work (src/loop/task_and_model.py)."""
+        """Whether the output model takes each batch's inputs (the built-in step): its `forward` is checked first."""
         return type(self).train_step is Task.train_step
 
     def train_loss(self, outputs: Any, batch: Batch) -> torch.Tensor:
-        """The loss a training micro-step back-propagates, summed over its units: `loss(outputs, target)`. Override
-        it to use the whole batch or the auxiliary models (a teacher's logits); evaluation reports `loss`."""
+        """The loss SUM a training micro-step back-propagates: `loss`, or one using the whole batch or `aux` models."""
         return self.loss(outputs, batch.target)
 
     def evaluate(self, val: Evaluation) -> None:
-        """Add every batch of the val split to the sums (`val_step`). Override to evaluate otherwise (a kNN
-        accuracy over embeddings of the train split, a generator's samples)."""
+        """Add every val batch's `val_step` sums; override to evaluate otherwise (a kNN accuracy, generated samples)."""
         for index, (batch, _) in enumerate(val.batches()):
             val.add_sums(self.val_step(batch, val, first=index == 0))
 
@@ -281,23 +227,17 @@ def shape(tensor: torch.Tensor) -> str:
     return f"({', '.join(map(str, tensor.shape))}{',' if tensor.dim() == 1 else ''})"
 
 
-# -- binding a task's inputs and target to a dataset's fields ------------------------------------------
-
-
 def bind(inputs: Sequence[Key] | Mapping[str, Key] | None, target: Key | None, fields: Sequence[str] | None,
          dataset_target: str | None, sample: Any, dataset: str) -> Binding:
-    """The binding of a task's `inputs` and `target` settings (None: from the dataset) to a dataset's named
-    `fields` and `dataset_target`, or, for a dataset that names nothing, to the structure of its `sample`."""
+    """The binding of a task's `inputs` and `target` to a dataset's `fields` and target, or to its `sample`."""
     names, parts = _names_and_parts(fields, sample)
     if target is None:
         target = dataset_target if dataset_target is not None else _default_target(fields, sample, parts, dataset)
     if inputs is None:
         inputs = [key for key in (names if names is not None else range(parts)) if key != target]
     positions = {} if names is None else {name: index for index, name in enumerate(names)}
-    if isinstance(inputs, Mapping):
-        binding = Binding((), dict(inputs), target, positions, dataset)
-    else:
-        binding = Binding(tuple(inputs), {}, target, positions, dataset)
+    args, kwargs = ((), dict(inputs)) if isinstance(inputs, Mapping) else (tuple(inputs), {})
+    binding = Binding(args, kwargs, target, positions, dataset)
     for key in (*binding.args, *binding.kwargs.values()):
         _check_key("task.inputs", key, names, parts, dataset)
     _check_key("task.target", binding.target, names, parts, dataset)

@@ -1,12 +1,8 @@
-"""The training loop: epochs of optimizer steps, evaluation, checkpoints and reports.
-
-The loop only sees its settings (`TrainerConfig`) and the parts the run built (`TrainParts`: the models,
-their optimizers and schedules, data, checkpoint store, reporter, callbacks); it does not know how they were
-configured or launched, nor which add-ons the run has: it tells its callbacks (src/loop/callback.py) what it
-does at a few named points. Its story, in `fit`: for each epoch, train its steps (`train_one_epoch`, one
-training step of `grad_accum` micro-batches at a time: the task's `train_step`, src/loop/step.py), evaluate
-(the task's `evaluate`), record, checkpoint, report; stop, with a checkpoint, after `max_steps`, on
-preemption, or when a callback ends the run.
+"""The training loop: for each epoch, train its steps (the task's `train_step`, one of `grad_accum` micro-batches at
+a time), evaluate (the task's `evaluate`), record, checkpoint, report; stop with a checkpoint after `max_steps`, on
+preemption, or when a callback ends the run. It sees only its settings (`TrainerConfig`) and the parts the run built
+(`TrainParts`), and tells its callbacks (src/loop/callback.py) what it does. Its records (history, metrics.json,
+TensorBoard scalars, log lines) name rates and counts by the task's unit (`samples_per_s`, `val/num_tokens`).
 """
 
 from __future__ import annotations
@@ -30,15 +26,13 @@ from src.common.seeding import seed_generators, step_seed
 from src.config.schema import TrainerConfig
 from src.data.batches import to_device
 from src.data.loaders import Data
-from src.loop import records
-from src.loop.callback import Callbacks, EndRun, Run, Step
+from src.loop.callback import Callbacks, EndRun, Outcome, Run, Step
 from src.loop.evaluation import evaluate, metrics_of
-from src.loop.metrics import MetricSums
-from src.loop.precision import autocast_dtype
-from src.loop.step import StepContext
-from src.loop.outcome import Interruptions, Outcome
+from src.loop.performance import autocast_dtype
+from src.loop.step import MetricSums, StepContext
 from src.loop.task import Task
 from src.parallel.distributed import Runtime
+from src.parallel.preemption import Preemption
 from src.reports.images import image_grid
 from src.reports.hparams import run_hparams
 from src.reports.reporting import Reporter, model_summary
@@ -57,7 +51,7 @@ class TrainState:
     train_seconds: float = 0.0  # wall time spent in training epochs
     history: list[dict[str, float]] = field(default_factory=list)
     step_in_epoch: int = 0  # optimizer steps already taken in the unfinished epoch `epoch`
-    epoch_totals: dict[str, list[float]] | None = None  # its train metric sums by name, over all ranks
+    epoch_totals: dict[str, list[float]] | None = None  # its train metric sums, over all ranks
     ended: EndRun | None = None  # why and after which epoch a callback ended the run
     test: dict[str, Any] | None = None  # the final test: its step, the weights tested, their test/* metrics
 
@@ -75,7 +69,7 @@ class TrainState:
 
 @dataclass
 class TrainParts:
-    """What the run built for the loop (train.py; tests build small ones)."""
+    """What the run built for the loop."""
 
     runtime: Runtime
     task: Task
@@ -94,18 +88,17 @@ class TrainParts:
     def one_model(cls, runtime: Runtime, task: Task, module: nn.Module, train_model: nn.Module,
                   optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, data: Data,
                   store: Store, reporter: Reporter, callbacks: Callbacks | None = None, **rest: Any) -> TrainParts:
-        """The parts of a run of one model (named `model`), e.g. in a test."""
         return cls(runtime, task, {"model": module}, {"model": train_model}, {"model": optimizer}, {"model": scheduler},
                    data, store, reporter, callbacks or Callbacks(), **rest)
 
 
+@dataclass
 class LogWindow:
     """The optimizer steps since the last train/* scalars: the epoch's sums, the step and the clock when it began."""
 
-    def __init__(self, totals: torch.Tensor, step: int) -> None:
-        self.totals = totals
-        self.step = step
-        self.started = time.perf_counter()
+    totals: torch.Tensor
+    step: int
+    started: float = field(default_factory=time.perf_counter)
 
 
 class Trainer:
@@ -118,7 +111,7 @@ class Trainer:
         self.amp_dtype = autocast_dtype(config.precision)
         # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
-        self.interruptions = Interruptions(config.max_steps, device, config.log_every_steps)  # armed while fit() runs
+        self.preemption = Preemption(device, config.log_every_steps)  # SIGTERM / SIGUSR2 caught while fit() runs
         self.epoch_metrics = MetricSums(parts.task.sum_shapes(parts.data.splits.info), device)
         self._val_count: int | None = None  # the last val pass's units (metrics.json's val/num_<unit>)
         self.step = StepContext(parts.train_models, parts.modules, parts.optimizers, parts.task.aux, self.scaler,
@@ -135,22 +128,14 @@ class Trainer:
                 "schedulers": Named(parts.schedulers, "schedule"), "scaler": self.scaler, "loop": state,
                 "callbacks": parts.callbacks, "config": parts.saved_config, "output_model": parts.task.output_model}
 
-    # -- the run -----------------------------------------------------------------------
-
     def restore(self, state: TrainState, checkpoint: Checkpoint) -> None:
-        """Every part but the callbacks' from `checkpoint` (the models and optimizers into this run's, sharded or
-        not; `state` in place): a checkpoint that does not fit is refused here, before the run writes anything.
-        `fit` gives the callbacks theirs once they hold the run's parts."""
+        """Every part but the callbacks' (`fit` restores theirs) from `checkpoint`, before the run writes anything."""
         checkpoint.restore({name: part for name, part in self.stateful(state).items() if name != "callbacks"})
         log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", checkpoint.path, state.epoch,
                  state.step, state.step_in_epoch, state.epoch + 1)
 
     def fit(self, state: TrainState, checkpoint: Checkpoint | None = None) -> Outcome:
-        """Train from `state` (updated in place; restored from `checkpoint` if given, see `restore`) to
-        `config.epochs`, evaluating and checkpointing every epoch. Stops early, with a checkpoint to resume from,
-        after `config.max_steps` training steps or when the process is asked to terminate (SIGTERM: preemption);
-        or, after an epoch's checkpoint, when a callback ends the run (a run resumed after that trains no more).
-        Returns why it stopped."""
+        """Train from `state` (in place; restored from `checkpoint`) to `config.epochs`, then test; how it ended."""
         self.parts.reporter.text("model/summary", model_summary(self.parts.modules))
         if state.ended is not None:
             log.info("%s after epoch %d: nothing more to train", state.ended.ended_by, state.ended.epoch)
@@ -161,7 +146,7 @@ class Trainer:
             callbacks.run_start(run)
             if checkpoint is not None:  # the callbacks' state, once they hold the run's parts
                 checkpoint.restore({"callbacks": callbacks})
-            with self.interruptions:
+            with self.preemption:
                 outcome = self._epochs(run)
             self.parts.store.wait()  # the last checkpoint written (trainer.async_checkpoint), or its failure raised
             if outcome is not Outcome.PREEMPTED:  # training is over (a preempted run goes on elsewhere)
@@ -185,9 +170,7 @@ class Trainer:
         return Outcome.COMPLETED
 
     def train_one_epoch(self, epoch: int, run: Run) -> dict[str, float] | Outcome:
-        """One epoch's optimizer steps, from `state.step_in_epoch` on (a resumed epoch goes on where it
-        stopped, with the same remaining samples). Returns its train metrics, or why the run stopped
-        before the epoch's end (after a step checkpoint)."""
+        """One epoch's steps from `state.step_in_epoch` on: its train metrics, or why the run stopped before its end."""
         state = run.state
         restored = self._start_epoch(epoch, state)
         window = LogWindow(self.epoch_metrics.totals(), state.step)
@@ -207,18 +190,16 @@ class Trainer:
         return self._epoch_train_metrics(restored)
 
     def evaluate(self, desc: str = "val", split: str = "val") -> dict[str, Any]:
-        """The task's metrics (and val tables) of the models as they are now over the whole `split`, each sample
-        counted once (`desc` names the pass: its progress bar, its images' tags)."""
+        """The task's metrics of the models as they are now over the whole `split` (`desc`: the progress bar's)."""
         parts = self.parts
         return evaluate(parts.task, parts.modules, parts.data.loader, parts.data.splits.info, parts.runtime.device,
                         self.amp_dtype, parts.seed, lambda batches, _: parts.reporter.track(batches, desc), split)
 
     def summary(self, state: TrainState, num_val_samples: int) -> dict[str, Any]:
-        """The run so far, as written to metrics.json: the last epoch's metrics and the history, the
-        parameter elements trainer.freeze froze, and whether (and after which epoch) a callback ended it."""
-        summary = records.run_summary(state.history, num_val_samples, self.parts.runtime.world_size,
-                                      self.parts.data.train_sampler.global_batch_size,
-                                      state.train_samples / state.train_seconds, self.parts.task.unit)
+        """The run so far, as written to metrics.json."""
+        summary = run_summary(state.history, num_val_samples, self.parts.runtime.world_size,
+                              self.parts.data.train_sampler.global_batch_size,
+                              state.train_samples / state.train_seconds, self.parts.task.unit)
         summary["frozen_parameters"] = sum(p.numel() for module in self.parts.modules.values()
                                            for p in module.parameters() if not p.requires_grad)
         if state.ended is not None:
@@ -229,9 +210,7 @@ class Trainer:
 
     def report(self, state: TrainState, outcome: Outcome, overrides: Sequence[str] = (),
                choices: Mapping[str, Any] | None = None) -> float:
-        """Close the run's reports: a finished run's hparams and final metrics, or, for a run stopped with a
-        checkpoint (max_steps, preemption), how to continue it. Returns the monitored metric's last value (NaN
-        without one: no epoch yet, or trainer.monitor=null); `overrides`, `choices`: the job's (its hparams)."""
+        """Close the run's reports; returns the monitored metric's last value (NaN without one)."""
         reporter, monitor = self.parts.reporter, self.config.monitor
         if not outcome.is_final:
             log.info("stopped at step %d with a checkpoint; continue with: resume=auto hydra.run.dir=%s",
@@ -247,12 +226,8 @@ class Trainer:
         log.info("run dir: %s", reporter.run_dir)
         return summary.get(monitor, float("nan")) if monitor else float("nan")
 
-    # -- the final test ------------------------------------------------------------------
-
     def _final_test(self, run: Run, outcome: Outcome) -> None:
-        """Evaluate the chosen weights once on the test split: best.pt's (its EMA weights too), or the last ones when
-        nothing is monitored; then put the last ones back and checkpoint the result, so a resumed run that has
-        nothing more to train does not test again. Every rank; skipped without a test split or trainer.test."""
+        """Test the chosen weights (best.pt's, or the last) once, put the last back and checkpoint the result."""
         parts, state = self.parts, run.state
         if not self.config.test or parts.data.splits.test is None:
             if self.config.test and state.test is None:
@@ -265,16 +240,15 @@ class Trainer:
         if chosen is not None:
             chosen.restore(self._weights_parts(state))
         test = self.evaluate("test", split="test")
-        scores = {**records.metric_values("test", test), **parts.callbacks.test(run, test)}
+        scores = {**metric_values("test", test), **parts.callbacks.test(run, test)}
         state.test = {"step": state.step, "weights": weights,
                       "metrics": {**scores, f"test/num_{parts.task.unit}": test["count"]}}
         if chosen is not None:  # the last weights back, before they are saved again
             checkpoint_read(parts.store.latest()).restore(self._weights_parts(state))
-        log.info("%s (%d %s; weights: %s)", "  ".join(records.format_metrics(scores, split)
-                                                           for split in dict.fromkeys(k.split("/")[0] for k in scores)),
+        splits = dict.fromkeys(key.split("/")[0] for key in scores)
+        log.info("%s (%d %s; weights: %s)", "  ".join(format_metrics(scores, split) for split in splits),
                  test["count"], parts.task.unit, weights)
-        metrics = state.test["metrics"]
-        parts.reporter.scalars(metrics, state.step)
+        parts.reporter.scalars(state.test["metrics"], state.step)
         if outcome is Outcome.MAX_STEPS:
             self._save_mid_epoch(run)
         else:
@@ -283,8 +257,7 @@ class Trainer:
             parts.reporter.write_metrics(self.summary(state, self._val_count or parts.data.num_val_samples))
 
     def _chosen_weights(self, state: TrainState) -> tuple[Checkpoint | None, str]:
-        """The checkpoint of the weights to test, best.pt (or `best`) when a metric is monitored, and what they are;
-        None where they are the last weights, which the model holds."""
+        """The checkpoint of the weights to test (None: the last, which the model holds), and what they are."""
         best = self.parts.store.best()
         if self.config.monitor is None or best is None:
             return None, f"the last, of step {state.step}"
@@ -296,12 +269,8 @@ class Trainer:
         parts = self.stateful(state)
         return {"models": parts["models"], "callbacks": parts["callbacks"]}
 
-    # -- an epoch ----------------------------------------------------------------------
-
     def _start_epoch(self, epoch: int, state: TrainState) -> dict[str, list[float]] | None:
-        """Point the sampler at the epoch (and the resumed step; its samples' augmentation follows from
-        them), and start the epoch's sums: from zero, or those a step checkpoint saved. Returns those
-        restored sums."""
+        """Point the sampler at the epoch (and step), and start its sums: zero, or a step checkpoint's (returned)."""
         self.parts.data.train_sampler.set_epoch(epoch, start_step=state.step_in_epoch)
         for model in self.parts.train_models.values():
             model.train()
@@ -313,29 +282,27 @@ class Trainer:
         return restored
 
     def _after_step(self, run: Run, window: LogWindow) -> Outcome | None:
-        """After an optimizer step: the log window's scalars, then why to stop (the caller checkpoints),
-        or else a periodic step checkpoint if one is due."""
+        """After a step: the window's scalars, then why to stop (the caller checkpoints), or a due step checkpoint."""
         step = run.state.step
         if step % self.config.log_every_steps == 0:
             self._report_window(step, window)
-        interrupted = self.interruptions.check(step)
-        if interrupted is not None:
-            return interrupted
+        if self.config.max_steps is not None and step >= self.config.max_steps:
+            return Outcome.MAX_STEPS
+        if self.preemption.stop_requested(step):  # agreed by every rank, at the same step
+            return Outcome.PREEMPTED
         every = self.config.checkpoint_every_steps
         if every and step % every == 0 and run.state.step_in_epoch < self.parts.data.train_sampler.steps_per_epoch:
             self._save_mid_epoch(run)
         return None
 
     def _epoch_train_metrics(self, restored: dict[str, list[float]] | None) -> dict[str, float]:
-        """The finished epoch's train metrics over all ranks, with `timed_count`: the samples trained
-        (and timed) by this run, not those restored from a checkpoint."""
+        """The epoch's train metrics over all ranks, `timed_count` the units this run trained (not those restored)."""
         metrics = metrics_of(self.parts.task, self.epoch_metrics.reduce())
         metrics["timed_count"] = metrics["count"] - (int(restored["count"][0]) if restored is not None else 0)
         return metrics
 
     def _end_epoch(self, epoch: int, run: Run, train: dict[str, float], started: float) -> bool:
-        """Evaluate, record the epoch in `state`, ask the callbacks whether to stop (before the checkpoint,
-        which then holds the decision), report and checkpoint. Returns whether a callback ended the run."""
+        """Evaluate, record, ask the callbacks whether to stop (the checkpoint holds it), report, checkpoint."""
         state, parts = run.state, self.parts
         train_seconds = time.perf_counter() - started
         val = self.evaluate()
@@ -345,32 +312,27 @@ class Trainer:
         state.epoch = epoch + 1
         state.train_samples += train["timed_count"]
         state.train_seconds += train_seconds
-        record = records.epoch_record(state.epoch, state.step, train, val, self._lr(),
-                                      time.perf_counter() - started, train_seconds, extra, parts.task.unit)
+        record = epoch_record(state.epoch, state.step, train, val, self._lr(), time.perf_counter() - started,
+                              train_seconds, extra, parts.task.unit)
         state.history.append(record)
         is_best = self.config.monitor is not None and self._improves(state, record[self.config.monitor])
         end = parts.callbacks.epoch_end(run, record)  # the same on every rank
         if end is not None:
             state.ended = dataclasses.replace(end, epoch=state.epoch)
             log.info("%s", end.message)
-        parts.reporter.scalars(records.epoch_scalars(record, parts.task.unit), record["step"])
+        parts.reporter.scalars(epoch_scalars(record, parts.task.unit), record["step"])
         for tag, batch in images.items():
             parts.reporter.image(f"val/{tag}", image_grid(batch), record["step"])
-        log.info("%s", records.epoch_line(record, self.config.epochs, val["count"], parts.task.unit))
+        log.info("%s", epoch_line(record, self.config.epochs, val["count"], parts.task.unit))
         self._checkpoint(run, is_best)
         # After the checkpoint: metrics.json never reports an epoch a restart would lose.
         parts.reporter.write_metrics(self.summary(state, val["count"]))
         return end is not None
 
-    # -- a step ------------------------------------------------------------------------
-
     def _train_step(self, micro_batches: list[Any], state: TrainState) -> None:
-        """One training step: the task's `train_step` over its `grad_accum` micro-batches (src/loop/step.py), then
-        every schedule's step, the fp16 scaler's update and the step's count; the callbacks see its summed loss."""
+        """The task's `train_step` over the step's micro-batches, then the schedules, the fp16 scaler and the count."""
         parts, step = self.parts, self.step
-        # Seeded per step (differently per rank): dropout draws the same after a resume at any step, and
-        # independently across ranks. (Augmentation draws per sample, in the loader: src/data/; a step's own
-        # draws per sample too, micro.randn.)
+        # Seeded per step and rank: dropout draws the same after a resume at any step, and independently per rank.
         seed_generators(step_seed(parts.seed, parts.runtime.env.rank, state.step), parts.runtime.device)
         step.begin([to_device(batch, parts.runtime.device) for batch in micro_batches], state.step + 1)
         try:
@@ -390,8 +352,6 @@ class Trainer:
         state.step_in_epoch += 1
         parts.callbacks.step_end(Step(state.step, step.loss, step.inputs))
 
-    # -- checkpoints ---------------------------------------------------------------------
-
     def _checkpoint(self, run: Run, is_best: bool, mid_epoch: bool = False) -> None:
         """Save the run's parts, once every callback accepts the state (the NaN watch refuses a diverged one)."""
         self.parts.callbacks.checkpoint(run)
@@ -399,7 +359,7 @@ class Trainer:
             self.parts.store.save(self.stateful(run.state), run.state.step, is_best, mid_epoch)
 
     def _save_mid_epoch(self, run: Run) -> None:
-        """A step checkpoint: the model and everything needed to go on from this very step."""
+        """A step checkpoint: everything needed to go on from this very step."""
         state = run.state
         state.epoch_totals = self.epoch_metrics.state_dict()
         self._checkpoint(run, is_best=False, mid_epoch=True)
@@ -407,17 +367,13 @@ class Trainer:
         log.info("checkpoint at step %d (epoch %d, step %d of %d)", state.step, state.epoch + 1,
                  state.step_in_epoch, self.parts.data.train_sampler.steps_per_epoch)
 
-    # -- helpers -----------------------------------------------------------------------
-
     def _lr(self) -> float:
         """The learning rate of the output model's optimizer (its first parameter group)."""
         optimizers = self.parts.optimizers
         return optimizers.get(self.parts.task.output_model, next(iter(optimizers.values()))).param_groups[0]["lr"]
 
     def _improves(self, state: TrainState, value: float) -> bool:
-        better = state.best is None or (
-            value > state.best if self.config.monitor_mode == "max" else value < state.best
-        )
+        better = state.best is None or (value > state.best if self.config.monitor_mode == "max" else value < state.best)
         if better:
             state.best = value
         return better
@@ -427,15 +383,15 @@ class Trainer:
         metrics = metrics_of(self.parts.task, self.epoch_metrics.reduce(baseline=window.totals))
         window.totals = self.epoch_metrics.totals()
         samples = (step - window.step) * self.parts.data.train_sampler.global_batch_size
-        scalars = records.window_scalars(metrics, self._lr(), metrics["count"] / seconds, self.parts.task.unit,
-                                         samples / seconds)
+        scalars = window_scalars(metrics, self._lr(), metrics["count"] / seconds, self.parts.task.unit,
+                                 samples / seconds)
         scalars.update(self.parts.callbacks.log(step, scalars))  # the NaN watch looks at train/loss here
         self.parts.reporter.scalars(scalars, step)
         window.started, window.step = time.perf_counter(), step
 
 
 def _in_steps(loader: Iterable[Any], accum: int) -> Iterator[list[Any]]:
-    """The loader's micro-batches, `accum` at a time: one optimizer step's each (the sampler gives whole steps)."""
+    """The loader's micro-batches, `accum` at a time (the sampler gives whole steps)."""
     batches = iter(loader)
     while micro_batches := list(itertools.islice(batches, accum)):
         yield micro_batches
@@ -448,3 +404,63 @@ def _unused_parameters(error: RuntimeError) -> UsageError | None:
     return UsageError("a model's parameters got no gradient in a training step, so DDP could not all-reduce them (a "
                       "layer the forward skips, a loss that ignores an output): set dist.find_unused_parameters=true, "
                       "or freeze those parameters (trainer.freeze)")
+
+
+_NOT_METRICS = ("count", "timed_count")
+
+
+def rate_name(unit: str) -> str:
+    return f"{unit}_per_s"
+
+
+def metric_values(split: str, metrics: dict[str, Any]) -> dict[str, float]:
+    """`split/<name>` for each metric the task computed; counts and tables are reported on their own."""
+    return {f"{split}/{name}": value for name, value in metrics.items()
+            if name not in _NOT_METRICS and isinstance(value, float)}
+
+
+def format_metrics(record: dict[str, Any], split: str) -> str:
+    """`train loss 0.1234 acc 0.9876`: a split's metrics of an epoch record, for the log."""
+    values = [f"{key.split('/', 1)[1]} {value:.4f}" for key, value in record.items() if key.startswith(f"{split}/")]
+    return f"{split} {' '.join(values)}"
+
+
+def epoch_record(epoch: int, step: int, train: dict[str, Any], val: dict[str, Any], lr: float,
+                 epoch_seconds: float, train_seconds: float, extra: dict[str, float] | None = None,
+                 unit: str = "samples") -> dict[str, float]:
+    """One entry of the run's history: train, val and the callbacks' `extra` metrics, lr, time and throughput."""
+    return {"epoch": epoch, "step": step, **metric_values("train", train), **metric_values("val", val), **(extra or {}),
+            "lr": lr, "epoch_time_s": epoch_seconds, rate_name(unit): train["timed_count"] / train_seconds}
+
+
+def epoch_scalars(record: dict[str, float], unit: str = "samples") -> dict[str, float]:
+    return {**{key.replace("train/", "epoch/train_"): v for key, v in record.items() if key.startswith("train/")},
+            **{key: v for key, v in record.items() if "/" in key and not key.startswith("train/")},
+            "time/epoch_s": record["epoch_time_s"], f"throughput/epoch_{rate_name(unit)}": record[rate_name(unit)]}
+
+
+def epoch_line(record: dict[str, float], epochs: int, num_val: int, unit: str = "samples") -> str:
+    """`epoch 3/20  step 84  train loss ...  val loss ... val_ema loss ... (359 samples)  5120 samples/s`."""
+    splits = dict.fromkeys(key.split("/", 1)[0] for key in record if "/" in key and not key.startswith("train/"))
+    val = "  ".join(format_metrics(record, split) for split in splits)
+    return "epoch %d/%d  step %d  %s  %s (%d %s)  %.0f %s/s" % (
+        record["epoch"], epochs, record["step"], format_metrics(record, "train"), val, num_val, unit,
+        record[rate_name(unit)], unit)
+
+
+def window_scalars(window: dict[str, Any], lr: float, per_s: float, unit: str = "samples",
+                   samples_per_s: float | None = None) -> dict[str, float]:
+    """A log window's train/* scalars, lr and throughput (also in samples, MFU's unit, for another unit)."""
+    rates = {f"throughput/{rate_name(unit)}": per_s}
+    if unit != "samples" and samples_per_s is not None:
+        rates["throughput/samples_per_s"] = samples_per_s
+    return {**metric_values("train", window), "lr": lr, **rates}
+
+
+def run_summary(history: list[dict[str, float]], num_val: int, world_size: int, global_batch_size: int,
+                per_s: float, unit: str = "samples") -> dict[str, Any]:
+    """metrics.json: the last epoch's metrics, the history, the val units covered, the training throughput."""
+    last = history[-1]
+    return {**{key: value for key, value in last.items() if "/" in key}, "epoch": last["epoch"], "step": last["step"],
+            f"val/num_{unit}": num_val, "world_size": world_size, "global_batch_size": global_batch_size,
+            rate_name(unit): per_s, "history": history}

@@ -1,10 +1,5 @@
-"""Distributed setup: who this process is, which device and backend it uses, and the
-few collectives the template needs.
-
-Every rank-dependent decision about the process group lives here. Who this process is comes
-from the launcher's variables (src/parallel/ranks.py); a plain `python train.py` has none and
-runs as a group of one without a process group.
-"""
+"""This process's device, backend and process group, its model's data-parallel wrapper, and the few collectives the
+template needs; a process no launcher started runs as a group of one without a process group."""
 
 from __future__ import annotations
 
@@ -28,32 +23,24 @@ from src.parallel.sync_batchnorm import convert_sync_batchnorm
 
 
 def select_device(requested: str, env: DistEnv) -> torch.device:
-    """`auto` takes this rank's GPU (cuda:LOCAL_RANK) when there is one, else the CPU. `requested` is
-    one of the checked `trainer.device` values (src/config/schema.py); this checks what the machine has."""
+    """`auto` takes this rank's GPU (cuda:LOCAL_RANK) when there is one, else the CPU."""
     if requested == "cuda" and not torch.cuda.is_available():
         raise UsageError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu or auto")
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     if env.local_rank >= torch.cuda.device_count():
-        raise UsageError(
-            f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
-            "start at most one process per GPU (--nproc_per_node)"
-        )
+        raise UsageError(f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+                         "start at most one process per GPU (--nproc_per_node)")
     return torch.device("cuda", env.local_rank)
 
 
 def select_backend(requested: str, device: torch.device) -> str:
-    """`auto` is nccl for GPUs and gloo for the CPU; nccl cannot move CPU tensors. `requested` is one
-    of the checked `dist.backend` values (src/config/schema.py)."""
+    """`auto` is nccl for GPUs and gloo for the CPU; nccl cannot move CPU tensors."""
     if requested == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     if requested == "nccl" and device.type != "cuda":
         raise UsageError("dist.backend=nccl needs CUDA devices; use dist.backend=gloo (or auto) on the CPU")
     return requested
-
-
-def _nothing() -> None:
-    pass
 
 
 @dataclass(frozen=True)
@@ -64,7 +51,7 @@ class Runtime:
     device: torch.device
     backend: str | None  # None when running as a single process
     # What the loop calls once its first training step is done: collectives wait dist.step_timeout_s from then on.
-    first_step_taken: Callable[[], None] = _nothing
+    first_step_taken: Callable[[], None] = lambda: None
 
     @property
     def is_main_process(self) -> bool:
@@ -81,32 +68,20 @@ _groups_started = 0
 @contextlib.contextmanager
 def process_group(requested_device: str, requested_backend: str, timeout_s: float,
                   step_timeout_s: float | None = None) -> Iterator[Runtime]:
-    """Join the launcher's process group for the duration of the block, then leave it.
-
-    Collectives wait at most `timeout_s` until this process's first training step (`Runtime.first_step_taken`)
-    and `step_timeout_s` after it; a timeout names the ranks that did not arrive (src/parallel/hang.py).
-    The group is torn down even when training raises, so a sweep can start the next
-    job's group in the same process.
-    """
+    """Join the launcher's process group for the block, then leave it, even on failure; collectives wait `timeout_s`
+    until the first training step, then `step_timeout_s`, and a timeout names the ranks that did not arrive."""
     env = read_env()
     device = select_device(requested_device, env)
-    # Checked alone too: dist.backend=nccl on a CPU is a mistake whatever the world size.
-    backend = select_backend(requested_backend, device)
+    backend = select_backend(requested_backend, device)  # nccl on a CPU is a mistake whatever the world size
     if not env.is_distributed:
         yield Runtime(env, device, backend=None)
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = _group_store(env)
-    dist.init_process_group(
-        backend=backend,
-        store=store,
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        # nccl binds the group to this rank's GPU up front instead of guessing later.
-        device_id=device if device.type == "cuda" else None,
-    )
+    dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
     try:
         with hang.diagnosed(store, env.rank, env.world_size, timeout_s, step_timeout_s) as tighten:
             yield Runtime(env, device, backend, tighten)
@@ -115,14 +90,7 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
 
 
 def _group_store(env: DistEnv) -> dist.Store:
-    """The rendezvous store, under a fresh key namespace for each group this process starts.
-
-    A sweep run under torchrun starts one group per job in the same processes, and the previous
-    group's keys in the shared store would otherwise satisfy (or wedge) the next group's rendezvous.
-    The agent's store outlives a restarted group, so the restart count separates their keys; a store
-    that rank 0 hosts is new with every group, and the count could differ between nodes (an agent
-    started again after its node was lost counts from 0).
-    """
+    """The rendezvous store, under fresh keys for each group (a sweep's, a restart's): old keys wedge a rendezvous."""
     global _groups_started
     _groups_started += 1
     agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -131,18 +99,8 @@ def _group_store(env: DistEnv) -> dist.Store:
 
 
 def exit_after_a_group(status: int = 0) -> None:
-    """End this process now if it ran a process group: atexit handlers run (log handlers flush), the
-    interpreter's teardown does not. Returns (and the process exits as usual) if it never joined one.
-
-    DDP keeps a gloo group's C++ objects alive after `destroy_process_group()` (its reducer holds the
-    group), so the group's worker threads outlive the run. A worker thread that finishes a collective
-    drops the work's tensors a moment after the caller has returned; if that moment falls inside the
-    interpreter's teardown, the thread cannot take the GIL to free them and the process aborts
-    ("terminate called without an active exception", SIGABRT) after a successful run, which torchrun
-    reports as a failed worker. Measured here: 1 in 180 two-rank runs under load, 0 in 274 after (a core dump showed
-    ProcessGroupGloo::AsyncWork's destructor in take_gil during Py_FinalizeEx); pytorch/pytorch#179291
-    describes the same teardown race.
-    """
+    """End this process now if it ran a process group: atexit handlers run, the interpreter's teardown does not (a
+    gloo worker thread DDP keeps alive may free tensors during it and abort the process: pytorch/pytorch#179291)."""
     if _groups_started == 0:
         return
     atexit._run_exitfuncs()
@@ -151,20 +109,12 @@ def exit_after_a_group(status: int = 0) -> None:
     os._exit(status)
 
 
-def prepare_model(
-    module: torch.nn.Module, runtime: Runtime, sync_bn: bool, find_unused_parameters: bool,
-    sharding: Any = None, param_dtype: torch.dtype | None = None,
-    initialise: Callable[[torch.nn.Module], None] = lambda module: None,
-) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Move `module` to this rank's device and wrap it for data-parallel training.
-
-    Returns `(module, train_model)`: the module that is evaluated and saved, and the one the loop
-    trains: DDP's wrapper around the plain module, or, with `sharding` (the `dist.fsdp` settings of
-    dist.strategy=fsdp), the FSDP2-sharded module both times (src/parallel/fsdp.py; `param_dtype`: its
-    compute dtype under mixed precision). A single process gets the plain module both times. A module on the
-    meta device (src/loop/initial_weights.py) gets memory only for what this rank holds (its shards, after
-    sharding), given its values by `initialise` before any wrapper sees them.
-    """
+def prepare_model(module: torch.nn.Module, runtime: Runtime, sync_bn: bool, find_unused_parameters: bool,
+                  sharding: Any = None, param_dtype: torch.dtype | None = None,
+                  initialise: Callable[[torch.nn.Module], None] = lambda module: None
+                  ) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """`(module, train_model)`: `module` on this rank's device (sharded with `sharding`, materialised from meta and
+    given its values by `initialise`), and what the loop trains: DDP's wrapper, or the module itself."""
     if runtime.env.is_distributed and sync_bn:
         module = convert_sync_batchnorm(module, runtime.device)
     on_meta = any(tensor.is_meta for tensor in itertools.chain(module.parameters(), module.buffers()))
@@ -182,41 +132,31 @@ def prepare_model(
     initialise(module)
     if not runtime.env.is_distributed:
         return module, module
-    train_model = torch.nn.parallel.DistributedDataParallel(
-        module,
-        device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
-        find_unused_parameters=find_unused_parameters,
-    )
-    return module, train_model
+    return module, torch.nn.parallel.DistributedDataParallel(
+        module, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
+        find_unused_parameters=find_unused_parameters)
 
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum `tensor` over all ranks in place (no-op in a single process) and return it."""
-    if is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
+def _all_reduce(op: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The elementwise `op` of a tensor over all ranks, in place and returned (a no-op in a single process)."""
+    def reduce(tensor: torch.Tensor) -> torch.Tensor:
+        if is_initialized():
+            dist.all_reduce(tensor, op=op)
+        return tensor
+    return reduce
 
 
-def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
-    """The elementwise minimum of `tensor` over all ranks, in place (no-op in a single process)."""
-    if is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return tensor
-
-
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    """The elementwise maximum of `tensor` over all ranks, in place (no-op in a single process)."""
-    if is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor
+all_reduce_sum = _all_reduce(dist.ReduceOp.SUM)
+all_reduce_min = _all_reduce(dist.ReduceOp.MIN)
+all_reduce_max = _all_reduce(dist.ReduceOp.MAX)
 
 
 def broadcast_object(obj: object, src: int = 0) -> object:
-    """Return rank `src`'s `obj` on every rank (identity in a single process)."""
+    """Rank `src`'s `obj` on every rank (identity in a single process)."""
     if not is_initialized():
         return obj
     holder = [obj]
@@ -233,15 +173,11 @@ def gather_objects(obj: object) -> list[object]:
     return gathered
 
 
-_this_thread = threading.local()  # the group the collectives above use in this thread (None: the default)
+_this_thread = threading.local()  # the group the object collectives above use in this thread (None: the default)
 
 
 def new_group(timeout_s: float | None) -> Any:
-    """A second group over every rank (gloo), for a thread whose collectives run while the training thread's
-    run on the default group (a background checkpoint write): two threads' collectives on one group would
-    interleave differently on each rank. Its collectives wait `timeout_s` (the run passes dist.step_timeout_s,
-    as its default group's after the first step, or dist.timeout_s if that is null; None: torch's default,
-    30 min). None in a single process. A collective: every rank calls it."""
+    """A second gloo group, for a thread whose collectives run beside the training thread's (None in one process)."""
     if not is_initialized():
         return None
     return dist.new_group(backend="gloo", timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
@@ -270,8 +206,8 @@ def main_process_first() -> Iterator[None]:
     try:
         yield
     finally:
-        # Also when rank 0's block fails (say, a missing dataset folder): the other ranks then run it
-        # and stop on the same error, instead of dying at this barrier when rank 0 exits.
+        # Also when rank 0's block fails: the other ranks then run it and stop on the same error, instead of dying
+        # at this barrier when rank 0 exits.
         if is_initialized() and not is_waiting_rank:
             dist.barrier()
 
@@ -286,24 +222,13 @@ def _release_store() -> None:
 
 
 def rendezvous_store(env: DistEnv, timeout_s: float = 600.0) -> dist.Store:
-    """A key-value store shared by the whole group, available before the process group.
-
-    Under torchrun the elastic agent already serves one at MASTER_ADDR:MASTER_PORT, so
-    every rank is a client. Elsewhere rank 0 hosts it. Process groups are built on it
-    (see `process_group`), and `src.parallel.job` uses it to agree on the run dir first.
-    """
+    """The group's key-value store, before the process group: torchrun's agent's, or one rank 0 hosts."""
     global _store
     if _store is not None:
         return _store
     atexit.register(_release_store)
     agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    # Kept for the life of the process: on rank 0 this object may be the server.
-    _store = dist.TCPStore(
-        host_name=env.master_addr,
-        port=env.master_port,
-        world_size=env.world_size,
-        is_master=env.is_main_process and not agent_serves,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    _store = dist.TCPStore(host_name=env.master_addr, port=env.master_port, world_size=env.world_size,
+                           is_master=env.is_main_process and not agent_serves,
+                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     return _store

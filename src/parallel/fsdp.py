@@ -1,36 +1,23 @@
-"""Fully sharded data parallel (`dist.strategy=fsdp`): the model sharded over the ranks with PyTorch's FSDP2.
+"""Fully sharded data parallel (`dist.strategy=fsdp`) with PyTorch's FSDP2: each unit's parameters become DTensors
+sharded along their first dimension, so a rank keeps 1/world_size of every parameter, gradient and optimizer state;
+a unit's forward and backward all-gather its parameters, and its gradients are reduce-scattered (DDP's mean, sliced).
 
-`fully_shard` turns each wrapped module's parameters into DTensors sharded along their first dimension:
-a rank keeps 1/world_size of every parameter, of its gradient and (since the optimizer is built over
-these shards) of the optimizer state. A unit's forward all-gathers its parameters and frees them after
-(`reshard_after_forward`); its backward gathers them again and reduce-scatters the gradients, so each
-rank ends with the mean gradient of its own shard, the gradient DDP's all-reduce would give, sliced.
-
-Units: the modules `dist.fsdp.wrap` names by class, else the root's children that hold at least
-`dist.fsdp.min_unit_params` parameters (the children of a lone container child: an MLP's `net`; the members of a
-ModuleList or ModuleDict: a transformer's blocks), then the root for what is left. Sharding per unit lets a unit's all-gather overlap the previous unit's compute, and
-bounds the memory of gathered parameters by the largest unit instead of the whole model. Each unit costs
-its own collectives, though (about 1 ms each with gloo on this CPU): a small model, whose children all fall
-below the threshold, is one unit, the root, which FSDP2 keeps gathered from the forward to the backward, so
-a step costs one all-gather and one reduce-scatter (benchmarks/fsdp_speed.py: 0.70x DDP's throughput with
-the digits CNN's two children as units, 0.92x as one unit).
-
-Everything else is unchanged: the CPU sync-BN (src/parallel/sync_batchnorm.py) replaces BatchNorm before
-sharding and all-reduces the activation statistics as under DDP; the loop's metrics, sampler, seeding
-and NaN guard never see the difference. A whole (unsharded) state dict, e.g. init_from's, is put into a sharded
-module by parameter name (`load_full_model_state`); checkpoints do the same through src/checkpoint/states.py.
-
-torch.distributed.fsdp and DTensor are imported where they are used, by runs that shard.
+Units: the modules `dist.fsdp.wrap` names by class, else the root's children holding at least
+`dist.fsdp.min_unit_params` parameters (the children of a lone container child; a ModuleList's or ModuleDict's
+members), then the root. A unit's all-gather overlaps the previous unit's compute and gathered memory is bounded by
+the largest unit, but each unit costs its own collectives: a small model is one unit.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from src.common.errors import UsageError
@@ -39,52 +26,36 @@ ROOT_ONLY = ["root"]  # dist.fsdp.wrap=[root]: the whole model is one unit
 
 
 def units(module: nn.Module, wrap: Sequence[str], min_unit_params: int = 0) -> list[nn.Module]:
-    """The modules sharded as units before the root: those of the classes `wrap` names (outermost first
-    matches only), none for `[root]`, or the automatic choice described in the module's docstring: the
-    candidates holding at least `min_unit_params` parameters (none of them: the root alone)."""
+    """The units sharded before the root: those of the classes `wrap` names (outermost), none, or the automatic ones."""
     if list(wrap) == ROOT_ONLY:
         return []
     if wrap:
         found: list[nn.Module] = []
         for child in module.modules():
-            if child is not module and type(child).__name__ in wrap and not _inside(child, found):
+            if (child is not module and type(child).__name__ in wrap
+                    and not any(child in list(parent.modules()) for parent in found)):
                 found.append(child)
         return found
     return [unit for unit in _candidates(module) if _size(unit) >= max(min_unit_params, 1)]
 
 
 def _candidates(module: nn.Module) -> list[nn.Module]:
-    """The root's children that hold parameters; the children of a lone container child instead; and in place of
-    a list or dict of modules (ModuleList, ModuleDict: no forward of their own, which fully_shard needs) what it
-    holds (a transformer's `blocks`)."""
+    """The children holding parameters (a lone container's, and a ModuleList's or ModuleDict's: no forward)."""
     holders = [child for child in module.children() if _size(child) > 0]
     if len(holders) == 1 and any(True for _ in holders[0].children()):
         return _candidates(holders[0]) or holders
-    return [unit for child in holders for unit in (_candidates(child) if _is_collection(child) else [child])]
-
-
-def _is_collection(module: nn.Module) -> bool:
-    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
+    return [unit for child in holders
+            for unit in (_candidates(child) if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child])]
 
 
 def _size(module: nn.Module) -> int:
     return sum(parameter.numel() for parameter in module.parameters())
 
 
-def _inside(child: nn.Module, outer: list[nn.Module]) -> bool:
-    return any(child in list(parent.modules()) for parent in outer)
-
-
 def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, cpu_offload: bool,
           param_dtype: torch.dtype | None, min_unit_params: int = 0) -> nn.Module:
-    """`module` sharded in place over the default process group (every rank calls this with the same
-    model): each unit of `units(module, wrap)`, then the root. With `param_dtype` (trainer.precision
-    bf16/16), forward and backward run on parameters in that dtype and gradients are reduced in fp32;
-    BatchNorm layers then are units of their own that keep fp32 parameters, as autocast keeps them: a
-    bf16 weight beside fp32 running statistics is refused by batch_norm."""
-    # Imported here: torch.distributed.fsdp takes ~0.45 s to import, which runs that do not shard never pay.
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
+    """`module` sharded in place, unit by unit, then the root. With `param_dtype` the gradients are reduced in fp32
+    and BatchNorm layers are units of their own in fp32 (batch_norm refuses a bf16 weight beside fp32 statistics)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     chosen = units(module, wrap, min_unit_params)
@@ -97,33 +68,21 @@ def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, c
             fully_shard(norm, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     for unit in chosen:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=offload)
-    # None: FSDP2's own choice for the root, which keeps its parameters gathered from the forward to the
-    # backward (they would be gathered again at once); the same as `true` for a root with units inside.
+    # None: FSDP2's own choice for the root, which keeps its parameters gathered from the forward to the backward
+    # (they would be gathered again at once); the same as `true` for a root with units inside.
     root_reshard = None if reshard_after_forward else False
     fully_shard(module, reshard_after_forward=root_reshard, mp_policy=policy, offload_policy=offload)
     return module
 
 
-def find(model: nn.Module) -> Any:
-    """The FSDP root inside `model` (possibly under torch.compile's wrapper), if it is one (else None)."""
-    inner = getattr(model, "_orig_mod", model)
-    return inner if is_sharded(inner) else None
-
-
 def is_sharded(module: nn.Module) -> bool:
-    """Whether `fully_shard` made `module` a root or unit. Until torch.distributed.fsdp is imported (by
-    `shard`, or anything else) no module can be one, and the check imports nothing."""
-    loaded = sys.modules.get("torch.distributed.fsdp")
-    return loaded is not None and isinstance(module, loaded.FSDPModule)
+    return isinstance(module, FSDPModule)
 
 
 def fused_step_takes_shards(build: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                             parameters: Sequence[nn.Parameter]) -> bool:
-    """Whether the optimizer `build(params)` makes (with `fused: true`) steps DTensor shards: torch 2.14's fused
-    Adam and AdamW do, its fused SGD does not ("aten._fused_sgd_ does not have a sharding strategy"). One
-    step on a one-element shard laid out as the first sharded parameter tells (no communication: elementwise)."""
-    from torch.distributed.tensor import DTensor
-
+    """Whether the fused optimizer `build(params)` makes steps DTensor shards (fused SGD does not): one step on a
+    one-element shard tells, without communication."""
     like = next((parameter for parameter in parameters if isinstance(parameter, DTensor)), None)
     if like is None:
         return True
@@ -143,9 +102,7 @@ def fused_step_takes_shards(build: Callable[[list[nn.Parameter]], torch.optim.Op
 
 @contextlib.contextmanager
 def no_gradient_sync(model: Any) -> Iterator[None]:
-    """Backward passes in the block keep their unsharded gradients and skip the reduce-scatter: micro-steps
-    before an optimizer step's last one accumulate locally, and that last one reduces the sum once (DDP's
-    `no_sync`)."""
+    """Backward passes in the block keep their unsharded gradients and skip the reduce-scatter (DDP's `no_sync`)."""
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -154,10 +111,7 @@ def no_gradient_sync(model: Any) -> Iterator[None]:
 
 
 def load_full_model_state(module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-    """A whole model's state_dict (every rank holds all of it) into the sharded `module`: each rank keeps its
-    shards (`strict=False`: of the tensors `state` holds; the others keep their values)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
+    """A whole state_dict (on every rank) into the sharded `module`, each rank keeping its shards."""
     set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
@@ -165,23 +119,20 @@ IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how to 
 
 
 def this_implementation(groups: list[dict[str, Any]], optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Saved param_groups with this run's kernel choices: a dist=ddp checkpoint says fused=true, which sharded
-    parameters cannot run (src/loop/optim.py), and a sharded one says fused=None, slower than a ddp run's."""
+    """Saved param_groups with this run's kernel choices (a ddp run's fused=true may not run on shards)."""
     return [{**group, **{key: own[key] for key in IMPLEMENTATION if key in own}}
             for group, own in zip(groups, optimizer.param_groups)]
 
 
 def reshard(model: nn.Module) -> None:
-    """Free the parameters every sharded module of `model` holds gathered (FSDP2 keeps a root's gathered after a
-    forward without gradients), so that its next forward gathers the shards as they are then. No-op unsharded."""
+    """Free the parameters `model`'s sharded modules hold gathered (after a forward without gradients)."""
     for module in model.modules():
         if is_sharded(module):
             module.reshard()
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `tensor`: a DTensor's local shard (its storage: writing to it writes the DTensor), or
-    the tensor itself."""
+    """This rank's part of `tensor`: a DTensor's local shard (writing to it writes the DTensor), or the tensor."""
     return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
 
 
@@ -195,11 +146,8 @@ def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
 
 
 def _slice_of(whole: torch.Tensor, target: Any) -> torch.Tensor:
-    """This rank's slice of `whole` as the DTensor `target` holds it: a view where its placements are Shard and
-    Replicate (what fully_shard makes: no copy, and none of the whole tensor on the device), else through
-    `distribute_tensor` (every rank holds the same `whole`, so each keeps its slice without communicating)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
+    """This rank's slice of `whole` as the DTensor `target` holds it: a view, else `distribute_tensor`'s (no
+    communication: every rank holds `whole`)."""
     part, coordinate = whole, target.device_mesh.get_coordinate()
     for mesh_dim, placement in enumerate(target.placements):
         if isinstance(placement, Shard) and coordinate is not None:

@@ -1,15 +1,13 @@
 """A rank that stops arriving (frozen, hung, swapped out): fail the group soon, and say who it was.
 
-Two timeouts: the group is created with `dist.timeout_s`, long enough for start-up (rendezvous, a dataset
-download behind `main_process_first`, compilation); after this process's first training step (the loop says
-when: `Runtime.first_step_taken`) the group's timeout drops to `dist.step_timeout_s`, which only has to cover the longest gap between two collectives of
-a running job (a step, rank 0 writing a checkpoint, an evaluation pass).
+The group is created with `dist.timeout_s`, long enough for start-up; after this process's first training step
+(`Runtime.first_step_taken`) its timeout drops to `dist.step_timeout_s`, which only has to cover the longest gap
+between two collectives of a running job (a step, a checkpoint write, an evaluation pass).
 
-When a collective times out, gloo says only "Timed out waiting 10000ms for recv". Every rank that timed
-out marks itself in the launcher's store; after a short grace the others' marks show which ranks never
-arrived. Those running on this host are SIGKILLed as this process exits: a stopped process never exits by
-itself, and some launchers (submitit's local executor) wait for every task. The error names the
-collective, the ranks and the timeout, in the log and in the launcher's failure summary.
+gloo says only "Timed out waiting 10000ms for recv". Every rank that timed out marks itself in the launcher's store;
+after a short grace the marks show which ranks never arrived. Those on this host are SIGKILLed as this process exits
+(a stopped process never exits, and some launchers wait for every task). The error names the collective, the ranks
+and the timeout.
 """
 
 from __future__ import annotations
@@ -46,9 +44,7 @@ class CollectiveTimeout(RuntimeError):
 @contextlib.contextmanager
 def diagnosed(store: dist.Store, rank: int, world_size: int, timeout_s: float,
               step_timeout_s: float | None) -> Iterator[Callable[[], None]]:
-    """Around a process group's life: give the function that tightens its timeout (to call after the first
-    training step), and turn a collective's timeout into a CollectiveTimeout naming the ranks that did not
-    arrive."""
+    """Around a process group's life: give what tightens its timeout, and name the ranks a timeout waited for."""
     store.set(f"process/{rank}", f"{socket.gethostname()} {os.getpid()}")  # whom to end if it freezes
     timeout = _Timeout("dist.timeout_s", timeout_s)
     try:
@@ -59,7 +55,8 @@ def diagnosed(store: dist.Store, rank: int, world_size: int, timeout_s: float,
         if not _TIMEOUT.search(str(error)):
             raise
         missing = _ranks_that_did_not_arrive(store, rank, world_size)
-        who = (f"{_ranks(missing)} did not arrive (stopped, hung, or far slower than the others)"
+        ranks = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+        who = (f"{ranks} did not arrive (stopped, hung, or far slower than the others)"
                f"{_end_frozen_peers(store, missing)}" if missing else "every rank was waiting (a network fault?)")
         message = f"{_collective(error)} timed out after {timeout.seconds:g} s ({timeout.key}): {who}"
         log.error(message)
@@ -74,14 +71,12 @@ class _Timeout:
         self.seconds = seconds
 
     def tighten(self, step_timeout_s: float | None) -> None:
-        """After the first training step: from now on a collective waits at most `step_timeout_s`."""
         if step_timeout_s is not None and self.key != "dist.step_timeout_s":
             dist.set_timeout(datetime.timedelta(seconds=step_timeout_s))
             self.key, self.seconds = "dist.step_timeout_s", step_timeout_s
 
 
 def _mark_alive(store: dist.Store, rank: int) -> None:
-    """Tell the ranks taking the census that this one is running (and was in a collective)."""
     store.set_timeout(datetime.timedelta(seconds=CENSUS_GRACE_S))  # the store's host may be the frozen rank
     with contextlib.suppress(RuntimeError):
         store.set(f"alive_after_fault/{rank}", "1")
@@ -102,8 +97,7 @@ def _ranks_that_did_not_arrive(store: dist.Store, rank: int, world_size: int) ->
 
 
 def _end_frozen_peers(store: dist.Store, missing: list[int]) -> str:
-    """SIGKILL the missing ranks that run on this host once this process exits (so the launcher's summary
-    shows this process's error as the root cause, not the kill); says which they are."""
+    """SIGKILL the missing ranks on this host once this process exits (after its error); says which."""
     peers = []
     for rank in missing:
         with contextlib.suppress(RuntimeError, ValueError):
@@ -123,11 +117,11 @@ def _kill(pids: list[int]) -> None:
 
 
 def _collective(error: BaseException) -> str:
-    """Which collective timed out, from the traceback: a torch.distributed call, a DDP wrapper's own
-    collective (buffer broadcast in forward) or DDP's gradient all-reduce inside backward(), and the
-    line of this project that ran it."""
+    """Which collective timed out, and the line of this project that ran it, from the traceback."""
     frames = traceback.extract_tb(error.__traceback__)
-    ours = [f for f in frames if _is_ours(f.filename)]
+    machinery = (Path(__file__).resolve(), Path(__file__).with_name("distributed.py"))
+    ours = [f for f in frames if (path := Path(f.filename).resolve()).is_relative_to(_REPO)
+            and "site-packages" not in path.parts and path not in machinery]
     last = ours[-1] if ours else None
     where = f" ({Path(last.filename).resolve().relative_to(_REPO)}:{last.lineno} {last.name})" if last else ""
     api = [f.name for f in frames if f.filename.endswith("distributed_c10d.py") and not f.name.startswith("_")]
@@ -139,14 +133,3 @@ def _collective(error: BaseException) -> str:
     if any(f.name == "backward" for f in frames):
         return f"DDP's gradient all-reduce in backward(){where}"
     return f"a collective{where}"
-
-
-def _is_ours(filename: str) -> bool:
-    """A file of this project, other than the process-group machinery itself."""
-    path = Path(filename).resolve()
-    return (path.is_relative_to(_REPO) and "site-packages" not in path.parts
-            and path not in (Path(__file__).resolve(), Path(__file__).with_name("distributed.py")))
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

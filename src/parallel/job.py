@@ -1,12 +1,9 @@
 """A Hydra job under any launcher: what it knows of itself, its run dir (one per run), its errors.
 
-Hydra resolves `${now:...}` in every process, so torchrun ranks that reach Hydra a second apart would each
-create their own timestamped run dir (hydra #2070). Run dirs are therefore named with `${run_timestamp:FORMAT}`:
-rank 0's clock, shared through the launcher's store before Hydra creates any directory; ranks other than 0 skip
-writing `.hydra/` (`${main_rank_only:}`). Importing this module registers those resolvers and `${data:FIELD}`,
-so every process that composes the config (an entry point, a submitit task unpickling its `main`) has them.
-Processes started by torchrun, `dist.nproc_per_node` (src/parallel/workers.py), submitit or `srun` all end up
-with the same RANK / LOCAL_RANK / WORLD_SIZE contract (src/parallel/ranks.py).
+Hydra resolves `${now:...}` in every process, so torchrun ranks reaching Hydra a second apart would each create a
+run dir (hydra #2070): run dirs are named with `${run_timestamp:FORMAT}`, rank 0's clock shared through the
+launcher's store, and ranks other than 0 skip writing `.hydra/` (`${main_rank_only:}`). Importing this module
+registers those resolvers and `${data:FIELD}`, so every process that composes the config has them.
 """
 
 from __future__ import annotations
@@ -35,21 +32,18 @@ STARTED_AT = "DDP_TEMPLATE_RUN_STARTED_AT"  # the run's start time: set once per
 
 @dataclass(frozen=True)
 class RunContext:
-    """What a job knows of itself from Hydra, read once where it starts (train.py's and eval.py's `main`) and
-    passed down: no module keeps it."""
+    """What a job knows of itself from Hydra, read once where it starts and passed down."""
 
     run_dir: Path
     created: bool  # the run dir held nothing but Hydra's files when the job started: this run made it
     in_sweep: bool  # a job of a multirun (-m)
     overrides: tuple[str, ...]  # the command line's overrides of the config (not Hydra's own)
     choices: Mapping[str, Any]  # the option Hydra chose in each config group
-    # What a worker of this job must be given besides `overrides` to compose the same config: the command line's
-    # config folder flags (--config-dir, ...) and `hydra.searchpath` (a fork's own config folders).
+    # What a worker must be given besides `overrides` to compose the same config: --config-dir & co, hydra.searchpath.
     composing: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, hydra_cfg: Any, argv: Sequence[str] = sys.argv) -> "RunContext":
-        """The context of the job `hydra_cfg` (HydraConfig.get()) describes, started with `argv`."""
         run_dir = Path(hydra_cfg.runtime.output_dir)
         searchpath = tuple(o for o in hydra_cfg.overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath")
         return cls(run_dir, holds_only_hydras_files(run_dir), hydra_cfg.mode == RunMode.MULTIRUN,
@@ -58,9 +52,7 @@ class RunContext:
 
 
 def run(main: Callable[[], Any], config_name: str) -> None:
-    """Run an entry point's `@hydra.main` function of conf/`config_name`: Hydra's config errors as one `error:`
-    line, and a worker that ran a process group ended without the interpreter's teardown
-    (src/parallel/distributed.py), after every job."""
+    """Run an entry point's `@hydra.main` `main`: config errors as one line, a worker ended after its group."""
     with hydra_errors.one_line_config_errors(is_main_process(), config_name):
         main()
     if is_worker():
@@ -68,8 +60,7 @@ def run(main: Callable[[], Any], config_name: str) -> None:
 
 
 def start() -> RunContext:
-    """Where a job's task function starts: its errors are the run's from here on (Hydra reports them as usual),
-    a submitit or `srun` task becomes a torchrun-style worker, and the job's context is read, once."""
+    """Where a job starts: a submitit or `srun` task becomes a torchrun-style worker; its context, read once."""
     hydra_errors.config_composed()
     adopt_cluster_env()
     return RunContext.of(HydraConfig.get())
@@ -77,8 +68,7 @@ def start() -> RunContext:
 
 @contextlib.contextmanager
 def usage_errors(context: RunContext) -> Iterator[None]:
-    """A usage error in the block is one `error:` line and exit code 2 (printed by the main process; in a sweep, the
-    job fails and the sweep goes on), and the run dir it leaves unused is removed."""
+    """A usage error in the block is one `error:` line and exit code 2, and the run dir it leaves unused goes."""
     with exit_on_usage_error(is_main_process(), context.in_sweep), \
             discard_unused_run_dir(context.run_dir, context.created, context.in_sweep):
         yield
@@ -98,12 +88,7 @@ def config_flags(argv: Sequence[str]) -> tuple[str, ...]:
 
 
 def run_started_at(environ: MutableMapping[str, str] = os.environ) -> datetime.datetime:
-    """The run's start time: this process's clock alone, or rank 0's in a group.
-
-    Agreed once, then kept in the environment (`DDP_TEMPLATE_RUN_STARTED_AT`), where every later
-    resolution of the run dir reads it and where processes this one starts (workers of
-    `dist.nproc_per_node`, tasks of the submitit launcher) inherit it, so they name the same dirs.
-    """
+    """The run's start time (rank 0's), agreed once and kept in the environment the processes it starts inherit."""
     if STARTED_AT not in environ:
         environ[STARTED_AT] = _agree_on_start_time().isoformat()
     return datetime.datetime.fromisoformat(environ[STARTED_AT])
@@ -116,60 +101,45 @@ def _agree_on_start_time() -> datetime.datetime:
         return now
     store = distributed.rendezvous_store(env)
     if env.is_main_process:
-        # compare_set keeps the first value: a rank 0 restarted in the same store keeps the dir.
+        # compare_set keeps the first value: a rank 0 restarted in the same store keeps the dir
         store.compare_set(_STORE_KEY, "", now.isoformat())
     return datetime.datetime.fromisoformat(store.get(_STORE_KEY).decode())
 
 
 def register_resolvers() -> None:
-    """The config's `${run_timestamp:FORMAT}` and `${main_rank_only:VALUE}` (conf/config.yaml), and
-    `${data:FIELD}` (src/config/data_fields.py)."""
+    """The config's `${run_timestamp:FORMAT}`, `${main_rank_only:VALUE}` and `${data:FIELD}`."""
     OmegaConf.register_new_resolver("run_timestamp", lambda fmt: run_started_at().strftime(fmt), replace=True)
-    # Hydra writes `.hydra/` before our code runs, in every process of a group; this
-    # makes `hydra.output_subdir` null on the other ranks whichever launcher started them.
+    # Hydra writes `.hydra/` before our code runs, in every process: `hydra.output_subdir` is null on the other ranks.
     OmegaConf.register_new_resolver("main_rank_only", lambda value: value if is_main_process() else None, replace=True)
     data_fields.register_resolver()  # ${data:FIELD} in model YAMLs
 
 
 def holds_only_hydras_files(run_dir: Path) -> bool:
-    """Whether `run_dir` holds nothing but Hydra's `.hydra/` (or nothing at all). Asked first thing in a
-    job, when Hydra has written only that: such a dir was created for this run, or held only a config that
-    Hydra has just overwritten; any other dir holds something of an earlier run."""
+    """Whether `run_dir` holds nothing but Hydra's `.hydra/` (so this run made it)."""
     return all(path.name == ".hydra" for path in run_dir.iterdir()) if run_dir.is_dir() else True
 
 
 @contextlib.contextmanager
 def discard_unused_run_dir(run_dir: Path, created: bool, in_sweep: bool) -> Iterator[None]:
-    """If the block fails with a usage error before the run has written anything of its own, remove
-    the run dir this run `created` (Hydra's `.hydra/` copy and the log files are all it holds), so a
-    refused run leaves no directory behind: in a single process, and in the process that started
-    `dist.nproc_per_node` workers (they have all exited by then). A dir that held anything before, a
-    sweep's job dir, a dir with checkpoints, metrics or TensorBoard events, and the dir of a torchrun
-    group's workers (one rank may still be writing its log) are never touched."""
+    """On a usage error, remove the run dir this run `created` if it holds only `.hydra/` and logs (never a sweep's
+    job dir, nor under a launcher: another rank may still write its log)."""
     try:
         yield
     except Exception as error:
-        # Not in a torchrun group's workers: another rank may still be writing its log there.
         unused = created and all(path.name == ".hydra" or path.suffix == ".log" for path in run_dir.iterdir())
         if find_usage_error(error) is not None and not (in_sweep or is_worker()) and unused:
             shutil.rmtree(run_dir, ignore_errors=True)
-            _remove_empty_parents(run_dir)
+            stop = Path.cwd().resolve()  # and the folders above it (outputs/DATE/) left empty, up to here
+            for parent in run_dir.resolve().parents:
+                if parent == stop or stop not in parent.parents or any(parent.iterdir()):
+                    break
+                parent.rmdir()
         raise
-
-
-def _remove_empty_parents(path: Path) -> None:
-    """Remove the folders above `path` (outputs/DATE/...) that are left empty, up to the working directory."""
-    stop = Path.cwd().resolve()
-    for parent in path.resolve().parents:
-        if parent == stop or stop not in parent.parents or any(parent.iterdir()):
-            return
-        parent.rmdir()
 
 
 def quote_override(value: str) -> str:
     """Quote a value for Hydra's override grammar (paths may hold characters it parses)."""
-    escaped = value.replace("\\", "\\\\").replace("'", "\\'")
-    return f"'{escaped}'"
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 register_resolvers()

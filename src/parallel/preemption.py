@@ -1,13 +1,9 @@
 """Preemption: a signal asks the run to stop, and every rank stops at the same step with a checkpoint.
 
-Schedulers warn before they kill: SLURM sends SIGTERM (and, with `--signal`, SIGUSR2 some time before the
-time limit; submitit asks for USR2), torchrun forwards SIGTERM to its workers and SIGKILLs them 30 s later.
-A handler only raises a flag; the loop must then stop at a step every rank agrees on, soon, and without
-paying a collective every step.
-
-The agreement: ranks all-reduce (MAX) the flag at *check steps*. Every rank computes the same check steps:
-each check also all-reduces the seconds per step measured since the previous check, so the next check is
-placed about `CHECK_EVERY_S` ahead on the slowest rank's clock, and every log step is a check step too.
+SLURM sends SIGTERM (and, with `--signal`, SIGUSR2 before the time limit; submitit asks for USR2), torchrun forwards
+SIGTERM and SIGKILLs 30 s later. A handler only raises a flag; the ranks all-reduce (MAX) it at *check steps*, which
+every rank computes alike: each check also all-reduces the seconds per step, so the next check is about
+`CHECK_EVERY_S` ahead on the slowest rank's clock, and every log step is a check step too.
 """
 
 from __future__ import annotations
@@ -25,9 +21,7 @@ from src.parallel.distributed import all_reduce_max
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR2)  # SLURM / torchrun's warning, SLURM's and submitit's early warning
-# Target seconds between checks: each check is one all-reduce of two floats (~0.1 ms on gloo), and a
-# signal must lead to a checkpoint well within torchrun's 30 s grace period.
-CHECK_EVERY_S = 2.0
+CHECK_EVERY_S = 2.0  # between checks: a signal leads to a checkpoint well within torchrun's 30 s grace
 
 
 class Preemption:
@@ -65,11 +59,10 @@ class Preemption:
             previous(self.received, None)
 
     def stop_requested(self, step: int) -> bool:
-        """Whether any rank was signalled, as agreed after optimizer step `step`. Call on every rank after
-        every step: only check steps cost a collective, and every rank computes the same ones."""
+        """Whether any rank was signalled, as agreed after step `step`; call on every rank after every step."""
         now = time.perf_counter()
-        if self._next_check is None:
-            self._start_clock(step, now)
+        if self._next_check is None:  # the first step pays for start-up (compilation, warm caches): time from its end
+            self._checked_step, self._checked_at, self._next_check = step, now, step + 1
             return False
         if step < self._next_check:
             return False
@@ -81,17 +74,10 @@ class Preemption:
         self.agreed = signalled > 0
         return self.agreed
 
-    def _start_clock(self, step: int, now: float) -> None:
-        """The first step of a run pays for start-up (compilation, warm caches): time from its end."""
-        self._checked_step, self._checked_at = step, now
-        self._next_check = step + 1
-
     def _schedule(self, step: int, seconds_per_step: float) -> None:
         """The next check: about CHECK_EVERY_S ahead at the slowest rank's pace, or the next log step."""
         timed = max(1, int(CHECK_EVERY_S / max(seconds_per_step, 1e-6)))
-        # At most double per check: one fast window (say, before the data loader stalls) must not
-        # put the next check minutes away.
+        # At most double per check: one fast window must not put the next check minutes away.
         self._interval = min(timed, 2 * self._interval)
         next_log_step = (step // self.log_every_steps + 1) * self.log_every_steps
         self._next_check = min(step + self._interval, next_log_step)
-

@@ -1,10 +1,7 @@
-"""Synchronised batch normalisation that also works on the CPU (gloo).
-
-Under DDP each rank normalises with the statistics of its own per-rank batch, so without
-synchronisation a run on W ranks is not the computation one process does on the global
-batch, and the running statistics used for evaluation come from smaller batches.
-`nn.SyncBatchNorm` fixes this on GPUs only: DDP refuses CPU modules that contain it.
-`CPUSyncBatchNorm` does the same math with one all-reduce per layer, which gloo can run.
+"""Synchronised batch normalisation that also works on the CPU (gloo): without it each rank normalises with its own
+batch's statistics, so W ranks do not compute what one process does on the global batch. `nn.SyncBatchNorm` does
+this on GPUs only (DDP refuses CPU modules holding it); `CPUSyncBatchNorm` does the same math with one all-reduce
+per layer.
 """
 
 from __future__ import annotations
@@ -23,12 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class _AllReduceSum(torch.autograd.Function):
-    """Sum a tensor over a process group; the backward sums the gradient over the group too.
-
-    Every rank normalises with the global sums, so each rank's local sums receive gradient
-    from every rank's loss. (torch.distributed.nn.functional.all_reduce does this but is
-    deprecated.)
-    """
+    """Sum over a group, the gradient summed too: each rank's sums get gradient from every rank's loss."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -45,27 +37,12 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 class CPUSyncBatchNorm(_BatchNorm):
-    """BatchNorm over (N, C, *) inputs whose training statistics cover all ranks' batches.
+    """BatchNorm over (N, C, *) whose training statistics are summed over `process_group`: outputs, gradients and
+    running statistics equal one BatchNorm's on the ranks' concatenated batches, whatever their sizes."""
 
-    In training mode inside a process group of more than one rank, the per-channel sums,
-    sums of squares and element counts are summed over `process_group` (None: the default
-    group), so outputs, gradients and running statistics equal those of one BatchNorm on the
-    concatenated batch, even when ranks hold different batch sizes. Like nn.SyncBatchNorm,
-    this also holds with track_running_stats=False. Otherwise (eval mode, no process group,
-    a group of one) it is exactly torch's BatchNorm.
-    """
-
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        process_group: dist.ProcessGroup | None = None,
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, process_group: dist.ProcessGroup | None = None,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.process_group = process_group
 
@@ -73,14 +50,9 @@ class CPUSyncBatchNorm(_BatchNorm):
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
-    def _group_size(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1
-        return dist.get_world_size(self.process_group)
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        """Normalise `input` with global batch statistics when training across ranks."""
-        if not self.training or self._group_size() <= 1:
+        if not (self.training and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size(self.process_group) > 1):
             return super().forward(input)
         self._check_input_dim(input)
         # Sums of squares in half precision lose the variance, so accumulate in float32 at least.
@@ -122,25 +94,15 @@ class CPUSyncBatchNorm(_BatchNorm):
 
 
 def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
-    """Replace every BatchNorm in `module` by the sync-BN that works on `device`.
-
-    Like nn.SyncBatchNorm.convert_sync_batchnorm (used as is on CUDA), it converts in place,
-    keeps the attribute names (state_dict keys are unchanged, so checkpoints load into the
-    model without sync-BN) and reuses the parameter and buffer tensors. Returns `module`, or
-    its replacement when `module` is itself a BatchNorm.
-    """
+    """`module` with every BatchNorm replaced, in place, by the sync-BN that works on `device` (same keys, tensors)."""
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    # DDP refuses CPU modules holding nn.SyncBatchNorm ("SyncBatchNorm layers only work with
-    # GPU modules"), so CPU runs get CPUSyncBatchNorm instead.
-    converted = _to_cpu_sync_batchnorm(module) if _is_unsynced_batchnorm(module) else module
+    # DDP refuses CPU modules holding nn.SyncBatchNorm ("SyncBatchNorm layers only work with GPU modules").
+    unsynced = isinstance(module, _BatchNorm) and not isinstance(module, (nn.SyncBatchNorm, CPUSyncBatchNorm))
+    converted = _to_cpu_sync_batchnorm(module) if unsynced else module
     for name, child in module.named_children():
         converted.add_module(name, convert_sync_batchnorm(child, device))
     return converted
-
-
-def _is_unsynced_batchnorm(module: nn.Module) -> bool:
-    return isinstance(module, _BatchNorm) and not isinstance(module, (nn.SyncBatchNorm, CPUSyncBatchNorm))
 
 
 def _to_cpu_sync_batchnorm(bn: _BatchNorm) -> CPUSyncBatchNorm:
@@ -156,13 +118,8 @@ def _to_cpu_sync_batchnorm(bn: _BatchNorm) -> CPUSyncBatchNorm:
 
 
 def warn_of_bias_before_batchnorm(module: nn.Module) -> None:
-    """Log one warning line per trained bias whose layer's output feeds a BatchNorm directly, seen in `module`'s
-    first forward (hooks that then remove themselves: any forward code, no cost after it).
-
-    BatchNorm subtracts the batch mean, so such a bias has a true gradient of zero; the gradient computed for it is
-    rounding noise, which differs with the world size, and an adaptive optimizer (Adam) turns noise into lr-sized
-    steps: 1 and N ranks then train different weights. `bias=False` on that layer removes the difference.
-    """
+    """Warn of each trained bias feeding a BatchNorm directly, in `module`'s first forward: its gradient is rounding
+    noise that differs with the world size, which Adam turns into lr-sized steps."""
     produced: dict[int, tuple[str, weakref.ref]] = {}  # output tensor id -> (the biased layer's name, the tensor)
     handles: list[Any] = []
 

@@ -1,5 +1,5 @@
-"""`dist.nproc_per_node=N`: `python train.py` starts its own DDP group of N local workers; and how a worker of
-any launcher runs its job: reporting its failure to the launcher, and ending with the launcher that started it.
+"""`dist.nproc_per_node=N`: `python train.py` starts its own group of N local workers; and how a worker of any
+launcher runs its job: reporting its failure to the launcher, and ending with the launcher that started it.
 """
 
 from __future__ import annotations
@@ -31,38 +31,24 @@ T = TypeVar("T")
 
 
 def run_group(script: str, cfg: Any, context: RunContext) -> float:
-    """`python train.py dist.nproc_per_node=N`: run the job as a group of N workers of `script` and return their
-    last value of the monitored metric (NaN if they stopped before the first validation wrote metrics.json, as a
-    one-process run returns)."""
+    """Run the job as `dist.nproc_per_node` workers of `script`; their last monitored value (NaN before one)."""
     launch_workers(script, cfg.dist.nproc_per_node, context.run_dir, context.overrides, cfg.dist.master_port,
                    cfg.trainer.device, cfg.dist.backend, context.composing)
     metrics_file, monitor = context.run_dir / "metrics.json", cfg.trainer.monitor
-    return json.loads(metrics_file.read_text()).get(monitor, float("nan")) if metrics_file.exists() and monitor \
-        else float("nan")
+    if not (metrics_file.exists() and monitor):
+        return float("nan")
+    return json.loads(metrics_file.read_text()).get(monitor, float("nan"))
 
 
-def launch_workers(
-    script: str,
-    nproc: int,
-    run_dir: Path,
-    task_overrides: Sequence[str],
-    master_port: int | None = None,
-    device: str = "auto",
-    backend: str = "auto",
-    composing: Sequence[str] = (),
-) -> None:
-    """Run `script` as one DDP group of `nproc` local workers writing into `run_dir`.
-
-    This is torchrun's own machinery (torch.distributed.launcher, as `torchrun --standalone`
-    uses it): a c10d rendezvous on `master_port`, or by default on a free port chosen by the
-    OS, so back-to-back jobs of a sweep never race for a port, and a failed worker stops the
-    whole group. The workers get this job's overrides and what composes its config besides them
-    (`composing`: --config-dir, hydra.searchpath), its run dir, and leave `.hydra/` to this process.
-    A port in use, or a device or backend the workers could not get, is refused
-    here, before any worker starts. Workers that stop on a usage error (they print its line)
-    end this process with the same exit code and no traceback of its own.
-    """
-    _refuse_a_busy_port(master_port)
+def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Sequence[str],
+                   master_port: int | None = None, device: str = "auto", backend: str = "auto",
+                   composing: Sequence[str] = ()) -> None:
+    """Run `script` as `nproc` local workers into `run_dir`, as `torchrun --standalone` (a c10d rendezvous on
+    `master_port`, or a free port). A busy port or a device the workers lack is refused first; workers that stop on
+    a usage error end this process alike."""
+    if master_port is not None and not port_is_free(master_port):
+        raise UsageError(f"dist.master_port={master_port} is in use on localhost; pick another port "
+                         "or leave dist.master_port=null for a free one")
     # The workers' own checks, made once here rather than after starting them all.
     last_worker = DistEnv(rank=nproc - 1, local_rank=nproc - 1, world_size=nproc)
     distributed.select_backend(backend, distributed.select_device(device, last_worker))
@@ -79,16 +65,12 @@ def launch_workers(
 
 
 def stopped_on_a_usage_error(exit_codes: Sequence[int]) -> bool:
-    """Whether a group whose failed workers exited with `exit_codes` stopped on a usage error: one worker at
-    least exited with its code, and the others did too or were stopped by a signal (negative: the launcher
-    SIGTERMs the survivors of a worker that failed first, before their moment's grace is over)."""
-    return USAGE_ERROR_EXIT_CODE in exit_codes and all(
-        code == USAGE_ERROR_EXIT_CODE or code < 0 for code in exit_codes)
+    """Whether failed workers' `exit_codes` are a usage error's (the others SIGTERMed by the launcher)."""
+    return USAGE_ERROR_EXIT_CODE in exit_codes and all(code == USAGE_ERROR_EXIT_CODE or code < 0 for code in exit_codes)
 
 
 def _standalone_config(nproc: int, master_port: int | None) -> LaunchConfig:
-    """`torchrun --standalone --nproc_per_node=nproc`: one node, no restarts, a c10d rendezvous on
-    `master_port` (None: a free port the OS picks)."""
+    """`torchrun --standalone --nproc_per_node=nproc`: one node, no restarts, a c10d rendezvous on `master_port`."""
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does: no thread oversubscription
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
@@ -96,15 +78,8 @@ def _standalone_config(nproc: int, master_port: int | None) -> LaunchConfig:
                         monitor_interval=0.5)
 
 
-def _refuse_a_busy_port(master_port: int | None) -> None:
-    if master_port is not None and not port_is_free(master_port):
-        raise UsageError(f"dist.master_port={master_port} is in use on localhost; pick another port "
-                         "or leave dist.master_port=null for a free one")
-
-
 def port_is_free(port: int) -> bool:
-    """Whether a server could listen on `port` of localhost now (torch's own bind error, raised
-    later from inside the rendezvous, is a page of traceback)."""
+    """Whether a server could listen on `port` of localhost now (torch's own bind error is a page of traceback)."""
     with socket.socket() as sock:
         # As torch's TCPStore binds: a port merely waiting out TIME_WAIT counts as free.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -118,9 +93,7 @@ def port_is_free(port: int) -> bool:
 
 
 def worker(function: Callable[..., T]) -> Callable[..., T]:
-    """`function`, a job's run: in a process a launcher started (torchrun, `launch_workers`, SLURM), it reports its
-    failure to the launcher (`recording_errors`) and ends with `launch_workers`' process (`die_with_launcher`);
-    elsewhere it runs as it is."""
+    """`function`, which in a launcher's worker reports its failure to it and dies with `launch_workers`' process."""
 
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> T:
@@ -133,14 +106,8 @@ def worker(function: Callable[..., T]) -> Callable[..., T]:
 
 
 def die_with_launcher(environ: Mapping[str, str] = os.environ) -> None:
-    """Make a worker that `launch_workers` started end when that process ends, however it ends.
-
-    torch's launcher starts each worker in a session of its own, so a launcher killed outright (SIGKILL, the OOM
-    killer; a sweep's process with the sweep) would leave its workers training on, writing into the run dir that a
-    resumed run or sweep continues in. Armed here, the kernel SIGKILLs the worker when its parent dies (Linux's
-    PR_SET_PDEATHSIG), as if its node were lost: the next run resumes from the last checkpoint. Does nothing for
-    other processes, or where prctl does not exist (macOS).
-    """
+    """A worker `launch_workers` started dies with it (Linux's PR_SET_PDEATHSIG): a launcher killed outright would
+    leave it writing into the run dir a resumed run continues in."""
     launcher = environ.get(LAUNCHER_PID)
     if launcher is None or not sys.platform.startswith("linux") or os.getppid() != int(launcher):
         return
@@ -151,20 +118,17 @@ def die_with_launcher(environ: Mapping[str, str] = os.environ) -> None:
 
 
 def recording_errors(function: Callable[..., T]) -> Callable[..., T]:
-    """`function`, wrapped in torch's @record, for a launcher's worker: an exception's traceback then goes
-    to the error file torchrun reads, and torchrun shows it in its failure summary instead of "To enable
-    traceback see ...".
-
-    A usage error is the exception: its one `error:` line is the whole report, so it passes
-    @record unrecorded (a torchrun summary would otherwise show ~40 lines of traceback under it).
-    """
+    """`function` under torch's @record (its traceback in torchrun's summary), but for a usage error's one line."""
 
     def raising_usage_errors_past_record(*args: Any, **kwargs: Any) -> T:
         try:
             return function(*args, **kwargs)
         except Exception as error:
             if find_usage_error(error) is None:
-                _ignore_sigterm()  # until @record has written the error file (see below)
+                # Until @record has written the error file: one cut short by the SIGTERM torchrun's agent sends the
+                # survivors of a failure is empty, and the agent crashes on it instead of restarting the group.
+                if _is_main_thread():
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 raise
             raise _UnrecordedError(error) from None  # @record catches Exception, not BaseException
 
@@ -183,15 +147,6 @@ def recording_errors(function: Callable[..., T]) -> Callable[..., T]:
                 signal.signal(signal.SIGTERM, handler)
 
     return wrapper
-
-
-def _ignore_sigterm() -> None:
-    """A failing worker finishes its error file before SIGTERM can end it. When a peer dies,
-    torchrun's agent SIGTERMs the survivors; one cut short while @record writes leaves an empty
-    error file, on which the agent itself crashes (JSONDecodeError) instead of restarting the
-    group. The agent still SIGKILLs a worker that does not exit in time."""
-    if _is_main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _is_main_thread() -> bool:

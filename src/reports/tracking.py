@@ -14,8 +14,7 @@ from omegaconf import DictConfig
 
 from src.common.files import write_text_atomically
 from src.config.building import errors_named
-from src.loop.callback import Callback, Run
-from src.loop.outcome import Outcome
+from src.loop.callback import Callback, Outcome, Run
 from src.reports.hparams import run_hparams
 from src.reports.trackers import RunIdentity, Tracker
 

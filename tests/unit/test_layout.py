@@ -50,7 +50,8 @@ def test_the_fork_surface_is_named_by_the_configs_targets():
     targets = {line.split("_target_:")[1].strip() for p in (REPO / "conf").rglob("*.yaml")
                for line in p.read_text().splitlines() if "_target_: src.components." in line}
     modules = {target.rsplit(".", 1)[0] for target in targets}
-    assert modules == {"src.components.models", "src.components.datasets", "src.components.tasks"}
+    components = {f"src.components.{p.stem}" for p in (REPO / "src" / "components").glob("*.py") if p.stem != "__init__"}
+    assert {"src.components.models", "src.components.datasets", "src.components.tasks"} <= modules == components
 
 
 @pytest.mark.parametrize("path", [*MACHINERY, *ENTRY_POINTS], ids=lambda p: str(p.relative_to(REPO)))
@@ -126,8 +127,6 @@ DEFERRED = {
     "src/callbacks/optuna_pruning.py": {"optuna"},  # only in a pruned Optuna trial; the callback is in every run
     "src/loop/export.py": {"safetensors.torch"},  # an optional package, for exporting only
     "src/loop/init_from.py": {"safetensors.torch"},  # likewise, for a .safetensors file only
-    "src/parallel/fsdp.py": {"torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict",
-                             "torch.distributed.tensor"},  # sharded runs
     "src/parallel/ranks.py": {"submitit"},  # only in submitit's and srun's tasks
 }
 OWN = ["callbacks", "checkpoint", "config", "loop", "parallel", "reports"]

@@ -22,8 +22,7 @@ from src.components.tasks import Classification
 from src.config.schema import TrainerConfig
 from src.data.loaders import Data, GlobalBatchSampler, TensorBatchLoader
 from src.data.splits import DataSplits
-from src.loop.callback import Callback, Callbacks, EndRun
-from src.loop.outcome import Outcome
+from src.loop.callback import Callback, Callbacks, EndRun, Outcome
 from src.loop.trainer import Trainer, TrainParts, TrainState
 from src.parallel.distributed import DistEnv, Runtime
 from src.reports.reporting import Reporter

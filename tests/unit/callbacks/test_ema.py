@@ -23,7 +23,7 @@ from src.config import building, schema
 from src.config.schema import TrainerConfig
 from src.data.loaders import Data, TensorBatchLoader
 from src.data.splits import DataSplits
-from src.loop import records
+from src.loop import trainer as loop
 from src.loop.callback import Callbacks
 from src.loop.task_and_model import check_task
 from src.loop.trainer import Trainer, TrainParts, TrainState
@@ -209,15 +209,15 @@ def test_a_checkpoint_without_ema_resumes_with_the_ema_starting_from_its_model(t
 
 def test_the_epoch_record_line_and_summary_carry_val_ema():
     train = {"loss": 0.5, "acc": 0.8, "count": 100, "timed_count": 100}
-    record = records.epoch_record(1, 10, train, {"loss": 0.4, "acc": 0.85, "count": 50}, 0.1, 2.0, 1.0,
-                                  records.metric_values("val_ema", {"loss": 0.3, "acc": 0.9, "count": 50}))
+    record = loop.epoch_record(1, 10, train, {"loss": 0.4, "acc": 0.85, "count": 50}, 0.1, 2.0, 1.0,
+                                  loop.metric_values("val_ema", {"loss": 0.3, "acc": 0.9, "count": 50}))
     assert (record["val_ema/loss"], record["val_ema/acc"]) == (0.3, 0.9)
-    line = records.epoch_line(record, 5, 50)
+    line = loop.epoch_line(record, 5, 50)
     assert "val loss 0.4000 acc 0.8500  val_ema loss 0.3000 acc 0.9000 (50 samples)" in line
-    assert records.epoch_scalars(record)["val_ema/acc"] == 0.9
-    assert records.run_summary([record], 50, 1, 8, 100.0)["val_ema/acc"] == 0.9
-    without = records.epoch_record(1, 10, train, {"loss": 0.4, "acc": 0.85, "count": 50}, 0.1, 2.0, 1.0)
-    assert not any(key.startswith("val_ema/") for key in without) and "val_ema" not in records.epoch_line(
+    assert loop.epoch_scalars(record)["val_ema/acc"] == 0.9
+    assert loop.run_summary([record], 50, 1, 8, 100.0)["val_ema/acc"] == 0.9
+    without = loop.epoch_record(1, 10, train, {"loss": 0.4, "acc": 0.85, "count": 50}, 0.1, 2.0, 1.0)
+    assert not any(key.startswith("val_ema/") for key in without) and "val_ema" not in loop.epoch_line(
         without, 5, 50)
 
 

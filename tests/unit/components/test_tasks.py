@@ -13,7 +13,7 @@ from sklearn import metrics as skm
 from src.common.errors import UsageError
 from src.components.tasks import Binary, CausalLM, Classification, Regression, Segmentation
 from src.loop.evaluation import metrics_of
-from src.loop.metrics import MetricSums
+from src.loop.step import MetricSums
 
 
 def summed(task, info, outputs, targets, chunks=(0, 5, 6, 17, None)):

@@ -1,4 +1,4 @@
-"""The divisor of a step's loss (src/loop/counting.py): the global count over every rank and micro-step.
+"""The divisor of a step's loss (src/loop/step.py): the global count over every rank and micro-step.
 
 Two ranks are simulated in one process: each rank's "all-reduce" of the step's count adds the other rank's
 local count, which is what the collective does. The gradient the ranks then average (as DDP and FSDP do)
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from src.loop import counting
-from src.loop.counting import StepDivisor
+from src.loop import step
+from src.loop.step import StepDivisor
 
 IGNORE = -100
 
@@ -49,7 +49,7 @@ def rank_gradient(weight: torch.Tensor, targets: list[torch.Tensor], other_count
         tensor.add_(other_count)  # in place, as the collective sums
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(counting, "start_all_reduce", all_reduce_with_the_other_rank)
+        patch.setattr(step, "start_all_reduce", all_reduce_with_the_other_rank)
         divisor = StepDivisor([(target != IGNORE).sum() for target in targets], world_size=2)
     weight.grad = None
     for target in targets:

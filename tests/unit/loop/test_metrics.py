@@ -1,4 +1,4 @@
-"""Metric sums (src/loop/metrics.py) with the classification task's metrics, on one process and summed
+"""Metric sums (src/loop/step.py) with the classification task's metrics, on one process and summed
 over a group of two gloo processes."""
 
 import datetime
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from src.common.errors import UsageError
 from src.components.tasks import Classification
-from src.loop import metrics as metrics_module
+from src.loop import step
 from src.loop.evaluation import metrics_of
-from src.loop.metrics import MetricSums
+from src.loop.step import MetricSums
 
 TASK = Classification()
 INFO = {"num_classes": 3}
@@ -111,7 +111,7 @@ def test_all_sums_and_the_confusion_matrix_ride_one_collective(monkeypatch):
         calls.append(tensor.numel())
         return tensor
 
-    monkeypatch.setattr(metrics_module, "all_reduce_sum", counting_all_reduce)
+    monkeypatch.setattr(step, "all_reduce_sum", counting_all_reduce)
     compute(confusion_sums(slice(None), batch_size=7))
     assert calls == [3 + 3 * 3]  # loss, count, correct, then the 3 x 3 matrix
 

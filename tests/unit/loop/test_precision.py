@@ -1,9 +1,9 @@
-"""src/loop/precision.py: the autocast dtype of each `trainer.precision` value the schema allows."""
+"""src/loop/performance.py: the autocast dtype of each `trainer.precision` value the schema allows."""
 
 import torch
 
 from src.config import schema
-from src.loop.precision import PRECISIONS, autocast_dtype
+from src.loop.performance import PRECISIONS, autocast_dtype
 
 
 def test_precision_names():

@@ -1,6 +1,6 @@
-"""The run's models from the config (src/loop/models.py, src/config/building.py `named`, `per_model`): one model or
-several by name, each with an optimizer and schedule of its own; frozen auxiliary models; and what each refuses in
-one line. In one process; the CLI runs of several models: tests/integration/test_recipes_cli.py."""
+"""The run's models from the config (src/loop/task_and_model.py; src/config/building.py `named`, `per_model`): one
+model or several by name, each with an optimizer and schedule of its own; frozen auxiliary models; and what each
+refuses in one line. In one process; the CLI runs of several models: tests/integration/test_recipes_cli.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from src.common.errors import UsageError
 from src.config.building import named, per_model
 from src.config.schema import TrainerConfig
-from src.loop import models
+from src.loop import task_and_model as models
 from src.loop.task import Task
 from src.parallel.distributed import DistEnv, Runtime
 from src.recipes.gan import GAN

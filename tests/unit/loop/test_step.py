@@ -16,8 +16,7 @@ from torch import nn
 from src.common.errors import UsageError
 from src.components.tasks import Classification
 from src.loop.callback import Callback, Callbacks, Update
-from src.loop.metrics import MetricSums
-from src.loop.step import Samples, StepContext
+from src.loop.step import MetricSums, Samples, StepContext
 from src.loop.task import Task
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from src.common.errors import UsageError
-from src.loop.outcome import Outcome
+from src.loop.callback import Outcome
 from src.reports.reporting import Reporter
 from src.reports.trackers import RunIdentity, Tracker
 from src.reports.trackers.csv_file import CSVTracker

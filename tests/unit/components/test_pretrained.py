@@ -51,7 +51,9 @@ def test_timm_names_a_missing_file_an_unknown_model_and_a_failed_download_in_one
         pretrained.timm_model("resnet18", 3, pretrained=str(tmp_path / "nowhere.pth"))
     with pytest.raises(UsageError, match=r"^model.name=resnt18 is not a timm model \(close: resnet18"):
         pretrained.timm_model("resnt18", 3)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what a machine without a network gets, at once
+    import huggingface_hub.constants
+    # What a machine without a network gets, at once (the hub reads HF_HUB_OFFLINE into this at import).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(UsageError, match=r"^the pretrained weights of timm's resnet18 could not be fetched \(.*\); "
                                          r"without a network, save them as a file and set model.pretrained=PATH$"):
         pretrained.timm_model("resnet18", 3, pretrained=True)

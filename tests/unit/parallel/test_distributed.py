@@ -3,7 +3,6 @@ choice, and the single-process paths of the collectives (the multi-process paths
 CLI tests)."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -91,11 +90,9 @@ print("returned", flush=True)
 def test_a_process_that_ran_a_group_ends_without_the_interpreters_teardown(join: bool):
     """After a DDP group, each rank exits at once: atexit handlers run, the teardown (where the group's
     gloo threads could abort the process) does not. Without a group, nothing changes."""
-    from conftest import REPO
+    from conftest import REPO, free_port
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     code = EXIT_SCRIPT.format(repo=str(REPO), join=join)
     ranks = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",

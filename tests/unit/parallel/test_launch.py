@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, free_port
 from omegaconf import OmegaConf
 
 from src.common.errors import UsageError
@@ -32,12 +32,6 @@ if os.environ["RANK"] == "1":
 else:
     store.wait(["seen"])  # rank 0 hosts the store: stay until rank 1 has read it
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_ranks_agree_on_rank_zeros_start_time():

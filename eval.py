@@ -32,7 +32,7 @@ from src.common.errors import UsageError
 from src.config import building, data_fields, schema, trusted_targets
 from src.data import loaders
 from src.data.splits import DataSplits
-from src.loop import evaluation, performance, task_and_model
+from src.loop import performance, task_and_model, trainer
 from src.loop.task import Task
 from src.parallel import distributed, job, workers
 from src.parallel.distributed import Runtime
@@ -86,7 +86,7 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
                                    or dataset_cfg.batch_size, rank=runtime.env.rank, world_size=runtime.world_size,
                                    device=runtime.device, num_workers=dataset_cfg.num_workers, seed=saved.seed)
         amp_dtype = performance.autocast_dtype(cfg.trainer.precision or saved.trainer.precision)
-        metrics = evaluation.evaluate(task, modules, lambda name: loader(getattr(splits, name)), splits.info,
+        metrics = trainer.evaluate(task, modules, lambda name: loader(getattr(splits, name)), splits.info,
                                       runtime.device, amp_dtype, saved.seed, split=split)
         result = report(metrics, split, saved_checkpoint, runtime, run_dir, cfg.weights, task.unit)
         monitor = saved.trainer.monitor  # <split>/<name>: what this split can measure

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -38,11 +38,16 @@ from omegaconf import DictConfig
 from torch import nn
 
 from src.config.building import errors_named
+from src.loop.step import Update  # noqa: F401 - what on_before_optimizer_step is given
 from src.parallel.distributed import broadcast_object
 
-if TYPE_CHECKING:  # annotations only: the loop's types, which import this module
+if TYPE_CHECKING:  # annotations only
+    from src.checkpoint.store import Store
     from src.config.schema import TrainerConfig
-    from src.loop.trainer import TrainParts, TrainState
+    from src.data.loaders import Data
+    from src.loop.task import Task
+    from src.parallel.distributed import Runtime
+    from src.reports.reporting import Reporter
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +59,6 @@ class Step:
     number: int  # training steps taken so far, this one included (1 = the run's first)
     loss: torch.Tensor | None  # the losses it back-propagated, summed, on the device
     inputs: tuple[tuple[Any, ...], dict[str, Any]] | None  # its first micro-batch's (positional, keyword) inputs
-
-
-@dataclass(frozen=True)
-class Update:
-    """One optimizer's step, as `on_before_optimizer_step` sees it: change the gradients of `module` in place."""
-
-    number: int  # the training step being taken (1 = the run's first)
-    name: str  # the model's name (its optimizer's): `model` in a run of one model
-    module: nn.Module  # the model, unwrapped (sharded under dist=fsdp)
-    optimizer: torch.optim.Optimizer
 
 
 @dataclass(frozen=True)
@@ -220,6 +215,58 @@ class Callbacks:
                 log.info("the checkpoint's state of callback %s is not used: this run has no such callback on", name)
         for name in self.state_dict().keys() - states.keys():
             log.info("the checkpoint holds no state of callback %s: it starts from this run's", name)
+
+
+@dataclass
+class TrainState:
+    """What the loop has done so far; saved in every checkpoint as its `loop` part."""
+
+    epoch: int = 0  # epochs completed
+    step: int = 0  # optimizer steps taken
+    best: float | None = None  # best value of the monitored metric
+    train_samples: int = 0  # training units seen, all ranks (the task's count: samples, tokens, ...)
+    train_seconds: float = 0.0  # wall time spent in training epochs
+    history: list[dict[str, float]] = field(default_factory=list)
+    step_in_epoch: int = 0  # optimizer steps already taken in the unfinished epoch `epoch`
+    epoch_totals: dict[str, list[float]] | None = None  # its train metric sums, over all ranks
+    ended: EndRun | None = None  # why and after which epoch a callback ended the run
+    test: dict[str, Any] | None = None  # the final test: its step, the weights tested, their test/* metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """The saved fields; a field the checkpoint lacks keeps its default."""
+        for known in fields(self):
+            if known.name in saved:
+                setattr(self, known.name, saved[known.name])
+        if isinstance(self.ended, Mapping):
+            self.ended = EndRun(**self.ended)
+
+
+@dataclass
+class TrainParts:
+    """What the run built for the loop."""
+
+    runtime: Runtime
+    task: Task
+    modules: dict[str, nn.Module]  # each trained model by name, unwrapped: evaluated and saved (sharded: dist=fsdp)
+    train_models: dict[str, nn.Module]  # the same, as the step calls them: DDP's and/or torch.compile's wrappers
+    optimizers: dict[str, torch.optim.Optimizer]  # each model's, by its name
+    schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]  # each optimizer's, by its name
+    data: Data
+    store: Store  # where checkpoints go, in the run's format (src/checkpoint/)
+    reporter: Reporter
+    callbacks: Callbacks = field(default_factory=Callbacks)  # the run's add-ons, in config order
+    seed: int = 0  # the run's `seed`: the loop derives per-rank step seeds (dropout) from it
+    saved_config: dict[str, Any] = field(default_factory=dict)  # the resolved run config, saved in checkpoints
+
+    @classmethod
+    def one_model(cls, runtime: Runtime, task: Task, module: nn.Module, train_model: nn.Module,
+                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, data: Data,
+                  store: Store, reporter: Reporter, callbacks: Callbacks | None = None, **rest: Any) -> TrainParts:
+        return cls(runtime, task, {"model": module}, {"model": train_model}, {"model": optimizer}, {"model": scheduler},
+                   data, store, reporter, callbacks or Callbacks(), **rest)
 
 
 def build_callbacks(callbacks_cfg: DictConfig, trackers: Callback) -> Callbacks:

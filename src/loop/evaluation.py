@@ -29,7 +29,6 @@ from src.data.batches import to_device
 from src.data.sample_randomness import VAL_EPOCH
 from src.loop.performance import autocast
 from src.loop.step import MetricSums, Samples
-from src.loop.task import Task
 from src.parallel import fsdp
 from src.parallel.distributed import all_reduce_max, is_initialized
 
@@ -95,25 +94,6 @@ class Evaluation:
         self.images[tag] = images.detach().float().cpu()
 
 
-def evaluate(task: Task, models: Mapping[str, nn.Module], loaders: Callable[[str], tuple[Iterable[Any], int]],
-             info: Mapping[str, Any], device: torch.device, amp_dtype: torch.dtype | None = None, seed: int = 0,
-             track: Callable[[Iterable[Any], str], Iterable[Any]] = lambda batches, _: batches,
-             split: str = "val") -> dict[str, Any]:
-    """The task's metrics (tables, `images`, `count` of units) of the unwrapped `models` (ranks may run different
-    numbers of batches, which DDP would not allow) on `split`, over all ranks. A collective."""
-    sums = MetricSums({**task.sum_shapes(info), **task.val_sum_shapes(info)}, device)
-    evaluation = Evaluation(models, task.aux, loaders, sums, device, amp_dtype, seed, track, split)
-    modes = {name: model.training for name, model in models.items()}
-    for model in models.values():
-        model.eval()
-    with torch.no_grad():
-        task.evaluate(evaluation)
-    for name, model in models.items():
-        model.train(modes[name])
-        fsdp.reshard(model)  # the next forward gathers the shards as they are then
-    return {**metrics_of(task, sums.reduce()), **({"images": evaluation.images} if evaluation.images else {})}
-
-
 def _rows(batch: Any) -> int:
     """The samples in a batch: the first dimension of its first tensor."""
     return next((part.shape[0] for part in tree_leaves(batch) if isinstance(part, torch.Tensor) and part.dim()), 0)
@@ -131,7 +111,3 @@ def _in_lockstep(loader: Iterable[Any], device: torch.device) -> Iterator[Any]:
         if empty is None:
             raise RuntimeError("a rank with no val batch cannot join a sharded evaluation: use a larger val split")
         yield empty
-
-
-def metrics_of(task: Task, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    return {**task.compute(sums), "count": int(sums["count"])}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ContextManager, TypeVar
 
 import torch
@@ -35,12 +36,21 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src.common.errors import UsageError
 from src.data.sample_randomness import normal_per_sample, uniform_per_sample
-from src.loop.callback import Update
 from src.loop.performance import autocast
 from src.parallel import fsdp
 from src.parallel.distributed import all_reduce_sum, is_initialized
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Update:
+    """One optimizer's step, as `on_before_optimizer_step` sees it: change the gradients of `module` in place."""
+
+    number: int  # the training step being taken (1 = the run's first)
+    name: str  # the model's name (its optimizer's): `model` in a run of one model
+    module: nn.Module  # the model, unwrapped (sharded under dist=fsdp)
+    optimizer: torch.optim.Optimizer
 
 
 class Samples:

@@ -11,8 +11,8 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -20,76 +20,23 @@ from torch import nn
 
 from src.checkpoint import read as checkpoint_read
 from src.checkpoint.states import ModelState, Named, OptimizerState
-from src.checkpoint.store import Checkpoint, Store
+from src.checkpoint.store import Checkpoint
 from src.common.errors import UsageError
 from src.common.seeding import seed_generators, step_seed
 from src.config.schema import TrainerConfig
 from src.data.batches import to_device
-from src.data.loaders import Data
-from src.loop.callback import Callbacks, EndRun, Outcome, Run, Step
-from src.loop.evaluation import evaluate, metrics_of
+from src.loop.callback import Callbacks, EndRun, Outcome, Run, Step, TrainParts, TrainState
+from src.loop.evaluation import Evaluation
 from src.loop.performance import autocast_dtype
 from src.loop.step import MetricSums, StepContext
 from src.loop.task import Task
-from src.parallel.distributed import Runtime
+from src.parallel import fsdp
 from src.parallel.preemption import Preemption
 from src.reports.images import image_grid
 from src.reports.hparams import run_hparams
-from src.reports.reporting import Reporter, model_summary
+from src.reports.reporting import model_summary
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainState:
-    """What the loop has done so far; saved in every checkpoint as its `loop` part."""
-
-    epoch: int = 0  # epochs completed
-    step: int = 0  # optimizer steps taken
-    best: float | None = None  # best value of the monitored metric
-    train_samples: int = 0  # training units seen, all ranks (the task's count: samples, tokens, ...)
-    train_seconds: float = 0.0  # wall time spent in training epochs
-    history: list[dict[str, float]] = field(default_factory=list)
-    step_in_epoch: int = 0  # optimizer steps already taken in the unfinished epoch `epoch`
-    epoch_totals: dict[str, list[float]] | None = None  # its train metric sums, over all ranks
-    ended: EndRun | None = None  # why and after which epoch a callback ended the run
-    test: dict[str, Any] | None = None  # the final test: its step, the weights tested, their test/* metrics
-
-    def state_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        """The saved fields; a field the checkpoint lacks keeps its default."""
-        for known in fields(self):
-            if known.name in saved:
-                setattr(self, known.name, saved[known.name])
-        if isinstance(self.ended, Mapping):
-            self.ended = EndRun(**self.ended)
-
-
-@dataclass
-class TrainParts:
-    """What the run built for the loop."""
-
-    runtime: Runtime
-    task: Task
-    modules: dict[str, nn.Module]  # each trained model by name, unwrapped: evaluated and saved (sharded: dist=fsdp)
-    train_models: dict[str, nn.Module]  # the same, as the step calls them: DDP's and/or torch.compile's wrappers
-    optimizers: dict[str, torch.optim.Optimizer]  # each model's, by its name
-    schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]  # each optimizer's, by its name
-    data: Data
-    store: Store  # where checkpoints go, in the run's format (src/checkpoint/)
-    reporter: Reporter
-    callbacks: Callbacks = field(default_factory=Callbacks)  # the run's add-ons, in config order
-    seed: int = 0  # the run's `seed`: the loop derives per-rank step seeds (dropout) from it
-    saved_config: dict[str, Any] = field(default_factory=dict)  # the resolved run config, saved in checkpoints
-
-    @classmethod
-    def one_model(cls, runtime: Runtime, task: Task, module: nn.Module, train_model: nn.Module,
-                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, data: Data,
-                  store: Store, reporter: Reporter, callbacks: Callbacks | None = None, **rest: Any) -> TrainParts:
-        return cls(runtime, task, {"model": module}, {"model": train_model}, {"model": optimizer}, {"model": scheduler},
-                   data, store, reporter, callbacks or Callbacks(), **rest)
 
 
 @dataclass
@@ -388,6 +335,29 @@ class Trainer:
         scalars.update(self.parts.callbacks.log(step, scalars))  # the NaN watch looks at train/loss here
         self.parts.reporter.scalars(scalars, step)
         window.started, window.step = time.perf_counter(), step
+
+
+def evaluate(task: Task, models: Mapping[str, nn.Module], loaders: Callable[[str], tuple[Iterable[Any], int]],
+             info: Mapping[str, Any], device: torch.device, amp_dtype: torch.dtype | None = None, seed: int = 0,
+             track: Callable[[Iterable[Any], str], Iterable[Any]] = lambda batches, _: batches,
+             split: str = "val") -> dict[str, Any]:
+    """The task's metrics (tables, `images`, `count` of units) of the unwrapped `models` (ranks may run different
+    numbers of batches, which DDP would not allow) on `split`, over all ranks. A collective."""
+    sums = MetricSums({**task.sum_shapes(info), **task.val_sum_shapes(info)}, device)
+    evaluation = Evaluation(models, task.aux, loaders, sums, device, amp_dtype, seed, track, split)
+    modes = {name: model.training for name, model in models.items()}
+    for model in models.values():
+        model.eval()
+    with torch.no_grad():
+        task.evaluate(evaluation)
+    for name, model in models.items():
+        model.train(modes[name])
+        fsdp.reshard(model)  # the next forward gathers the shards as they are then
+    return {**metrics_of(task, sums.reduce()), **({"images": evaluation.images} if evaluation.images else {})}
+
+
+def metrics_of(task: Task, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    return {**task.compute(sums), "count": int(sums["count"])}
 
 
 def _in_steps(loader: Iterable[Any], accum: int) -> Iterator[list[Any]]:

@@ -315,7 +315,7 @@ def test_the_export_loads_into_the_plain_model_with_the_runs_val_metrics(runs: R
     from src.components.models import SimpleCNN
     from src.components.tasks import Classification
     from src.data.loaders import build_splits, make_val_loader
-    from src.loop.evaluation import evaluate
+    from src.loop.trainer import evaluate
 
     straight = runs("straight")
     out = tmp_path / "model.safetensors"

@@ -12,7 +12,7 @@ from sklearn import metrics as skm
 
 from src.common.errors import UsageError
 from src.components.tasks import Binary, CausalLM, Classification, Regression, Segmentation
-from src.loop.evaluation import metrics_of
+from src.loop.trainer import metrics_of
 from src.loop.step import MetricSums
 
 

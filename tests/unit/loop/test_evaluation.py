@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from src.common.seeding import seed_everything, step_seed
 from src.components.tasks import Classification, Regression
-from src.loop.evaluation import evaluate as evaluate_task
+from src.loop.trainer import evaluate as evaluate_task
 
 
 def evaluate(model, batches, task, info, device):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from src.common.errors import UsageError
 from src.components.tasks import Classification
 from src.loop import step
-from src.loop.evaluation import metrics_of
+from src.loop.trainer import metrics_of
 from src.loop.step import MetricSums
 
 TASK = Classification()

@@ -24,7 +24,7 @@ class UsageError(Exception):
 
 
 class WorkersReportedUsageError(UsageError):
-    """Workers this process started stopped on a UsageError they printed themselves."""
+    """Workers this process started, or a peer rank of this worker, stopped on a UsageError they printed."""
 
     reported = True
 

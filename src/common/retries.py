@@ -1,6 +1,7 @@
 """Failures a restart cannot fix end the run at once, instead of being retried `--max-restarts` times: a worker
 that stops on a UsageError records it in a file named after its launcher process (pid and start time), and a
-restarted worker of that launcher exits on it (src/common/errors.py)."""
+restarted worker of that launcher exits on it (src/common/errors.py). The other workers of that launcher, whose
+collectives break as that worker exits, read it too and stop quietly (`peer_failure`): its line is the run's error."""
 
 from __future__ import annotations
 
@@ -14,11 +15,9 @@ RECORDS = Path(tempfile.gettempdir()) / "ddp-template-final-failures"
 
 
 def record_final_failure(message: str) -> None:
-    """Under a launcher that would restart this worker, remember that the run failed for good."""
-    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """Under a launcher, remember that the run failed for good (for its restarted workers and this one's peers)."""
     path = _record_path()
-    if path is None or restarts_left <= 0:
+    if path is None:
         return
     RECORDS.mkdir(exist_ok=True)
     for stale in RECORDS.glob("*-*"):  # records of launchers that are gone
@@ -31,6 +30,12 @@ def record_final_failure(message: str) -> None:
 def final_failure() -> str | None:
     """In a restarted worker: the usage error an earlier attempt of this launcher stopped on, if any."""
     path = _record_path() if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) else None
+    return path.read_text(encoding="utf-8") if path is not None and path.exists() else None
+
+
+def peer_failure() -> str | None:
+    """The usage error another worker of this launcher stopped on, if any (a broken collective's cause)."""
+    path = _record_path()
     return path.read_text(encoding="utf-8") if path is not None and path.exists() else None
 
 

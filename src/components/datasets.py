@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
 from src.data.image_tensors import ImageTensorDataset
-from src.data.splits import IMAGE_FIELDS, DatasetNotFoundError, DataSplits, image_info
+from src.data.splits import IMAGE_FIELDS, DatasetNotFoundError, DataSplits, image_info, read_image
 
 if TYPE_CHECKING:
     import numpy as np
@@ -603,7 +603,7 @@ def _class_folders(folder: Path, transform: Callable, otherwise: str = "") -> Im
         raise DatasetNotFoundError(f"image folder {folder} not found: put images in {folder}/<class_name>/"
                                    + (f", {otherwise}" if otherwise else ""))
     try:
-        return ImageFolder(str(folder), transform=transform)
+        return ImageFolder(str(folder), transform=transform, loader=read_image)
     except FileNotFoundError as error:
         reason = " ".join(str(error).split())
         raise DatasetNotFoundError(

@@ -23,21 +23,9 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from src.common.errors import UsageError
-from src.data.splits import DatasetNotFoundError
+from src.data.splits import DatasetNotFoundError, UnreadableSampleError
 
 IMAGE = "Image"  # the `_type` of an image feature: struct<bytes: binary, path: string>, encoded bytes
-
-
-class CorruptRecordError(UsageError):
-    """A row that cannot be read, in one line; rebuilt from a DataLoader worker's traceback, its last line. Only
-    the rank whose sampler holds the record finds it, so that rank prints it (`local`)."""
-
-    local = True
-
-    def __init__(self, message: str) -> None:
-        if "Original Traceback" in message:
-            message = message.rstrip().splitlines()[-1].split(": ", 1)[-1]
-        super().__init__(message)
 
 
 class ArrowSplit:
@@ -103,7 +91,7 @@ class ArrowSplit:
         try:
             return [_value(batch.column(name), row, name in self.image_columns) for name in columns], where
         except Exception as error:  # an unreadable value: name it, whatever pyarrow raised
-            raise CorruptRecordError(f"corrupt record {index} of {self.folder} ({where}): {_one_line(error)}") \
+            raise UnreadableSampleError(f"corrupt record {index} of {self.folder} ({where}): {_one_line(error)}") \
                 from error
 
 
@@ -151,7 +139,7 @@ class ArrowSamples(Dataset):
                 try:
                     value = decode_image(value)
                 except Exception as error:  # PIL raises several kinds for damaged bytes
-                    raise CorruptRecordError(f"corrupt record {index} of {self.split.folder} ({where}): cannot "
+                    raise UnreadableSampleError(f"corrupt record {index} of {self.split.folder} ({where}): cannot "
                                              f"decode its {name} ({_one_line(error)})") from error
                 value = self.image_transform(value)
             sample.append(value)

@@ -2,6 +2,7 @@
 
     python -m src.data.convert image-folder SRC OUT   # SRC/train/<class>/*.png|jpg|... and SRC/val/<class>/...
     python -m src.data.convert parquet TRAIN VAL OUT  # TRAIN, VAL: a Parquet file or a folder of them each
+    python -m src.data.convert check-images ROOT      # decode every image under ROOT; list the damaged ones
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from PIL import Image, UnidentifiedImageError
 
 from src.common.errors import USAGE_ERROR_EXIT_CODE, UsageError
 from src.common.files import fsync_directory
+from src.data.splits import UnreadableSampleError, read_image
 
 # torchvision's ImageFolder extensions (torchvision.datasets.folder.IMG_EXTENSIONS), matched the same way.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -168,17 +170,39 @@ def convert(out: Path, splits: dict[str, tuple[Any, Iterable[Any]]]) -> dict[str
     return rows
 
 
+def damaged_images(root: Path) -> Iterator[str]:
+    """One line for each image file under `root` that does not decode in full, as training would read it."""
+    for file in sorted(root.rglob("*")):
+        if file.suffix.lower() in IMAGE_EXTENSIONS:
+            try:
+                read_image(str(file))
+            except UnreadableSampleError as error:
+                yield str(error).split(": replace or remove it")[0]
+
+
+def check_images(root: Path) -> int:
+    """Print each damaged image under `root` and how many images were read; 1 if any is damaged."""
+    if not root.is_dir():
+        raise UsageError(f"{root} is not a folder")
+    damaged = list(damaged_images(root))
+    print("\n".join(damaged + [f"{root}: {len(damaged)} damaged image(s)"]))
+    return 1 if damaged else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m src.data.convert", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for command, arguments, summary in (
             ("image-folder", ("source", "out"), "SRC/train/<class>/* and SRC/val/<class>/* -> OUT"),
-            ("parquet", ("train", "val", "out"), "TRAIN and VAL Parquet files (or folders of them) -> OUT")):
+            ("parquet", ("train", "val", "out"), "TRAIN and VAL Parquet files (or folders of them) -> OUT"),
+            ("check-images", ("root",), "decode every image under ROOT; print the damaged ones")):
         subparser = commands.add_parser(command, help=summary)
         for argument in arguments:
             subparser.add_argument(argument, type=Path)
     args = parser.parse_args(argv)
     try:
+        if args.command == "check-images":
+            return check_images(args.root)
         if args.command == "image-folder":
             classes = class_names(args.source)
             schema = image_schema(classes)

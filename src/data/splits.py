@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from PIL import Image
 from torch.utils.data import Dataset
 
 from src.common.errors import UsageError
@@ -43,3 +45,27 @@ def image_info(num_classes: int, channels: int, height: int, width: int) -> dict
 
 class DatasetNotFoundError(UsageError, RuntimeError):
     """The dataset's files are missing, unreadable or could not be downloaded."""
+
+
+class UnreadableSampleError(UsageError):
+    """A sample that cannot be read (a damaged image file, a corrupt record) in one line naming it; rebuilt from the
+    copy a DataLoader re-raises for its worker (its last line). Only the rank whose sampler holds the sample finds it,
+    so that rank prints it (`local`)."""
+
+    local = True
+
+    def __init__(self, message: str) -> None:
+        if "Original Traceback" in message:
+            message = message.rstrip().splitlines()[-1].split(": ", 1)[-1]
+        super().__init__(message)
+
+
+def read_image(path: str) -> Image.Image:
+    """An image file decoded in full to RGB, as torchvision's ImageFolder reads it, or one line naming the file."""
+    try:
+        with open(path, "rb") as file, Image.open(file) as image:
+            return image.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as error:  # PIL's damaged, truncated and unknown files
+        reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        raise UnreadableSampleError(f"{Path(path).resolve()} is not a readable image ({reason}): replace or remove it "
+                                    "(python -m src.data.convert check-images ROOT lists every such file)") from None

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from src.common import retries
 from src.common.errors import USAGE_ERROR_EXIT_CODE, UsageError, WorkersReportedUsageError, find_usage_error
 from src.parallel import distributed
 from src.parallel.job import RunContext, quote_override
@@ -124,6 +125,9 @@ def recording_errors(function: Callable[..., T]) -> Callable[..., T]:
         try:
             return function(*args, **kwargs)
         except Exception as error:
+            if find_usage_error(error) is None and retries.peer_failure() is not None:
+                # A collective broke as a peer exited on a usage error, which it printed: the run's one line.
+                raise _UnrecordedError(WorkersReportedUsageError("a peer stopped on the error above")) from None
             if find_usage_error(error) is None:
                 # Until @record has written the error file: one cut short by the SIGTERM torchrun's agent sends the
                 # survivors of a failure is empty, and the agent crashes on it instead of restarting the group.

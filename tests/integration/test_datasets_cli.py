@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import check, metrics, train, weights
-from dataset_files import write_cifar10, write_mnist
+from conftest import check, metrics, torchrun, train, weights
+from dataset_files import write_cifar10, write_mnist, write_noise_folder
 
 # ---- both paths through train.py -----------------------------------------------------------------
 
@@ -52,3 +52,24 @@ def test_cifar10_device_augmentation_replays_exactly_after_a_resume(tmp_path):
     assert metrics(tmp_path / "resumed")["step"] == (40 - 8) // 8
     for name, tensor in weights(tmp_path / "straight").items():
         assert torch.equal(tensor, weights(tmp_path / "resumed")[name]), name
+
+
+# ---- a damaged image in a real folder ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch, damaged", [("self", "train/b/2.png"), ("torchrun", "val/a/1.png")])
+def test_a_damaged_image_met_by_one_rank_s_worker_ends_the_run_with_one_line_naming_it(tmp_path, launch, damaged):
+    """Found by a DataLoader worker of one rank (in training, or in the val pass): that rank prints the line, its
+    peer, whose collective breaks as it exits, stops quietly; exit code 2 (torchrun adds its own summary)."""
+    write_noise_folder(tmp_path / "images", {damaged: "truncated"})
+    args = ["dataset=image_folder", "dataset.root=images", "dataset.image_size=[8,8]", "dataset.batch_size=4",
+            "dataset.num_workers=2", "model=mlp", "trainer.epochs=1", "hydra.run.dir=run"]
+    result = train(["dist.nproc_per_node=2", *args], tmp_path) if launch == "self" else torchrun(2, args, tmp_path)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {tmp_path / 'images' / damaged} is not a readable image (OSError: image file is "
+                      "truncated): replace or remove it (python -m src.data.convert check-images ROOT lists every "
+                      "such file)"], result.stderr[-3000:]
+    assert "Error executing job" not in result.stderr and "Connection closed" not in result.stderr
+    if launch == "self":
+        assert result.returncode == 2 and "Traceback" not in result.stderr

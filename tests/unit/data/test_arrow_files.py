@@ -21,8 +21,8 @@ from PIL import Image
 from src.common.errors import UsageError
 from src.components import datasets
 from src.data import convert
-from src.data.arrow_files import ArrowSplit, CorruptRecordError
-from src.data.splits import DatasetNotFoundError
+from src.data.arrow_files import ArrowSplit
+from src.data.splits import DatasetNotFoundError, UnreadableSampleError
 
 COLOURS = {"blue": (0, 0, 255), "green": (0, 255, 0), "red": (255, 0, 0)}
 
@@ -147,7 +147,7 @@ def test_a_corrupt_record_names_the_file_and_index(converted):
     shard.write_bytes(bytes(data))
     splits = datasets.arrow(str(converted / "arrow"), augment=False)
     splits.train[3]  # its neighbours read
-    with pytest.raises(CorruptRecordError) as error:
+    with pytest.raises(UnreadableSampleError) as error:
         splits.train[4]
     message = str(error.value)
     assert message.startswith(f"corrupt record 4 of {converted / 'arrow' / 'train'} (data-00000-of-00001.arrow row 4)")
@@ -159,10 +159,10 @@ def test_a_workers_corrupt_record_error_keeps_its_own_line():
     from torch._utils import ExceptionWrapper
 
     try:
-        raise CorruptRecordError("corrupt record 4 of /data/train (data-00000-of-00001.arrow row 4): cannot decode")
-    except CorruptRecordError:
+        raise UnreadableSampleError("corrupt record 4 of /data/train (data-00000-of-00001.arrow row 4): cannot decode")
+    except UnreadableSampleError:
         wrapped = ExceptionWrapper(where="in DataLoader worker process 1")
-    with pytest.raises(CorruptRecordError) as error:
+    with pytest.raises(UnreadableSampleError) as error:
         wrapped.reraise()
     assert str(error.value) == "corrupt record 4 of /data/train (data-00000-of-00001.arrow row 4): cannot decode"
 
@@ -212,7 +212,7 @@ def test_a_corrupt_record_is_reported_by_the_rank_that_reads_it(capsys, monkeypa
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(errors, "NON_MAIN_RANK_GRACE_S", 0.0)
-    for error, printed in ((CorruptRecordError("corrupt record 4 of /d/train (x.arrow row 4): bad"), True),
+    for error, printed in ((UnreadableSampleError("corrupt record 4 of /d/train (x.arrow row 4): bad"), True),
                            (UsageError("dataset.root is required"), False)):
         with pytest.raises(SystemExit) as exit_code, errors.exit_on_usage_error(is_main_process=False):
             raise error

@@ -24,6 +24,7 @@ this module (and `python train.py --help`) stays fast.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +34,8 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 
 from src.data.image_tensors import ImageTensorDataset
 from src.data.splits import IMAGE_FIELDS, DatasetNotFoundError, DataSplits, image_info, read_image
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -404,7 +407,8 @@ def _mnist_format(
 
 def cifar10(
     root: str, download: bool = True, augment: bool = True, verify_checksums: bool = True, in_memory: bool = True,
-    val_size: int = 5000, split_seed: int = 0,
+    val_size: int = 5000, split_seed: int = 0, image_size: Sequence[int] | None = None,
+    mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
 ) -> DataSplits:
     """CIFAR-10 from the python pickle batches in `<root>/cifar-10-batches-py/`: test_batch is test, `val_size`
     images of the training batches (each class in its share, fixed by `split_seed`) are val, the rest train.
@@ -413,7 +417,9 @@ def cifar10(
     official release; set it to false to accept other files in the same format. `augment`: random
     crop of the 4-pixel zero-padded image and random horizontal flip, training images only.
     `in_memory`: the splits as uint8 tensors, batched and augmented on the training device
-    (`src/data/image_tensors.py`); otherwise torchvision datasets that DataLoader workers read.
+    (`src/data/image_tensors.py`); otherwise torchvision datasets that DataLoader workers read. Images are
+    normalised with `mean` and `std` (None: CIFAR-10's own) and, after any augmentation, resized to `image_size`
+    (None: 32x32 as stored; a pretrained model's input size through `${weights:...}`).
     """
     from torchvision import transforms
     from torchvision.datasets import CIFAR10
@@ -427,26 +433,32 @@ def cifar10(
         from src.data.cifar10_files import CIFAR10WithoutMD5 as dataset_class
     official, test = dataset_class(root, train=True), dataset_class(root, train=False)
     kept, held = stratified_holdout(torch.tensor(official.targets), val_size, split_seed, "cifar10")
+    mean_std = normalisation(mean, std, 3, CIFAR10_MEAN_STD)
+    height, width = (int(x) for x in image_size or (32, 32))
+    log.info("cifar10: images normalised with mean %s and std %s, resized to %dx%d", *mean_std, height, width)
     if in_memory:
-        train = _cifar10_tensors(official, augment, kept)
-        val, test = _cifar10_tensors(official, False, held), _cifar10_tensors(test, augment=False)
+        train = _cifar10_tensors(official, mean_std, (height, width), augment, kept)
+        val = _cifar10_tensors(official, mean_std, (height, width), False, held)
+        test = _cifar10_tensors(test, mean_std, (height, width), False)
     else:
-        to_tensor = [transforms.ToTensor(), transforms.Normalize(*CIFAR10_MEAN_STD)]
+        resize = [transforms.Resize((height, width))] if (height, width) != (32, 32) else []
+        to_tensor = [transforms.ToTensor(), transforms.Normalize(*mean_std), *resize]
         augmentation = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
         train = Subset(dataset_class(root, train=True, transform=transforms.Compose(augmentation + to_tensor)),
                        kept.tolist())
         val = Subset(dataset_class(root, train=True, transform=transforms.Compose(to_tensor)), held.tolist())
         test = dataset_class(root, train=False, transform=transforms.Compose(to_tensor))
-    return DataSplits(train=train, val=val, test=test, info=image_info(10, 3, 32, 32), **IMAGE_FIELDS)
+    return DataSplits(train=train, val=val, test=test, info=image_info(10, 3, height, width), **IMAGE_FIELDS)
 
 
-def _cifar10_tensors(split: Dataset, augment: bool, index: torch.Tensor | None = None) -> ImageTensorDataset:
+def _cifar10_tensors(split: Dataset, mean_std: tuple[list[float], list[float]], size: tuple[int, int], augment: bool,
+                     index: torch.Tensor | None = None) -> ImageTensorDataset:
     """A torchvision CIFAR10 split (its pickles already read into a uint8 N x H x W x C array) as tensors (the
     samples at `index` only, if given)."""
     images, labels = torch.from_numpy(split.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(split.targets)
     if index is not None:
         images, labels = images[index], labels[index]
-    return ImageTensorDataset(images, labels, *CIFAR10_MEAN_STD, 4 if augment else 0, augment)
+    return ImageTensorDataset(images, labels, *mean_std, 4 if augment else 0, augment, size)
 
 
 def _verify_cifar10_checksums(folder: Path) -> None:
@@ -473,16 +485,19 @@ def image_folder(
     color_jitter: float = 0.0,
     val_size: int | None = None,
     split_seed: int = 0,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
 ) -> DataSplits:
     """Images in class folders: `<root>/train/<class>/*.png`, `<root>/val/<class>/...` and `<root>/test/<class>/...`.
 
     train/ is required. val/ is the val split; with `val_size` set, those images of train/ are instead (each class
     in its share, fixed by `split_seed`). test/, where there is one, is the test split. Any format PIL reads
     (png, jpg, ...) works. Images are resized to `image_size` (H, W) and converted to `channels` (1: grayscale,
-    3: RGB); training images are augmented as `image_transforms` says. Every split must have the same class folders;
-    labels follow their sorted names.
+    3: RGB) and normalised with `mean` and `std`; training images are augmented as `image_transforms` says. Every
+    split must have the same class folders; labels follow their sorted names.
     """
-    train_transform, val_transform = image_transforms(image_size, channels, augment, crop_scale, color_jitter)
+    train_transform, val_transform = image_transforms(image_size, channels, augment, crop_scale, color_jitter, mean,
+                                                      std)
     folder = Path(root)
     train = _class_folders(folder / "train", train_transform)
     if val_size is None:
@@ -514,9 +529,11 @@ def _same_classes(root: str, classes: dict[str, list[str]]) -> list[str]:
 
 
 def image_transforms(
-    image_size: Sequence[int], channels: int, augment: bool, crop_scale: Sequence[float] | None, color_jitter: float
+    image_size: Sequence[int], channels: int, augment: bool, crop_scale: Sequence[float] | None, color_jitter: float,
+    mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
 ) -> tuple[Callable, Callable]:
-    """(training, val) transforms from a decoded RGB PIL image to a normalised C x H x W tensor.
+    """(training, val) transforms from a decoded RGB PIL image to a C x H x W tensor normalised with `mean` and
+    `std` per channel (None: 0.5, 0.5; a pretrained model's through `${weights:...}` in the YAML).
 
     Val: resize to `image_size`. Training, with `augment`: a random crop of `crop_scale` of the image's
     area (torchvision's RandomResizedCrop; None: the whole image, resized), a random horizontal flip,
@@ -537,9 +554,23 @@ def image_transforms(
         augmentation = [crop, transforms.RandomHorizontalFlip(), *jitter]
     # The decoded image is RGB (as ImageFolder's loader gives it), so only grayscale needs a conversion.
     to_tensor = [transforms.Grayscale(num_output_channels=1)] if channels == 1 else []
-    to_tensor += [transforms.ToTensor(), transforms.Normalize([0.5] * channels, [0.5] * channels)]
+    mean, std = normalisation(mean, std, channels)
+    log.info("images resized to %dx%d, normalised with mean %s and std %s", height, width, mean, std)
+    to_tensor += [transforms.ToTensor(), transforms.Normalize(mean, std)]
     train = transforms.Compose((augmentation or [resize]) + to_tensor)
     return train, transforms.Compose([resize, *to_tensor])
+
+
+def normalisation(mean: Sequence[float] | None, std: Sequence[float] | None, channels: int,
+                  default: tuple[Sequence[float], Sequence[float]] | None = None) -> tuple[list[float], list[float]]:
+    """`mean` and `std` per channel (None: `default`'s, else 0.5 and 0.5), or one line if their length is not
+    `channels` (an RGB model's weights on greyscale images: set dataset.mean and dataset.std)."""
+    fallback = default or ([0.5] * channels, [0.5] * channels)
+    values = [list(fallback[i] if given is None else given) for i, given in enumerate((mean, std))]
+    if any(len(value) != channels for value in values):
+        raise ValueError(f"dataset.mean={values[0]} and dataset.std={values[1]} need {channels} value(s), one per "
+                         "channel: set both for these images")
+    return values[0], values[1]
 
 
 def arrow(
@@ -556,6 +587,8 @@ def arrow(
     test_split: str = "test",
     val_size: int | None = None,
     split_seed: int = 0,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
 ) -> DataSplits:
     """Data larger than RAM: a dataset in the Arrow layout of Hugging Face `datasets`' save_to_disk (what
     `python -m src.data.convert` writes), memory-mapped and read by index (src/data/arrow_files.py).
@@ -578,9 +611,11 @@ def arrow(
     for split in splits.values():
         check_columns(split, names, "dataset.columns")
         check_columns(split, [target], "dataset.target")
-    train_transform, val_transform = image_transforms(image_size, channels, augment, crop_scale, color_jitter)
+    images = bool(train.image_columns & set(names))
+    train_transform, val_transform = image_transforms(image_size, channels, augment, crop_scale, color_jitter, mean,
+                                                      std) if images else (None, None)
     info = target_info(list(splits.values()), target)
-    if train.image_columns & set(names):
+    if images:
         height, width = (int(x) for x in image_size)
         info.update(in_channels=channels, image_size=[height, width], num_features=channels * height * width)
     samples = {name: ArrowSamples(split, names, train_transform if name == train_split else val_transform)

@@ -1,5 +1,6 @@
 """`${data:FIELD}` in a model YAML: a field of what the dataset provides (its `info`, and the task's
-`num_outputs`), written into the run's model config once the dataset is built (`fill`)."""
+`num_outputs`), written into the run's model config once the dataset is built (`fill`). The other way round,
+`${weights:FIELD,DEFAULT}` in a dataset YAML: the input the model's pretrained weights were trained on."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.common.errors import UsageError
@@ -18,6 +20,24 @@ def register_resolver() -> None:
     """`${data:FIELD}` resolved before the dataset is built (`--cfg job --resolve`) says where it will come from."""
     OmegaConf.register_new_resolver("data", lambda name: f"<{name}: filled in at run time from the dataset and task>",
                                     replace=True)
+    OmegaConf.register_new_resolver("weights", weights_field, replace=True)
+
+
+def weights_field(name: str, default: Any = None, *, _root_: DictConfig) -> Any:
+    """`${weights:FIELD,DEFAULT}`: FIELD (mean, std, image_size) of the input the run's model's pretrained weights
+    were trained on, or DEFAULT where it has none: a model `_target_` says so with a `preprocessing(model_cfg)`
+    attribute returning that dict or None (src/components/pretrained.py). Only the target's module is imported."""
+    model = _root_.get("model")
+    target = model.get("_target_") if isinstance(model, DictConfig) else None
+    try:
+        preprocessing = getattr(get_object(target), "preprocessing", None) if target else None
+    except (ImportError, AttributeError, ValueError):  # building the model says what is wrong with its target
+        preprocessing = None
+    values = preprocessing(model) if preprocessing is not None else None
+    if values is not None and name not in values:
+        raise UsageError(f"${{weights:{name}}}: the weights of {target} give {', '.join(values)}, not {name}")
+    value = default if values is None else values[name]
+    return OmegaConf.create(list(value)) if isinstance(value, (list, tuple)) else value  # a list node, as YAML's
 
 
 def fill(model_cfg: DictConfig, fields: Mapping[str, Any], dataset_name: str) -> DictConfig:

@@ -124,7 +124,7 @@ def decode_image(encoded: bytes) -> Any:
 class ArrowSamples(Dataset):
     """The rows of a split as tuples of `columns`' values, images decoded and passed through `image_transform`."""
 
-    def __init__(self, split: ArrowSplit, columns: Sequence[str], image_transform: Callable[[Any], Any]) -> None:
+    def __init__(self, split: ArrowSplit, columns: Sequence[str], image_transform: Callable[[Any], Any] | None) -> None:
         self.split, self.columns, self.image_transform = split, list(columns), image_transform
         self.images = split.image_columns & set(columns)
 

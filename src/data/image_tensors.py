@@ -1,21 +1,23 @@
 """Image datasets small enough to live on the training device as uint8 tensors: a batch is one index_select,
-normalised and augmented on the device, each sample's crop and flip drawn from (seed, epoch, its index)."""
+normalised, augmented and resized on the device, each sample's crop and flip drawn from (seed, epoch, its index)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from src.data.sample_randomness import draw
 
 
 class ImageTensorDataset(TensorDataset):
-    """uint8 images (N, C, H, W) and int64 labels; indexing gives `(normalised float32 image, label)`."""
+    """uint8 images (N, C, H, W) and int64 labels; indexing gives `(normalised float32 image, label)`, resized to
+    `size` (H, W) where given (bilinear, antialiased, as torchvision's Resize of a tensor)."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: Sequence[float], std: Sequence[float],
-                 crop_padding: int = 0, flip: bool = False) -> None:
+                 crop_padding: int = 0, flip: bool = False, size: Sequence[int] | None = None) -> None:
         if images.dtype != torch.uint8 or images.dim() != 4:
             raise ValueError(f"images must be uint8 N x C x H x W, got {images.dtype} {tuple(images.shape)}")
         super().__init__(images, labels)
@@ -23,6 +25,7 @@ class ImageTensorDataset(TensorDataset):
         self.mean = torch.as_tensor(mean, dtype=torch.float32, device=images.device).view(1, channels, 1, 1)
         self.std = torch.as_tensor(std, dtype=torch.float32, device=images.device).view(1, channels, 1, 1)
         self.crop_padding, self.flip = crop_padding, flip
+        self.size = None if size is None or tuple(size) == tuple(images.shape[-2:]) else tuple(int(x) for x in size)
 
     @property
     def augments(self) -> bool:
@@ -30,11 +33,18 @@ class ImageTensorDataset(TensorDataset):
 
     def to(self, device: torch.device) -> ImageTensorDataset:
         images, labels = (t.to(device) for t in self.tensors)
-        return ImageTensorDataset(images, labels, self.mean.flatten(), self.std.flatten(), self.crop_padding, self.flip)
+        return ImageTensorDataset(images, labels, self.mean.flatten(), self.std.flatten(), self.crop_padding, self.flip,
+                                  self.size)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = self.tensors
-        return self.normalize(images[index][None])[0], labels[index]
+        return self.resize(self.normalize(images[index][None]))[0], labels[index]
+
+    def resize(self, images: torch.Tensor) -> torch.Tensor:
+        """A normalised (and augmented) batch at `size`."""
+        if self.size is None:
+            return images
+        return F.interpolate(images, size=self.size, mode="bilinear", align_corners=False, antialias=True)
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 batch -> (x / 255 - mean) / std per channel: torchvision's ToTensor and Normalize, to the bit."""

@@ -128,6 +128,8 @@ class TensorBatchLoader:
                 first = self.images.normalize(first)
             if self.augments:
                 first = self.images.augment(first, sample_key(self.seed, epoch, index))
+            if self.images is not None:
+                first = self.images.resize(first)
             yield (first, *rest)
 
 

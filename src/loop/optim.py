@@ -1,4 +1,5 @@
-"""The optimizer, and learning-rate schedules counted in optimizer steps. Each schedule is a function
+"""The optimizer (its parameter groups: learning rates by name prefix, no weight decay on biases and normalisation
+weights), and learning-rate schedules counted in optimizer steps. Each schedule is a function
 `(optimizer, total_steps, steps_per_epoch, **options)` returning a scheduler the loop steps once per optimizer step;
 `conf/scheduler/*.yaml` names one with `_target_` and `_partial_: true`, so options can be given in epochs.
 """
@@ -8,10 +9,11 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -21,32 +23,71 @@ from src.parallel import fsdp
 log = logging.getLogger(__name__)
 
 
-def build_optimizer(optimizer_cfg: Any, parameters: Iterable[torch.nn.Parameter], sharded: bool = False) -> Optimizer:
-    """The optimizer `optimizer_cfg` names (`_target_`, `_partial_: true`) over `parameters`; a setting torch
-    refuses is one `error:` line. `sharded` (FSDP2's DTensor shards) with `fused: true`: a fused kernel that does
-    not take shards (SGD's) becomes the foreach kernels, not torch's per-parameter loop, which pays a DTensor
-    dispatch per op."""
-    def make(params: Iterable[torch.nn.Parameter], **options: Any) -> Optimizer:
-        return instantiate(optimizer_cfg, **options)(params=params)
+def build_optimizer(optimizer_cfg: Any, parameters: Iterable[tuple[str, torch.nn.Parameter] | torch.nn.Parameter],
+                    sharded: bool = False) -> Optimizer:
+    """The optimizer `optimizer_cfg` names (`_target_`, `_partial_: true`) over `parameters` (named, or unnamed) in
+    `parameter_groups`; a setting torch refuses is one `error:` line. `sharded` (FSDP2's DTensor shards) with
+    `fused: true`: a fused kernel that does not take shards (SGD's) becomes the foreach kernels, not torch's
+    per-parameter loop, which pays a DTensor dispatch per op."""
+    options = OmegaConf.to_container(optimizer_cfg, resolve=True) if OmegaConf.is_config(optimizer_cfg) \
+        else dict(optimizer_cfg)
+    named = [item if isinstance(item, tuple) else (str(index), item) for index, item in enumerate(parameters)]
+    groups = parameter_groups(named, options.get("lr"), options.get("weight_decay", 0.0),
+                              options.pop("lr_multipliers", None) or {}, options.pop("decay_norm_and_bias", False))
+
+    def make(params: Iterable[Any], **overrides: Any) -> Optimizer:
+        return instantiate({**options, **overrides})(params=params)
 
     try:
-        if sharded and optimizer_cfg.get("fused"):
-            parameters = list(parameters)
-            if not fsdp.fused_step_takes_shards(make, parameters):
-                log.info(f"optimizer.fused=true: {optimizer_cfg._target_}'s fused kernel does not take sharded "
+        if sharded and options.get("fused"):
+            if not fsdp.fused_step_takes_shards(make, [parameter for _, parameter in named]):
+                log.info(f"optimizer.fused=true: {options['_target_']}'s fused kernel does not take sharded "
                          "parameters (dist=fsdp): foreach kernels instead")
-                return make(parameters, fused=None, foreach=True)
-        return make(parameters)
+                return make(groups, fused=None, foreach=True)
+        return make(groups)
     except ValueError as error:
-        message = f"{optimizer_cfg._target_} refused its settings ({error}): change the optimizer.* keys"
+        message = f"{options['_target_']} refused its settings ({error}): change the optimizer.* keys"
         raise UsageError(message) from error
     except TypeError as error:  # a key the class does not take, e.g. `fused` copied to an RMSprop YAML
         unknown = re.search(r"unexpected keyword argument '(\w+)'", str(error))
         if unknown is None:
             raise
         key = unknown.group(1)
-        raise UsageError(f"{optimizer_cfg._target_} does not take {key}: remove it from the optimizer's YAML, or drop "
+        raise UsageError(f"{options['_target_']} does not take {key}: remove it from the optimizer's YAML, or drop "
                          f"it for this run with ~optimizer.{key}") from error
+
+
+def parameter_groups(named: list[tuple[str, torch.nn.Parameter]], lr: float | None, weight_decay: float,
+                     lr_multipliers: Mapping[str, float], decay_norm_and_bias: bool) -> list[dict[str, Any]]:
+    """`named` parameters in groups, in their order: the learning rate `lr` x the multiplier of the longest prefix
+    of their name in `lr_multipliers` (`backbone` takes `backbone.*`; `*` every parameter no other prefix takes),
+    and no weight decay on biases and other 1-D parameters (normalisation weights) unless `decay_norm_and_bias`, as
+    timm's filter_bias_and_bn."""
+    prefixes = sorted(lr_multipliers, key=lambda prefix: -1 if prefix == "*" else len(prefix), reverse=True)
+    unmatched = [prefix for prefix in prefixes if not any(_under(name, prefix) for name, _ in named)]
+    if unmatched:
+        tops = sorted({name.split(".")[0] for name, _ in named})
+        raise UsageError(f"optimizer.lr_multipliers: {unmatched[0]} is the prefix of no trained parameter's name "
+                         f"(they begin with {', '.join(tops[:8])})")
+    if prefixes and lr is None:
+        raise UsageError("optimizer.lr_multipliers needs optimizer.lr, the learning rate they multiply")
+    groups: dict[tuple[str, bool], dict[str, Any]] = {}
+    for name, parameter in named:
+        prefix = next((prefix for prefix in prefixes if _under(name, prefix)), "")
+        decays = decay_norm_and_bias or not weight_decay or (parameter.ndim > 1 and not name.endswith(".bias"))
+        group = groups.setdefault((prefix, decays), {"params": [], **({"weight_decay": 0.0} if not decays else {}),
+                                                     **({"lr": lr * float(lr_multipliers[prefix])} if prefix else {})})
+        group["params"].append(parameter)
+    if len(groups) > 1:
+        log.info("optimizer: %s", "; ".join(
+            f"{len(group['params'])} tensors" + (f" under {prefix}: lr x{lr_multipliers[prefix]}" if prefix else "")
+            + ("" if decays else ", no weight decay") for (prefix, decays), group in groups.items()))
+    return list(groups.values())
+
+
+def _under(name: str, prefix: str) -> bool:
+    prefix = prefix.rstrip(".")
+    return prefix == "*" or name == prefix or name.startswith(prefix + ".")
 
 
 def _warmup_steps(warmup_epochs: float, steps_per_epoch: int, total_steps: int) -> int:

@@ -179,7 +179,7 @@ def build_optimizers(cfg: DictConfig, modules: dict[str, nn.Module], steps_per_e
     scheduler_cfgs = building.per_model(cfg.scheduler, "scheduler", modules)
     optimizers, schedulers = {}, {}
     for name, module in modules.items():
-        trainable = [p for p in module.parameters() if p.requires_grad]
+        trainable = [(key, p) for key, p in module.named_parameters() if p.requires_grad]
         optimizers[name] = optim.build_optimizer(optimizer_cfgs[name], trainable, sharded=fsdp.is_sharded(module))
         schedulers[name] = instantiate(scheduler_cfgs[name])(optimizers[name], total_steps=steps_per_epoch * epochs,
                                                              steps_per_epoch=steps_per_epoch)

@@ -40,11 +40,18 @@ def test_a_restart_after_another_failure_runs(torchrun_worker):
     start_job()
 
 
-@pytest.mark.parametrize("unset", ["TORCHELASTIC_RUN_ID", "TORCHELASTIC_MAX_RESTARTS"])
-def test_nothing_is_recorded_without_restarts_to_save(torchrun_worker, unset: str):
-    torchrun_worker.delenv(unset)
+def test_nothing_is_recorded_outside_a_launcher(torchrun_worker):
+    torchrun_worker.delenv("TORCHELASTIC_RUN_ID")
     retries.record_final_failure("a mistake")
-    assert not retries.RECORDS.exists()
+    assert not retries.RECORDS.exists() and retries.peer_failure() is None
+
+
+def test_without_restarts_the_record_tells_the_peers_whose_collectives_break(torchrun_worker):
+    torchrun_worker.delenv("TORCHELASTIC_MAX_RESTARTS")
+    assert retries.peer_failure() is None
+    retries.record_final_failure("a mistake")
+    assert retries.peer_failure() == "a mistake"
+    start_job()  # a first attempt is not a restart: it runs
 
 
 def test_records_of_launchers_that_are_gone_are_removed(torchrun_worker):

@@ -38,9 +38,12 @@ def read_trusted(path: Path, allowed: set[str]) -> Checkpoint:
 
 
 def build_saved_model(saved: Checkpoint, name: str, weights: str = "model") -> nn.Module:
+    """Model `name` of `saved`, built from its config without pretrained weights (the checkpoint's replace them:
+    no download, no weights file needed), with its `weights`."""
     configs = building.named(saved.config["model"], "model")
+    unloaded = {key: value for key, value in (("pretrained", False), ("weights", None)) if key in configs[name]}
     with building.errors_named("model", configs[name]):
-        module = instantiate(configs[name])
+        module = instantiate(configs[name], **unloaded)
     state = ModelState(module, name)
     state.source = f"checkpoint {saved.path}"
     state.load_state_dict(saved.model_weights(name, weights))

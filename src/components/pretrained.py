@@ -26,6 +26,12 @@ from src.common.errors import UsageError
 log = logging.getLogger(__name__)
 
 
+def _on_meta() -> bool:
+    """Built on the meta device (the loop's look for an init hook, src/loop/initial_weights.py): no weights to load
+    into it, nothing to log; the model is then built for real."""
+    return torch.get_default_device().type == "meta"
+
+
 # -- timm ---------------------------------------------------------------------------------------------------------
 
 
@@ -37,7 +43,7 @@ def timm_model(name: str, num_outputs: int, in_channels: int = 3, pretrained: bo
     weights to other counts)."""
     model = _create(name, pretrained, num_classes=num_outputs, in_chans=in_channels, drop_rate=drop_rate,
                     **({} if drop_path_rate is None else {"drop_path_rate": drop_path_rate}))
-    if pretrained:
+    if pretrained and not _on_meta():
         log.info("model: timm %s with pretrained weights (%s); new head %s (%s)", name, _source(pretrained),
                  model.default_cfg.get("classifier"), model.get_classifier())
     return model
@@ -47,6 +53,7 @@ def _create(name: str, pretrained: bool | str, **kwargs: Any) -> nn.Module:
     """timm.create_model, its weights from `pretrained` (see `timm_model`); a weights file that is missing, or a
     download that fails, is one line."""
     overlay = None
+    pretrained = False if _on_meta() else pretrained
     if isinstance(pretrained, str):
         if not Path(pretrained).is_file():
             raise UsageError(f"model.pretrained={pretrained} is not a file: give the path of a weights file "
@@ -100,7 +107,7 @@ class TimmSegmentation(nn.Module):
         self.head = nn.Sequential(nn.Conv2d(width, head_width, 3, padding=1, bias=False),  # no bias before BN
                                   nn.BatchNorm2d(head_width), nn.ReLU(inplace=True),
                                   nn.Conv2d(head_width, num_outputs, 1))
-        if pretrained:
+        if pretrained and not _on_meta():
             log.info("model: timm %s backbone with pretrained weights (%s); new head %s", name, _source(pretrained),
                      "head (3x3 conv, BatchNorm, ReLU, 1x1 conv)")
 
@@ -123,7 +130,7 @@ def torchvision_model(name: str, num_outputs: int, weights: str | None = None, i
     if in_channels != 3:
         raise UsageError(f"model=torchvision takes 3-channel images, and the dataset gives {in_channels}: set "
                          "dataset.channels=3 (greyscale images are repeated into RGB)")
-    if weights is None:
+    if weights is None or _on_meta():
         return _torchvision(name, num_classes=num_outputs, **kwargs)
     member = _weights(name, weights)
     _fetch(member, name, weights)

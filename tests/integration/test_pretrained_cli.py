@@ -1,0 +1,148 @@
+"""Pretrained backbones through the real CLI, offline: a timm model's weights saved to a file, and a torchvision
+model's file placed under TORCH_HOME, train from exactly those weights (every backbone parameter equal; the head new
+and of the task's width) on 1 process and 2 ranks with the weights' own normalisation; eval.py rebuilds the model
+without its weights file; learning rates per parameter group survive a resume bitwise; a segmentation model's mIoU
+is the same on 1, 2 and 3 ranks of eval.py as a standalone recomputation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import torchvision
+from conftest import REPO, check, metrics, run, torchrun, train, weights
+from dataset_files import write_noise_folder
+from safetensors.torch import save_file
+
+pytestmark = pytest.mark.slow
+
+EVAL = str(REPO / "eval.py")
+TIMM = "test_efficientnet.r160_in1k"  # a tiny timm model with ImageNet weights' statistics and a 160x160 input
+FROZEN = ["optimizer.lr=0", "trainer.epochs=1", "dataset.batch_size=4", "dataset.num_workers=0",
+          "dataset.augment=false"]
+
+
+def parameters(state: dict[str, torch.Tensor], skip: str) -> dict[str, torch.Tensor]:
+    """The learnable tensors (BatchNorm statistics left out: training updates them at any lr), but the head's."""
+    return {key: value for key, value in state.items()
+            if not key.startswith(skip) and "running_" not in key and "num_batches" not in key}
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("images")
+    write_noise_folder(root, {})
+    return root
+
+
+def train_log(run_dir: Path) -> str:
+    return (run_dir / "train.log").read_text()
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_timm_model_trains_from_its_weights_file_normalised_as_they_were_trained(images, tmp_path, nproc):
+    torch.manual_seed(0)
+    reference = timm.create_model(TIMM).state_dict()
+    save_file(reference, str(tmp_path / "weights.safetensors"))
+    args = ["dataset=image_folder", f"dataset.root={images}", "model=timm", f"model.name={TIMM}",
+            f"model.pretrained={tmp_path / 'weights.safetensors'}", *FROZEN, "hydra.run.dir=run"]
+    check(train(args, tmp_path) if nproc == 1 else torchrun(nproc, args, tmp_path))
+    run_dir = tmp_path / "run"
+    trained = weights(run_dir)
+    assert trained["classifier.weight"].shape[0] == 2 and reference["classifier.weight"].shape[0] == 1000
+    expected = parameters(reference, "classifier.")
+    assert parameters(trained, "classifier.").keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(trained[name], tensor), name
+    log = train_log(run_dir)
+    assert "images resized to 160x160, normalised with mean [0.485, 0.456, 0.406] and std [0.229, 0.224, 0.225]" in log
+    assert f"model: timm {TIMM} with pretrained weights (file {tmp_path / 'weights.safetensors'}); new head " \
+           "classifier (Linear(in_features=256, out_features=2" in log
+    (tmp_path / "weights.safetensors").unlink()  # eval.py rebuilds the model from the checkpoint alone
+    check(run([sys.executable, EVAL, f"checkpoint={run_dir / 'checkpoints' / 'last.pt'}", "split=val"], tmp_path))
+    evaluated = metrics(next((tmp_path / "outputs" / "eval").glob("*/*")))
+    assert evaluated["val/acc"] == metrics(run_dir)["val/acc"]
+
+
+def test_a_torchvision_model_loads_the_file_placed_in_torch_home(images, tmp_path):
+    torch.manual_seed(0)
+    reference = torchvision.models.resnet18().state_dict()
+    cache = tmp_path / "torch" / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    torch.save(reference, cache / "resnet18-f37072fd.pth")
+    args = ["dataset=image_folder", f"dataset.root={images}", "dataset.image_size=[32,32]", "model=torchvision",
+            "model.name=resnet18", "model.weights=IMAGENET1K_V1", *FROZEN, "hydra.run.dir=run"]
+    check(train(args, tmp_path, env={"TORCH_HOME": str(tmp_path / "torch")}))
+    trained = weights(tmp_path / "run")
+    assert trained["fc.weight"].shape == (2, 512)
+    for name, tensor in parameters(reference, "fc.").items():
+        assert torch.equal(trained[name], tensor), name
+    # The size set on the command line wins over the weights' 224; their mean and std are kept.
+    assert "images resized to 32x32, normalised with mean [0.485, 0.456, 0.406] and std [0.229, 0.224, 0.225]" \
+        in train_log(tmp_path / "run")
+
+
+def test_learning_rates_per_parameter_group_survive_a_resume_bitwise(tmp_path):
+    args = ["model=mlp", "optimizer=adamw", 'optimizer.lr_multipliers={"*":0.1,net.7:1.0}', "trainer.epochs=2",
+            "trainer.log_every_steps=5"]
+    check(train([*args, "hydra.run.dir=straight"], tmp_path))
+    stopped = train([*args, "trainer.max_steps=7", "hydra.run.dir=resumed"], tmp_path)
+    check(stopped)
+    check(train([*args, "resume=auto", "hydra.run.dir=resumed"], tmp_path))
+    straight, resumed = (torch.load(tmp_path / name / "checkpoints" / "last.pt", weights_only=False)
+                         for name in ("straight", "resumed"))
+    for name, tensor in weights(tmp_path / "straight").items():
+        assert torch.equal(weights(tmp_path / "resumed")[name], tensor), name
+    groups = straight["optimizers"]["model"]["param_groups"]
+    assert sorted({(group["initial_lr"], group["weight_decay"]) for group in groups}) == [
+        (3e-4, 0.0), (3e-4, 0.05), (3e-3, 0.0), (3e-3, 0.05)]
+    assert [g["lr"] for g in groups] == [g["lr"] for g in resumed["optimizers"]["model"]["param_groups"]]
+    assert "under *: lr x0.1" in (tmp_path / "straight" / "train.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def segmentation_run(tmp_path_factory) -> Path:
+    workdir = tmp_path_factory.mktemp("segment")
+    check(train(["experiment=segment_shapes", "dataset.num_train=64", "dataset.num_val=40", "dataset.num_test=24",
+                 "dataset.batch_size=16", "trainer.epochs=1", "hydra.run.dir=run"], workdir))
+    return workdir
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_segmentation_miou_in_eval_is_the_standalone_miou_on_any_world_size(segmentation_run, nproc, tmp_path):
+    checkpoint = segmentation_run / "run" / "checkpoints" / "last.pt"
+    args = [f"checkpoint={checkpoint}", "split=val", "dataset.val_batch_size=6"]  # 40 masks: uneven shards
+    check(run([sys.executable, EVAL, *args], tmp_path) if nproc == 1 else torchrun(nproc, args, tmp_path, EVAL))
+    evaluated = metrics(next((tmp_path / "outputs" / "eval").glob("*/*")))
+    expected = subprocess.run([sys.executable, "-c", STANDALONE, str(checkpoint)], cwd=REPO, capture_output=True,
+                              text=True, timeout=300)
+    assert expected.returncode == 0, expected.stderr[-2000:]
+    miou, pixel_acc = (float(x) for x in expected.stdout.split())
+    assert evaluated["world_size"] == nproc
+    assert evaluated["val/miou"] == pytest.approx(miou, abs=1e-6)
+    assert evaluated["val/acc"] == pytest.approx(pixel_acc, abs=1e-6)
+
+
+# mIoU from a confusion matrix of every val pixel, with the model load_trained gives and the dataset built alone.
+STANDALONE = """
+import sys, torch
+from src.checkpoint.trained import load_trained
+from src.components.datasets import shapes
+model, config = load_trained(sys.argv[1])
+data = config["dataset"]
+splits = shapes(num_train=data["num_train"], num_val=data["num_val"], num_test=data["num_test"],
+                image_size=data["image_size"], flip=data["flip"], mean=data["mean"], std=data["std"], seed=data["seed"])
+images = torch.stack([splits.val[i][0] for i in range(len(splits.val))])
+masks = torch.stack([splits.val[i][1] for i in range(len(splits.val))])
+with torch.no_grad():
+    predicted = model(images).argmax(1)
+classes = 4
+confusion = torch.bincount(masks.flatten() * classes + predicted.flatten(), minlength=classes ** 2).view(classes, -1)
+inter, union = confusion.diag().double(), (confusion.sum(0) + confusion.sum(1) - confusion.diag()).double()
+present = union > 0
+print((inter[present] / union[present]).mean().item(), (confusion.diag().sum() / confusion.sum()).item())
+"""

@@ -93,21 +93,42 @@ class CPUSyncBatchNorm(_BatchNorm):
         return out
 
 
+class _ThenItsChildren:
+    """A sync-BN that runs its submodules after normalising, in their order, as timm's BatchNormAct2d runs its
+    dropout and activation (torch's convert_sync_batchnorm drops them: the converted model computes another function)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        output = super().forward(input)  # type: ignore[misc]
+        for child in self.children():  # type: ignore[attr-defined]
+            output = child(output)
+        return output
+
+
+class SyncBatchNormThen(_ThenItsChildren, nn.SyncBatchNorm):
+    pass
+
+
+class CPUSyncBatchNormThen(_ThenItsChildren, CPUSyncBatchNorm):
+    pass
+
+
 def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
-    """`module` with every BatchNorm replaced, in place, by the sync-BN that works on `device` (same keys, tensors)."""
-    if device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    # DDP refuses CPU modules holding nn.SyncBatchNorm ("SyncBatchNorm layers only work with GPU modules").
+    """`module` with every BatchNorm replaced, in place, by the sync-BN that works on `device` (same keys, tensors):
+    nn.SyncBatchNorm on CUDA, CPUSyncBatchNorm elsewhere (DDP refuses CPU modules holding nn.SyncBatchNorm). A
+    BatchNorm with submodules of its own (timm's BatchNormAct2d) keeps them, run after the normalisation."""
     unsynced = isinstance(module, _BatchNorm) and not isinstance(module, (nn.SyncBatchNorm, CPUSyncBatchNorm))
-    converted = _to_cpu_sync_batchnorm(module) if unsynced else module
+    converted = _to_sync_batchnorm(module, device) if unsynced else module
     for name, child in module.named_children():
         converted.add_module(name, convert_sync_batchnorm(child, device))
     return converted
 
 
-def _to_cpu_sync_batchnorm(bn: _BatchNorm) -> CPUSyncBatchNorm:
-    """A CPUSyncBatchNorm holding `bn`'s own parameters and buffers (same dtype, device, requires_grad)."""
-    sync_bn = CPUSyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
+def _to_sync_batchnorm(bn: _BatchNorm, device: torch.device) -> nn.Module:
+    """The sync-BN for `device` holding `bn`'s own parameters and buffers (same dtype, device, requires_grad)."""
+    then = next(bn.children(), None) is not None
+    kind = {(True, False): nn.SyncBatchNorm, (True, True): SyncBatchNormThen, (False, False): CPUSyncBatchNorm,
+            (False, True): CPUSyncBatchNormThen}[device.type == "cuda", then]
+    sync_bn = kind(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
     if bn.affine:
         sync_bn.weight, sync_bn.bias = bn.weight, bn.bias
     if bn.track_running_stats:

@@ -323,3 +323,21 @@ def test_a_bias_feeding_a_batchnorm_directly_is_warned_once_per_layer_on_the_fir
         lines[0].endswith("give stem bias=False")
     assert lines[1].startswith("out has a bias feeding the BatchNorm out_bn directly")
     assert not any(layer._forward_hooks or layer._forward_pre_hooks for layer in model.modules())
+
+
+@pytest.mark.parametrize("device, kind", [("cpu", "CPUSyncBatchNormThen"), ("cuda", "SyncBatchNormThen")])
+def test_a_batchnorm_with_its_own_activation_keeps_it_when_synchronised(device: str, kind: str):
+    """timm's BatchNormAct2d runs a dropout and an activation after normalising; torch's converter drops them."""
+    from timm.layers import BatchNormAct2d
+
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), BatchNormAct2d(4, act_layer=nn.ReLU))
+    converted = convert_sync_batchnorm(copy.deepcopy(original), torch.device(device))
+    assert type(converted[1]).__name__ == kind and isinstance(converted[1].act, nn.ReLU)
+    assert converted.state_dict().keys() == original.state_dict().keys()
+    if device == "cpu":  # one process: the sync-BN is BatchNorm itself
+        x = torch.randn(5, 3, 6, 6)
+        for mode in (True, False):
+            original.train(mode), converted.train(mode)
+            output = converted(x)
+            assert torch.equal(output, original(x)) and output.min() >= 0

@@ -56,7 +56,6 @@ def config_composed() -> None:
     if _full_error_set_here:
         os.environ.pop(_FULL_ERROR, None)
         _full_error_set_here = False
-SWEEP_GRAMMAR = "choice(a,b,...), range(start,stop[,step]), interval(low,high) or tag(log,interval(low,high))"
 
 
 def describe_config_error(error: Exception, script: str, overrides: list[str], config_name: str,

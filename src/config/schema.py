@@ -67,7 +67,6 @@ def precision_setting(default: Any) -> Any:
     return setting(default, one_of(*PRECISIONS, or_null=default is None))
 
 
-
 @dataclass
 class TrainerConfig:
     """The `trainer` block. Built directly (tests), `monitor`/`monitor_mode` stay interpolations: pass them."""
@@ -185,7 +184,6 @@ ConfigStore.instance().store(name="train_schema", node=TrainSchema)
 ConfigStore.instance().store(name="eval_schema", node=EvalSchema)
 
 
-
 def check_train_config(cfg: DictConfig) -> None:
     """Refuse values the schema's types let through, naming every key to change at once."""
     missing = OmegaConf.missing_keys(cfg)
@@ -223,13 +221,8 @@ def rules_of(prefix: str, settings: type) -> dict[str, Rule]:
 
 def value_problems(cfg: DictConfig, rules: dict[str, Rule], skip: set[str] = frozenset()) -> list[str]:
     """`KEY=VALUE what is wrong` for each key whose value breaks its rule (keys in `skip` are not read)."""
-    problems = []
-    for key, rule in rules.items():
-        value = None if key in skip else OmegaConf.select(cfg, key)
-        problem = None if key in skip else rule(value)
-        if problem:
-            problems.append(f"{key}={value} {problem}")
-    return problems
+    values = {key: OmegaConf.select(cfg, key) for key in rules if key not in skip}
+    return [f"{key}={value} {problem}" for key, value in values.items() if (problem := rules[key](value))]
 
 
 def _refuse(problems: list[str]) -> None:

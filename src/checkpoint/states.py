@@ -97,8 +97,8 @@ class OptimizerState:
         by_id = self._names()
         if self.sharded:
             whole = not any(is_dtensor(value) for values in state["state"].values() for value in values.values())
-            set_optimizer_state_dict(self.module, self.optimizer, {"state": dict(state["state"]),
-                                                                   "param_groups": groups},
+            saved_state = {"state": dict(state["state"]), "param_groups": groups}
+            set_optimizer_state_dict(self.module, self.optimizer, saved_state,
                                      options=StateDictOptions(full_state_dict=whole))
             saved = set(state["state"])
             for parameter in [p for p in self.optimizer.state if by_id[id(p)] not in saved]:

@@ -30,8 +30,7 @@ class ModelState:
     """A trained model's weights as a checkpoint part; `name` and `source` word its errors."""
 
     def __init__(self, module: nn.Module, name: str = "model") -> None:
-        self.module = module
-        self.name = name
+        self.module, self.name = module, name
         self.source = "the checkpoint"  # what errors name: `checkpoint PATH`, set by the reader
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -73,8 +72,7 @@ class OptimizerState:
     """An optimizer over a trained model's parameters as a checkpoint part, keyed by parameter name."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.module = module
-        self.optimizer = optimizer
+        self.module, self.optimizer = module, optimizer
 
     @property
     def sharded(self) -> bool:
@@ -125,8 +123,7 @@ class Named:
     """Several parts of one kind (`what`) by name; a resumed run must find each of its own in the checkpoint."""
 
     def __init__(self, parts: Mapping[str, Any], what: str) -> None:
-        self.parts = dict(parts)
-        self.what = what
+        self.parts, self.what = dict(parts), what
         self.source = "the checkpoint"
 
     def state_dict(self) -> dict[str, Any]:

@@ -101,8 +101,7 @@ class Store:
 
     def __init__(self, directory: Path, is_main_process: bool, keep_last: int = 2, background: bool = False,
                  timeout_s: float | None = None) -> None:
-        self.directory = directory
-        self.is_main_process = is_main_process
+        self.directory, self.is_main_process = directory, is_main_process
         self.keep_last = keep_last  # step checkpoints kept, besides the newest and the best
         self.group = distributed.new_group(timeout_s) if background else None  # the writer's collectives' wait
         self.background = background

@@ -131,7 +131,6 @@ class OptunaSweeper(Sweeper):
         """Trials a killed sweep left RUNNING: told their job's result if it finished, else failed (`died`) and
         asked again with the same values."""
         Trial, TrialState = _optuna().trial.Trial, _optuna().trial.TrialState
-
         for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             job, job_dir = frozen.user_attrs.get("job"), frozen.user_attrs.get("job_dir")
             job_dir = None if job_dir is None else Path(job_dir)

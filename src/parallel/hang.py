@@ -64,11 +64,8 @@ def diagnosed(store: dist.Store, rank: int, world_size: int, timeout_s: float,
 
 
 class _Timeout:
-    """The group's timeout now, and the setting it comes from."""
-
     def __init__(self, key: str, seconds: float) -> None:
-        self.key = key
-        self.seconds = seconds
+        self.key, self.seconds = key, seconds  # the group's timeout now, and the setting it comes from
 
     def tighten(self, step_timeout_s: float | None) -> None:
         if step_timeout_s is not None and self.key != "dist.step_timeout_s":

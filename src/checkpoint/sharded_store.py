@@ -10,8 +10,7 @@ A save writes `step_<N>.tmp/`, renames it to `step_<N>/`, then rewrites `last` (
 killed at any point leaves `last` naming a complete directory. A DTensor is written by every rank (its shard), a
 plain tensor once, so a part whose tensors differ between ranks must hold DTensors. Loading never runs code: state.pt
 is read with `weights_only=True`, nothing but tensors goes through DCP (which would unpickle it), and `.metadata` is
-read with an unpickler that builds only DCP's metadata classes.
-"""
+read with an unpickler that builds only DCP's metadata classes."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What a checkpoint holds, whatever its format: named parts (src/loop/trainer.py `stateful`: models, optimizers,
 schedulers, scaler, loop, callbacks, config, output_model), each saved as its state_dict() (plain data as itself),
-with tensors anywhere in it, sharded or not. A `Checkpoint` read back restores them into this run's parts by name.
-"""
+with tensors anywhere in it, sharded or not. A `Checkpoint` read back restores them into this run's parts by name."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """`hydra/sweeper=optuna`: this process asks Optuna for each trial's values and launches the trial as one Hydra job
 with them as overrides, so no rank samples; the objective is what train.py returns. The study lives in
-`<sweep dir>/optuna.db`: the same command continues it, a trial whose run died asked again with its values.
-"""
+`<sweep dir>/optuna.db`: the same command continues it, a trial whose run died asked again with its values."""
 
 from __future__ import annotations
 

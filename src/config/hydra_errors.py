@@ -1,6 +1,5 @@
 """Hydra's compose errors (unknown option or key, wrong type, unparsable override) as one `error:` line naming what
-to change, built from the errors' attributes, not their wording; anything else keeps Hydra's message, on one line.
-"""
+to change, built from the errors' attributes, not their wording; anything else keeps Hydra's message, on one line."""
 
 from __future__ import annotations
 

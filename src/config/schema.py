@@ -1,8 +1,7 @@
 """Every `trainer` and `dist` setting, declared once: its type, default, meaning (the comment beside it) and the
 rule its value must pass where the type lets more through (checked when the run starts: `check_train_config`).
 conf/config.yaml names `train_schema` first in its defaults list; eval.py's schema reuses the declarations. The
-groups whose options name a `_target_` stay open; the few values there that matter are in `OPEN_GROUP_RULES`.
-"""
+groups whose options name a `_target_` stay open; the few values there that matter are in `OPEN_GROUP_RULES`."""
 
 from __future__ import annotations
 

@@ -94,14 +94,13 @@ class MFU(Callback):
     """`Utilization` at every log step, built at the first from the first micro-batch's shapes (meta tensors)."""
 
     def __init__(self) -> None:
-        self.peak: float | None = None
         self.example_inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.utilization: Utilization | None = None
         self._run: Run | None = None
 
     def on_run_start(self, run: Run) -> None:
-        self.peak = device_peak(run.parts.runtime.device, run.config.precision)
-        self.enabled, self._run = self.peak is not None, run
+        self.enabled = device_peak(run.parts.runtime.device, run.config.precision) is not None
+        self._run = run
 
     def on_step_end(self, step: Step) -> None:
         if self.example_inputs is None:

@@ -5,8 +5,7 @@
       step_000000044/  last  best             a directory per checkpoint, and small files naming the newest
                                               and the best (dist=fsdp)
 
-A run that switched dist strategies may hold both; the newer wins.
-"""
+A run that switched dist strategies may hold both; the newer wins."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 `resume=auto` (and every restart by torchrun or a requeued SLURM job) takes the newest training state that loads:
 `last.pt` (or `last`), else the step checkpoints from the highest step down, each one skipped logged with why; a
 run whose every checkpoint is damaged stops with one line. A rank that cannot load rank 0's choice (run dirs on
-disks the nodes do not share) stops the whole group with one line before any step.
-"""
+disks the nodes do not share) stops the whole group with one line before any step."""
 
 from __future__ import annotations
 

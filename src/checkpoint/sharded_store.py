@@ -10,8 +10,7 @@ A save writes `step_<N>.tmp/`, renames it to `step_<N>/`, then rewrites `last` (
 killed at any point leaves `last` naming a complete directory. A DTensor is written by every rank (its shard), a
 plain tensor once, so a part whose tensors differ between ranks must hold DTensors. Loading never runs code: state.pt
 is read with `weights_only=True`, nothing but tensors goes through DCP (which would unpickle it), and `.metadata` is
-read with an unpickler that builds only DCP's metadata classes.
-"""
+read with an unpickler that builds only DCP's metadata classes."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ class ShardedStore(Store):
         tensors: dict[str, torch.Tensor] = {}
         return tensors, _without_tensors(super().snapshot(parts), (), tensors)
 
-    def write(self, snapshot: tuple[dict[str, Any], dict[str, Any]], step: int, is_best: bool,
-              mid_epoch: bool) -> None:
+    def write(self, snapshot: tuple[dict[str, Any], dict[str, Any]], step: int, is_best: bool, mid_epoch: bool) -> None:
         tensors, rest = snapshot
         self.directory.mkdir(parents=True, exist_ok=True)
         name = layout.step_name(step)
@@ -72,18 +70,13 @@ class ShardedStore(Store):
 def _no_room(error: CheckpointException, staging: Path, tensors: dict[str, Any]) -> UsageError | None:
     """One line when a rank's shard found no room: DCP strips the causes ("unexpected pos"), so each rank checks its
     own against the free space and file-size limit, and the ranks agree (a collective)."""
-    needed = _local_bytes(tensors)
+    shards = [tensor.to_local() if hasattr(tensor, "to_local") else tensor for tensor in tensors.values()]
+    needed = sum(shard.numel() * shard.element_size() for shard in shards)  # a DTensor's local shard only
     code = exceeds_room(needed, staging.parent)
     if not any(distributed.gather_objects(code is not None)):
         return None
     cause = OSError(code or errno.ENOSPC, os.strerror(code or errno.ENOSPC))
     return no_room(cause, staging, lambda: needed)  # this rank's shard file
-
-
-def _local_bytes(tensors: dict[str, torch.Tensor]) -> int:
-    """The bytes of this rank's tensors (a DTensor's local shard only)."""
-    shards = [tensor.to_local() if hasattr(tensor, "to_local") else tensor for tensor in tensors.values()]
-    return sum(shard.numel() * shard.element_size() for shard in shards)
 
 
 _TENSOR = "\0tensor:"  # state.pt's stand-in for a tensor in the shards: this prefix and its key

@@ -30,8 +30,7 @@ class ModelState:
     """A trained model's weights as a checkpoint part; `name` and `source` word its errors."""
 
     def __init__(self, module: nn.Module, name: str = "model") -> None:
-        self.module = module
-        self.name = name
+        self.module, self.name = module, name
         self.source = "the checkpoint"  # what errors name: `checkpoint PATH`, set by the reader
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -73,8 +72,7 @@ class OptimizerState:
     """An optimizer over a trained model's parameters as a checkpoint part, keyed by parameter name."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.module = module
-        self.optimizer = optimizer
+        self.module, self.optimizer = module, optimizer
 
     @property
     def sharded(self) -> bool:
@@ -97,8 +95,8 @@ class OptimizerState:
         by_id = self._names()
         if self.sharded:
             whole = not any(is_dtensor(value) for values in state["state"].values() for value in values.values())
-            set_optimizer_state_dict(self.module, self.optimizer, {"state": dict(state["state"]),
-                                                                   "param_groups": groups},
+            saved_state = {"state": dict(state["state"]), "param_groups": groups}
+            set_optimizer_state_dict(self.module, self.optimizer, saved_state,
                                      options=StateDictOptions(full_state_dict=whole))
             saved = set(state["state"])
             for parameter in [p for p in self.optimizer.state if by_id[id(p)] not in saved]:
@@ -125,8 +123,7 @@ class Named:
     """Several parts of one kind (`what`) by name; a resumed run must find each of its own in the checkpoint."""
 
     def __init__(self, parts: Mapping[str, Any], what: str) -> None:
-        self.parts = dict(parts)
-        self.what = what
+        self.parts, self.what = dict(parts), what
         self.source = "the checkpoint"
 
     def state_dict(self) -> dict[str, Any]:

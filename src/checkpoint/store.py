@@ -1,7 +1,6 @@
 """What a checkpoint holds, whatever its format: named parts (src/loop/trainer.py `stateful`: models, optimizers,
 schedulers, scaler, loop, callbacks, config, output_model), each saved as its state_dict() (plain data as itself),
-with tensors anywhere in it, sharded or not. A `Checkpoint` read back restores them into this run's parts by name.
-"""
+with tensors anywhere in it, sharded or not. A `Checkpoint` read back restores them into this run's parts by name."""
 
 from __future__ import annotations
 
@@ -101,8 +100,7 @@ class Store:
 
     def __init__(self, directory: Path, is_main_process: bool, keep_last: int = 2, background: bool = False,
                  timeout_s: float | None = None) -> None:
-        self.directory = directory
-        self.is_main_process = is_main_process
+        self.directory, self.is_main_process = directory, is_main_process
         self.keep_last = keep_last  # step checkpoints kept, besides the newest and the best
         self.group = distributed.new_group(timeout_s) if background else None  # the writer's collectives' wait
         self.background = background

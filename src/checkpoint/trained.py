@@ -6,8 +6,7 @@
     model, _ = load_trained(path, model="discriminator")                      # another model of a multi-model run
 
 The model is built from the config saved in the checkpoint, whole, on the CPU, in eval mode. A saved config that
-names a callable no config group of conf/ names is refused in one line, unless `trusted` lists it.
-"""
+names a callable no config group of conf/ names is refused in one line, unless `trusted` lists it."""
 
 from __future__ import annotations
 

@@ -29,8 +29,7 @@ def record_final_failure(message: str) -> None:
 
 def final_failure() -> str | None:
     """In a restarted worker: the usage error an earlier attempt of this launcher stopped on, if any."""
-    path = _record_path() if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) else None
-    return path.read_text(encoding="utf-8") if path is not None and path.exists() else None
+    return peer_failure() if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) else None
 
 
 def peer_failure() -> str | None:

@@ -1,6 +1,5 @@
 """Hydra's compose errors (unknown option or key, wrong type, unparsable override) as one `error:` line naming what
-to change, built from the errors' attributes, not their wording; anything else keeps Hydra's message, on one line.
-"""
+to change, built from the errors' attributes, not their wording; anything else keeps Hydra's message, on one line."""
 
 from __future__ import annotations
 
@@ -56,7 +55,6 @@ def config_composed() -> None:
     if _full_error_set_here:
         os.environ.pop(_FULL_ERROR, None)
         _full_error_set_here = False
-SWEEP_GRAMMAR = "choice(a,b,...), range(start,stop[,step]), interval(low,high) or tag(log,interval(low,high))"
 
 
 def describe_config_error(error: Exception, script: str, overrides: list[str], config_name: str,

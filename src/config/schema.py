@@ -1,8 +1,7 @@
 """Every `trainer` and `dist` setting, declared once: its type, default, meaning (the comment beside it) and the
 rule its value must pass where the type lets more through (checked when the run starts: `check_train_config`).
 conf/config.yaml names `train_schema` first in its defaults list; eval.py's schema reuses the declarations. The
-groups whose options name a `_target_` stay open; the few values there that matter are in `OPEN_GROUP_RULES`.
-"""
+groups whose options name a `_target_` stay open; the few values there that matter are in `OPEN_GROUP_RULES`."""
 
 from __future__ import annotations
 
@@ -65,7 +64,6 @@ BACKENDS = ("auto", "nccl", "gloo")
 def precision_setting(default: Any) -> Any:
     """Typed Any: a str node would turn 32 into "32". A null default (eval.py: the checkpoint's) allows null."""
     return setting(default, one_of(*PRECISIONS, or_null=default is None))
-
 
 
 @dataclass
@@ -185,7 +183,6 @@ ConfigStore.instance().store(name="train_schema", node=TrainSchema)
 ConfigStore.instance().store(name="eval_schema", node=EvalSchema)
 
 
-
 def check_train_config(cfg: DictConfig) -> None:
     """Refuse values the schema's types let through, naming every key to change at once."""
     missing = OmegaConf.missing_keys(cfg)
@@ -223,13 +220,8 @@ def rules_of(prefix: str, settings: type) -> dict[str, Rule]:
 
 def value_problems(cfg: DictConfig, rules: dict[str, Rule], skip: set[str] = frozenset()) -> list[str]:
     """`KEY=VALUE what is wrong` for each key whose value breaks its rule (keys in `skip` are not read)."""
-    problems = []
-    for key, rule in rules.items():
-        value = None if key in skip else OmegaConf.select(cfg, key)
-        problem = None if key in skip else rule(value)
-        if problem:
-            problems.append(f"{key}={value} {problem}")
-    return problems
+    values = {key: OmegaConf.select(cfg, key) for key in rules if key not in skip}
+    return [f"{key}={value} {problem}" for key, value in values.items() if (problem := rules[key](value))]
 
 
 def _refuse(problems: list[str]) -> None:

@@ -51,9 +51,8 @@ def targets_of_config_groups(dirs: Iterable[Path]) -> set[str]:
 
 def trusted(listed: Iterable[str], own_config: Any = None) -> set[str]:
     """The targets a saved config may name: the config groups', those `listed`, and those of `own_config`."""
-    return targets_of_config_groups(config_dirs()) | set(map(str, listed)) | {
-        str(target) for _, target in targets_in(own_config)
-    }
+    own = {str(target) for _, target in targets_in(own_config)}
+    return targets_of_config_groups(config_dirs()) | set(map(str, listed)) | own
 
 
 def interpolations_in(node: Any) -> Iterator[tuple[str, str]]:

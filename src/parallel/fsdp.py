@@ -5,8 +5,7 @@ a unit's forward and backward all-gather its parameters, and its gradients are r
 Units: the modules `dist.fsdp.wrap` names by class, else the root's children holding at least
 `dist.fsdp.min_unit_params` parameters (the children of a lone container child; a ModuleList's or ModuleDict's
 members), then the root. A unit's all-gather overlaps the previous unit's compute and gathered memory is bounded by
-the largest unit, but each unit costs its own collectives: a small model is one unit.
-"""
+the largest unit, but each unit costs its own collectives: a small model is one unit."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ between two collectives of a running job (a step, a checkpoint write, an evaluat
 gloo says only "Timed out waiting 10000ms for recv". Every rank that timed out marks itself in the launcher's store;
 after a short grace the marks show which ranks never arrived. Those on this host are SIGKILLed as this process exits
 (a stopped process never exits, and some launchers wait for every task). The error names the collective, the ranks
-and the timeout.
-"""
+and the timeout."""
 
 from __future__ import annotations
 
@@ -64,11 +63,8 @@ def diagnosed(store: dist.Store, rank: int, world_size: int, timeout_s: float,
 
 
 class _Timeout:
-    """The group's timeout now, and the setting it comes from."""
-
     def __init__(self, key: str, seconds: float) -> None:
-        self.key = key
-        self.seconds = seconds
+        self.key, self.seconds = key, seconds  # the group's timeout now, and the setting it comes from
 
     def tighten(self, step_timeout_s: float | None) -> None:
         if step_timeout_s is not None and self.key != "dist.step_timeout_s":

@@ -3,8 +3,7 @@
 Hydra resolves `${now:...}` in every process, so torchrun ranks reaching Hydra a second apart would each create a
 run dir (hydra #2070): run dirs are named with `${run_timestamp:FORMAT}`, rank 0's clock shared through the
 launcher's store, and ranks other than 0 skip writing `.hydra/` (`${main_rank_only:}`). Importing this module
-registers those resolvers and `${data:FIELD}`, so every process that composes the config has them.
-"""
+registers those resolvers and `${data:FIELD}`, so every process that composes the config has them."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class RunContext:
         run_dir = Path(hydra_cfg.runtime.output_dir)
         searchpath = tuple(o for o in hydra_cfg.overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath")
         return cls(run_dir, holds_only_hydras_files(run_dir), hydra_cfg.mode == RunMode.MULTIRUN,
-                   tuple(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices),
-                   config_flags(argv) + searchpath)
+                   tuple(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices), config_flags(argv) + searchpath)
 
 
 def run(main: Callable[[], Any], config_name: str) -> None:

@@ -3,8 +3,7 @@
 SLURM sends SIGTERM (and, with `--signal`, SIGUSR2 before the time limit; submitit asks for USR2), torchrun forwards
 SIGTERM and SIGKILLs 30 s later. A handler only raises a flag; the ranks all-reduce (MAX) it at *check steps*, which
 every rank computes alike: each check also all-reduces the seconds per step, so the next check is about
-`CHECK_EVERY_S` ahead on the slowest rank's clock, and every log step is a check step too.
-"""
+`CHECK_EVERY_S` ahead on the slowest rank's clock, and every log step is a check step too."""
 
 from __future__ import annotations
 
@@ -28,15 +27,13 @@ class Preemption:
     """Catches SIGTERM and SIGUSR2 while `with`-entered, and answers "stop after this step?" on every rank."""
 
     def __init__(self, device: torch.device, log_every_steps: int) -> None:
-        self.device = device
-        self.log_every_steps = log_every_steps
+        self.device, self.log_every_steps = device, log_every_steps
         self.received: signal.Signals | None = None  # the signal this rank got, if any
         self.agreed = False  # all ranks agreed to stop
         self._previous: dict[signal.Signals, Any] = {}
         self._interval = 1  # optimizer steps between timed checks
         self._next_check: int | None = None  # None: the clock starts at the next step
-        self._checked_step = 0
-        self._checked_at = 0.0
+        self._checked_step, self._checked_at = 0, 0.0  # the last timed check's step and clock
 
     def __enter__(self) -> "Preemption":
         self._next_check = None  # the clock starts at the first step of this fit()

@@ -2,8 +2,7 @@
 `adopt_cluster_env`). torchrun and `dist.nproc_per_node` set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT; a plain `python train.py` sets none and runs as a group of one; a task of submitit or `srun` has its
 job's variables, which `adopt_cluster_env` exports as the same contract. `is_main_process` reads a task's job
-variables too, so it answers the same before that call (Hydra asks it while composing the run dir) and after.
-"""
+variables too, so it answers the same before that call (Hydra asks it while composing the run dir) and after."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Synchronised batch normalisation that also works on the CPU (gloo): without it each rank normalises with its own
-batch's statistics, so W ranks do not compute what one process does on the global batch. `nn.SyncBatchNorm` does
-this on GPUs only (DDP refuses CPU modules holding it); `CPUSyncBatchNorm` does the same math with one all-reduce
-per layer.
-"""
+batch's statistics, so W ranks do not compute what one process does on the global batch. `nn.SyncBatchNorm` does this on
+GPUs only (DDP refuses CPU modules holding it); `CPUSyncBatchNorm` does the same math with one all-reduce per layer."""
 
 from __future__ import annotations
 

@@ -34,8 +34,7 @@ def job_row(job_dir: Path) -> dict[str, Any]:
 
 
 def _is_column(name: str) -> bool:
-    return name in RUN_COLUMNS or name.endswith("_per_s") or (
-        name.startswith(SPLITS) and "/num_" not in name)
+    return name in RUN_COLUMNS or name.endswith("_per_s") or (name.startswith(SPLITS) and "/num_" not in name)
 
 
 def metric_columns(rows: list[dict[str, Any]], metric: str | None) -> list[str]:

@@ -55,7 +55,8 @@ class Trackers(Callback):
         params, self._params = self._params, None
         if params is None:
             return
-        saved = read_ids_file(self.identity.run_dir)
+        ids_file = self.identity.run_dir / IDS_FILE
+        saved = json.loads(ids_file.read_text()) if ids_file.exists() else {}
         known = {**saved.get("ids", {}), **self.ids}
         for name, tracker in self.trackers.items():
             run_id = tracker.open(known.get(name), self.identity, params)
@@ -111,11 +112,6 @@ class Trackers(Callback):
     def _write_ids_file(self) -> None:
         ledger = {name: self.sent[name] for name in sorted(self._ledger)}
         write_text_atomically(self.identity.run_dir / IDS_FILE, json.dumps({"ids": self.ids, "sent": ledger}) + "\n")
-
-
-def read_ids_file(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / IDS_FILE
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def identity_of(run_dir: Path, in_sweep: bool) -> RunIdentity:

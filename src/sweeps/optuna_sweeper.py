@@ -1,7 +1,6 @@
 """`hydra/sweeper=optuna`: this process asks Optuna for each trial's values and launches the trial as one Hydra job
 with them as overrides, so no rank samples; the objective is what train.py returns. The study lives in
-`<sweep dir>/optuna.db`: the same command continues it, a trial whose run died asked again with its values.
-"""
+`<sweep dir>/optuna.db`: the same command continues it, a trial whose run died asked again with its values."""
 
 from __future__ import annotations
 
@@ -131,13 +130,15 @@ class OptunaSweeper(Sweeper):
         """Trials a killed sweep left RUNNING: told their job's result if it finished, else failed (`died`) and
         asked again with the same values."""
         Trial, TrialState = _optuna().trial.Trial, _optuna().trial.TrialState
-
         for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             job, job_dir = frozen.user_attrs.get("job"), frozen.user_attrs.get("job_dir")
             job_dir = None if job_dir is None else Path(job_dir)
             state = None if job_dir is None else jobs.job_state(job_dir)
-            if state in jobs.FINISHED:
-                self.tell_finished(study, frozen.number, job_dir, state)
+            if state == "pruned":
+                study.tell(frozen.number, state=TrialState.PRUNED)
+                continue
+            if state == "completed":
+                study.tell(frozen.number, jobs.read_metrics(job_dir)[self.config.trainer.monitor])
                 continue
             died = state != "failed"  # killed, not raised: its values deserve a run
             if died:
@@ -167,12 +168,6 @@ class OptunaSweeper(Sweeper):
         elif state != "incomplete":  # left RUNNING otherwise: the next run of the sweep resumes it
             study.tell(trial, float(result.return_value))  # train.py's: the last trainer.monitor value
         return state != "incomplete"
-
-    def tell_finished(self, study: Any, number: int, job_dir: Path, state: str) -> None:
-        if state == "pruned":
-            study.tell(number, state=_optuna().trial.TrialState.PRUNED)
-        else:
-            study.tell(number, jobs.read_metrics(job_dir)[self.config.trainer.monitor])
 
     def log_best(self, study: Any) -> None:
         """The best trial and the command that trains it again (also in summary.md)."""

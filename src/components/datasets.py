@@ -247,7 +247,9 @@ def shapes(num_train: int = 512, num_val: int = 128, num_test: int = 128, image_
     height, width = (int(x) for x in image_size)
     generator = torch.Generator().manual_seed(seed)
     images, masks = _draw_shapes(num_train + num_val + num_test, height, width, generator)
-    mean_t, std_t = (torch.tensor(v if v is not None else [0.5] * 3).view(3, 1, 1) for v in (mean, std))
+    mean, std = normalisation(mean, std, 3)
+    log.info("shapes: images normalised with mean %s and std %s", mean, std)
+    mean_t, std_t = (torch.tensor(v).view(3, 1, 1) for v in (mean, std))
     images = (images - mean_t) / std_t
     parts = torch.split(torch.arange(len(images)), [num_train, num_val, num_test])
     train, val, test = (PairedFlips(images[index], masks[index], flip and name == "train")

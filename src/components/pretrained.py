@@ -60,7 +60,11 @@ def _create(name: str, pretrained: bool | str, **kwargs: Any) -> nn.Module:
                              "(.safetensors or .pth), or model.pretrained=true to download them")
         overlay = {"file": str(Path(pretrained).resolve())}
     try:
-        return timm.create_model(name, pretrained=bool(pretrained), pretrained_cfg_overlay=overlay, **kwargs)
+        model = timm.create_model(name, pretrained=bool(pretrained), pretrained_cfg_overlay=overlay, **kwargs)
+        # timm's own init_weights (ResNet's, ...) is not this template's init hook (src/loop/initial_weights.py):
+        # the model keeps what its constructor and `pretrained` gave it.
+        model.init_weights = None
+        return model
     except RuntimeError as error:
         if "Unknown model" in str(error):
             close = ", ".join(difflib.get_close_matches(name, timm.list_models(), n=3))

@@ -166,3 +166,21 @@ def test_a_frozen_pretrained_backbone_stays_its_file_and_init_from_starts_a_run_
     second = weights(tmp_path / "second")
     for name, tensor in parameters(probed, "").items():
         assert torch.equal(second[name], tensor), name
+
+
+def test_the_fine_tuning_recipe_trains_a_pretrained_timm_model_from_its_file(images, tmp_path):
+    """experiment=finetune_timm as the README gives it, on a tiny resnet (its head is `fc`, as resnet50's)."""
+    torch.manual_seed(0)
+    reference = timm.create_model("test_resnet.r160_in1k").state_dict()
+    save_file(reference, str(tmp_path / "weights.safetensors"))
+    check(train(["experiment=finetune_timm", f"dataset.root={images}", f"model.pretrained={tmp_path / 'weights.safetensors'}",
+                 "model.name=test_resnet.r160_in1k", "dataset.batch_size=4", "dataset.num_workers=0",
+                 "trainer.epochs=2", "hydra.run.dir=run"], tmp_path))
+    log, summary = train_log(tmp_path / "run"), metrics(tmp_path / "run")
+    assert "images resized to 160x160, normalised with mean [0.5, 0.5, 0.5] and std [0.5, 0.5, 0.5]" in log
+    assert "tensors under *: lr x0.1" in log and "tensors under fc: lr x1.0" in log and ", no weight decay" in log
+    assert summary["step"] == 2 * 8 // 4 and summary["world_size"] == 1
+    trained = weights(tmp_path / "run")
+    assert trained["fc.weight"].shape[0] == 2
+    moved = [name for name, tensor in parameters(reference, "fc.").items() if not torch.equal(trained[name], tensor)]
+    assert moved  # the backbone trains, at a tenth of the head's rate

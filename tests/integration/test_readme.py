@@ -125,6 +125,10 @@ EXERCISED_BY = {
     "python train.py experiment=distill_digits aux.teacher.path=outputs/teacher/checkpoints/best.pt":
         "test_recipes_cli.py::test_distill_keeps_the_teacher_out_of_the_checkpoint_and_resumes_bitwise",
     "python train.py experiment=simclr_digits": "test_recipes_cli.py::test_simclr_stopped_mid_epoch_resumes_bitwise",
+    "python train.py experiment=finetune_timm dataset.root=PATH model.pretrained=WEIGHTS":
+        "test_pretrained_cli.py::test_the_fine_tuning_recipe_trains_a_pretrained_timm_model_from_its_file",
+    "python train.py experiment=segment_shapes":
+        "test_pretrained_cli.py::test_segmentation_miou_in_eval_is_the_standalone_miou_on_any_world_size",
 }
 
 

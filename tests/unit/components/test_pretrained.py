@@ -117,3 +117,11 @@ def test_a_torchvision_segmentation_model_gets_new_heads_and_returns_its_dict(to
     out = model.eval()(torch.randn(1, 3, 64, 64))
     assert out["out"].shape == (1, 3, 64, 64)
     assert torch.equal(model.backbone.conv1.weight, reference["backbone.conv1.weight"])
+
+
+def test_timm_s_own_init_weights_is_not_the_template_s_init_hook():
+    """ResNet's init_weights would re-initialise the pretrained weights, or be called on the meta device."""
+    from src.loop import initial_weights
+
+    built = initial_weights.build(lambda: pretrained.timm_model("resnet18", 3), "model", seed=0, sharded=False)
+    assert built.hook is None and not any(tensor.is_meta for tensor in built.model.parameters())

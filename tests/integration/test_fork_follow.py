@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, check, run, torchrun, train, weights
+from conftest import REPO, check, run, torchrun, weights
 from test_fork import readme_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.template]  # it copies this template's own tree and guide
@@ -148,8 +148,8 @@ RECIPES = {
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_each_recipe_trains_the_same_weights_on_one_process_and_two_ranks(fork: Path, recipe: str):
     args = [*RECIPES[recipe], *SGD]
-    check(train([*args, f"hydra.run.dir=runs/{recipe}_1"], fork))
-    check(torchrun(2, [*args, f"hydra.run.dir=runs/{recipe}_2"], fork))
+    check(run([sys.executable, str(fork / "train.py"), *args, f"hydra.run.dir=runs/{recipe}_1"], fork))
+    check(torchrun(2, [*args, f"hydra.run.dir=runs/{recipe}_2"], fork, script=str(fork / "train.py")))
     one, two = weights(fork / "runs" / f"{recipe}_1"), weights(fork / "runs" / f"{recipe}_2")
     assert one.keys() == two.keys()
     for name, tensor in one.items():
@@ -159,6 +159,6 @@ def test_each_recipe_trains_the_same_weights_on_one_process_and_two_ranks(fork: 
 
 def test_a_bias_feeding_batchnorm_is_warned_about_on_two_ranks(fork: Path):
     check(torchrun(2, ["model=biased_net", "dataset=synthetic", "dataset.image_size=[8,8]", "trainer.epochs=1",
-                       "hydra.run.dir=runs/biased"], fork))
+                       "hydra.run.dir=runs/biased"], fork, script=str(fork / "train.py")))
     log = (fork / "runs" / "biased" / "train.log").read_text()
     assert "conv has a bias feeding the BatchNorm bn directly" in log

@@ -27,7 +27,7 @@ from torch import nn
 
 
 class LongNet(nn.Module):
-    """Stages of a linear layer, a ReLU and a residual, written out one per line."""
+    """Stages of a linear layer, a tanh and a small residual step, written out one per line."""
 
     def __init__(self, in_features: int, num_outputs: int, width: int = 32) -> None:
         super().__init__()
@@ -53,14 +53,15 @@ class BiasedNet(nn.Module):
         return self.head(torch.relu(self.bn(self.conv(x))).mean(dim=(2, 3)))
 '''
 
-# A training step of the fork's own (mixup), written with the step primitives the guide lists.
+# A training step of the fork's own, written with the step primitives the guide lists: each image blended with its
+# mirror image by a weight drawn per sample (a draw keyed by the sample, so the same on any world size).
 MIXUP = '''import torch
 
 from src.components.tasks import Classification
 
 
-class Mixup(Classification):
-    """Each sample mixed with the one beside it in its micro-batch, by a weight drawn per sample."""
+class MirrorMix(Classification):
+    """Each image blended with its left-right mirror by a weight drawn per sample."""
 
     def train_step(self, step) -> None:
         model = step.models[self.output_model]
@@ -68,14 +69,10 @@ class Mixup(Classification):
         divisor = step.divisor([self.count(batch.target) for batch in batches])
         for micro, batch in step.accumulate(batches, [self.output_model]):
             images, target = batch.args[0], batch.target
-            weight = micro.rand("mixup", 1).squeeze(1)
-            mixed = weight.view(-1, *[1] * (images.dim() - 1)) * images + (1 - weight.view(-1, *[1] * (images.dim()
-                    - 1))) * images.roll(1, 0)
+            weight = micro.rand("mirror", 1).view(-1, *[1] * (images.dim() - 1))
             with step.autocast():
-                logits = model(mixed).float()
-            per_sample = torch.nn.functional.cross_entropy(logits, target, reduction="none")
-            other = torch.nn.functional.cross_entropy(logits, target.roll(1, 0), reduction="none")
-            loss_sum = (weight * per_sample + (1 - weight) * other).sum()
+                logits = model(weight * images + (1 - weight) * images.flip(-1)).float()
+            loss_sum = torch.nn.functional.cross_entropy(logits, target, reduction="sum")
             step.backward(loss_sum, divisor)
             step.add_sums(self.batch_sums(logits, target, loss_sum, divisor.counts[micro.index]))
         step.optimizer_step(self.output_model)
@@ -85,7 +82,7 @@ class Mixup(Classification):
 def long_net_source() -> str:
     """LONG_NET with a forward of exactly FORWARD_LINES lines."""
     stages = FORWARD_LINES - 3  # the def line, the first and the return line
-    body = "".join(f"        h = h + torch.relu(self.stages[{index}](h))\n" for index in range(stages))
+    body = "".join(f"        h = h + 0.05 * torch.tanh(self.stages[{index}](h))\n" for index in range(stages))
     return LONG_NET.replace("STAGES", str(stages)).replace("BODY", body)
 
 
@@ -105,7 +102,7 @@ def fork_files() -> dict[str, str]:
                                            "in_channels: ${data:in_channels}  # from the dataset\n"
                                            "num_outputs: ${data:num_outputs}  # from the task\n")
     files["conf/task/mixup.yaml"] = (REPO / "conf" / "task" / "classification.yaml").read_text().replace(
-        "_target_: src.components.tasks.Classification", "_target_: src.components.mixup.Mixup")
+        "_target_: src.components.tasks.Classification", "_target_: src.components.mixup.MirrorMix")
     return files
 
 

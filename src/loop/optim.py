@@ -33,7 +33,7 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[tuple[str, torch.nn
         else dict(optimizer_cfg)
     named = [item if isinstance(item, tuple) else (str(index), item) for index, item in enumerate(parameters)]
     groups = parameter_groups(named, options.get("lr"), options.get("weight_decay", 0.0),
-                              options.pop("lr_multipliers", None) or {}, options.pop("decay_norm_and_bias", True))
+                              options.pop("lr_multipliers", None) or {}, options.pop("decay_norm_and_bias", False))
 
     def make(params: Iterable[Any], **overrides: Any) -> Optimizer:
         return instantiate({**options, **overrides})(params=params)

@@ -88,8 +88,7 @@ def test_a_torchvision_model_loads_the_file_placed_in_torch_home(images, tmp_pat
 
 def test_learning_rates_per_parameter_group_survive_a_resume_bitwise(tmp_path):
     args = ["model=mlp", "optimizer=adamw", 'optimizer.lr_multipliers={*:0.1,net.7:1.0}',
-            "optimizer.decay_norm_and_bias=false", "trainer.epochs=2",
-            "trainer.log_every_steps=5"]
+            "trainer.epochs=2", "trainer.log_every_steps=5"]
     check(train([*args, "hydra.run.dir=straight"], tmp_path))
     stopped = train([*args, "trainer.max_steps=7", "hydra.run.dir=resumed"], tmp_path)
     check(stopped)

@@ -1,4 +1,4 @@
-"""LR schedules, counted in optimizer steps."""
+"""The optimizer: parameter groups, fused kernels on sharded parameters, LR schedules counted in optimizer steps."""
 
 import math
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from src.loop import optim
+from src.common.errors import UsageError
 
 
 def lrs(factory, steps, **options):
@@ -138,3 +139,51 @@ def test_settings_torch_refuses_are_one_line_on_sharded_parameters_too(tmp_path)
             build_optimizer(cfg, model.parameters(), sharded=True)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="measured on x86 SIMD")
+def test_torchs_fused_cpu_adamw_rounds_a_tensors_tail_apart_from_its_body():
+    """Why dist=fsdp's AdamW updates can differ from dist=ddp's in the last bits (test_fsdp_cli.py ADAMW): torch's
+    fused CPU kernel rounds a tensor's last (length mod 8) elements, its scalar tail, differently from its 8-wide
+    body. A tensor stepped whole and as two halves: equal when the first half holds 8 elements, not when it holds 5
+    (a 10-class head's bias sharded over 2 ranks)."""
+
+    def gap(length: int, cut: int) -> float:
+        generator = torch.Generator().manual_seed(0)
+        whole = torch.nn.Parameter(torch.randn(length, generator=generator) * 0.1)
+        halves = [torch.nn.Parameter(half.clone()) for half in whole.detach().split([cut, length - cut])]
+        optimizers = [torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0, fused=True) for params in ([whole], halves)]
+        for _ in range(200):
+            grad = torch.randn(length, generator=generator) * 10 ** (-6 * torch.rand(1, generator=generator).item())
+            whole.grad = grad.clone()
+            for half, part in zip(halves, grad.split([cut, length - cut])):
+                half.grad = part.clone()
+            for optimizer in optimizers:
+                optimizer.step()
+        return (whole.detach() - torch.cat([half.detach() for half in halves])).abs().max().item()
+
+    assert gap(16, 8) == 0 and gap(40, 24) == 0
+    assert 0 < gap(10, 5) < 1e-6
+
+
+def test_parameter_groups_decay_no_bias_or_norm_weight_by_default_and_multiply_learning_rates_by_prefix():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    named = list(model.named_parameters())
+
+    def groups(**options) -> list[tuple[list[str], float, float | None]]:
+        names = {id(parameter): name for name, parameter in named}
+        built = optim.parameter_groups(named, **{"lr": 0.1, "weight_decay": 0.05, "lr_multipliers": {},
+                                                 "decay_norm_and_bias": False, **options})
+        return [([names[id(p)] for p in group["params"]], group.get("weight_decay"), group.get("lr"))
+                for group in built]
+
+    assert groups() == [(["0.weight", "2.weight"], None, None), (["0.bias", "1.weight", "1.bias", "2.bias"], 0.0, None)]
+    assert groups(decay_norm_and_bias=True) == [([name for name, _ in named], None, None)]
+    assert groups(weight_decay=0.0) == [([name for name, _ in named], None, None)]
+    assert groups(lr_multipliers={"*": 0.1, "2": 1.0}, decay_norm_and_bias=True) == [
+        (["0.weight", "0.bias", "1.weight", "1.bias"], None, pytest.approx(0.01)), (["2.weight", "2.bias"], None, 0.1)]
+    with pytest.raises(UsageError, match=r"^optimizer.lr_multipliers: head is the prefix of no trained parameter's "
+                                         r"name \(they begin with 0, 1, 2\)$"):
+        groups(lr_multipliers={"head": 1.0})
+    with pytest.raises(UsageError, match="needs optimizer.lr"):
+        groups(lr=None, lr_multipliers={"2": 1.0})

@@ -1,8 +1,7 @@
-"""The task and models of a run, built from their configs: the task checked against the dataset and the metric and
-bound to the dataset's fields; the trained models by name, each checked against the inputs the task gives it, built,
-frozen, initialised and prepared (DDP or FSDP, compiled), with its optimizer and schedule; and the frozen auxiliary
-models (the config's `aux`, e.g. a distillation's teacher: on the run's device in eval mode, never wrapped, never
-saved in the run's checkpoints).
+"""The task and models of a run, built from their configs: the task, checked and bound to the dataset's fields; the
+trained models by name, checked against the task's inputs, built, frozen, initialised and prepared (DDP or FSDP,
+compiled), with their optimizers and schedules; the frozen auxiliary models (`aux`, e.g. a distillation's teacher: on
+the run's device in eval mode, never wrapped, never saved in the run's checkpoints).
 """
 
 from __future__ import annotations
@@ -210,7 +209,5 @@ def _aux_model(name: str, node: DictConfig, trusted: set[str]) -> nn.Module:
     with building.errors_named(f"aux.{name}.config", node.config):
         module = instantiate(node.config)
     weights = init_from.read_weights(path, ["model"], "model")["model"]
-    state = ModelState(module, name)
-    state.source = f"aux.{name}.path={path}"
-    state.load_state_dict(weights)
+    ModelState(module, name, f"aux.{name}.path={path}").load_state_dict(weights)
     return module

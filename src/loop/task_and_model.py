@@ -186,8 +186,7 @@ def build_optimizers(cfg: DictConfig, modules: dict[str, nn.Module], steps_per_e
 
 
 def build_aux(aux_cfg: DictConfig | None, task: Task, device: torch.device, trusted: set[str]) -> dict[str, nn.Module]:
-    """The frozen auxiliary models `aux` names (a checkpoint, or a weights file with a model `config`; a null `path`
-    is none), on `device`."""
+    """The frozen auxiliary models `aux` names (a checkpoint, or weights with a model `config`), on `device`."""
     aux_cfg = {name: node for name, node in (aux_cfg or {}).items() if node.get("path") is not None}  # null: none
     missing = [name for name in task.aux_models if name not in aux_cfg]
     if missing:

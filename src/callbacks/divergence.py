@@ -79,16 +79,13 @@ class DivergenceWatch(Callback):
         self.watch.check_now()  # type: ignore[union-attr]  # never checkpoint a diverged model
 
     def on_run_end(self, run: Run, reason: Any) -> None:
-        self._leave_anomaly_mode()
+        if self._anomaly_mode is not None:  # leave it
+            self._anomaly_mode.__exit__(None, None, None)
+            self._anomaly_mode = None
 
     def on_exception(self, run: Run, error: BaseException) -> None:
         """Anomaly mode names the backward op that made a NaN, in a RuntimeError: one line instead."""
-        self._leave_anomaly_mode()
+        self.on_run_end(run, error)
         if self.detect_anomaly and isinstance(error, RuntimeError) and "nan values" in str(error):
             what = str(error).splitlines()[0].rstrip(".")
             raise TrainingDiverged(diverged_message(self._step + 1, what, names_the_op=True)) from None
-
-    def _leave_anomaly_mode(self) -> None:
-        if self._anomaly_mode is not None:
-            self._anomaly_mode.__exit__(None, None, None)
-            self._anomaly_mode = None

@@ -39,12 +39,9 @@ class Profiler(Callback):
         self.profile.step()  # type: ignore[union-attr]
 
     def on_run_end(self, run: Run, reason: Any) -> None:
-        self._stop()
-
-    def on_exception(self, run: Run, error: BaseException) -> None:
-        self._stop()
-
-    def _stop(self) -> None:
         if self.profile is not None:
             self.profile.__exit__(None, None, None)
             self.profile = None
+
+    def on_exception(self, run: Run, error: BaseException) -> None:
+        self.on_run_end(run, error)

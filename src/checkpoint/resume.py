@@ -1,9 +1,7 @@
-"""Which checkpoint a run continues from: chosen once, by rank 0, and loaded by every rank.
-
-`resume=auto` (and every restart by torchrun or a requeued SLURM job) takes the newest training state that loads:
-`last.pt` (or `last`), else the step checkpoints from the highest step down, each one skipped logged with why; a
-run whose every checkpoint is damaged stops with one line. A rank that cannot load rank 0's choice (run dirs on
-disks the nodes do not share) stops the whole group with one line before any step."""
+"""Which checkpoint a run continues from: chosen once, by rank 0, and loaded by every rank. `resume=auto` takes the
+newest training state that loads (`last.pt` or `last`, else the step checkpoints from the highest step down, each
+one skipped logged with why); a run whose every checkpoint is damaged, or a rank that cannot load rank 0's choice
+(run dirs on disks the nodes do not share), stops the whole group with one line before any step."""
 
 from __future__ import annotations
 

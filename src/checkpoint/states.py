@@ -29,9 +29,9 @@ def is_dtensor(value: Any) -> bool:
 class ModelState:
     """A trained model's weights as a checkpoint part; `name` and `source` word its errors."""
 
-    def __init__(self, module: nn.Module, name: str = "model") -> None:
+    def __init__(self, module: nn.Module, name: str = "model", source: str = "the checkpoint") -> None:
         self.module, self.name = module, name
-        self.source = "the checkpoint"  # what errors name: `checkpoint PATH`, set by the reader
+        self.source = source  # what errors name: `checkpoint PATH`, set by the reader
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         if fsdp.is_sharded(self.module):

@@ -43,7 +43,5 @@ def build_saved_model(saved: Checkpoint, name: str, weights: str = "model") -> n
     unloaded = {key: value for key, value in (("pretrained", False), ("weights", None)) if key in configs[name]}
     with building.errors_named("model", configs[name]):
         module = instantiate(configs[name], **unloaded)
-    state = ModelState(module, name)
-    state.source = f"checkpoint {saved.path}"
-    state.load_state_dict(saved.model_weights(name, weights))
+    ModelState(module, name, f"checkpoint {saved.path}").load_state_dict(saved.model_weights(name, weights))
     return module

@@ -13,7 +13,7 @@ the config's order:
     on_validation(run, val)            after the epoch's val pass, with its metrics; returns more metrics
     on_test(run, test)                 once, after the final test of the chosen weights; returns more metrics
     on_epoch_end(run, record)          with the epoch's record; returns an `EndRun` to end the run after this
-                                       epoch (rank 0's decision is every rank's: `agreed`)
+                                       epoch (rank 0's decision is every rank's)
     on_checkpoint(run)                 before a checkpoint is written; raise to refuse it
     on_run_end(run, outcome)           after the last step, however training ended (an `Outcome`)
     on_exception(run, error)           when the loop raises; may raise a clearer error in its place
@@ -129,11 +129,6 @@ HOOKS = ("on_run_start", "on_before_optimizer_step", "on_step_end", "on_log", "o
          "on_epoch_end", "on_checkpoint", "on_run_end", "on_exception")
 
 
-def agreed(stop: EndRun | None) -> EndRun | None:
-    """Rank 0's decision on every rank (ranks that went on would wait forever for those that stopped). A collective."""
-    return broadcast_object(stop)  # type: ignore[return-value]
-
-
 class Callbacks:
     """The run's callbacks, in config order, called hook by hook (only the enabled ones that override it)."""
 
@@ -141,22 +136,18 @@ class Callbacks:
         self.all = dict(callbacks or {})
         for name, callback in self.all.items():
             callback.name = name
-        self._by_hook: dict[str, list[Callback]] = {}
         self._update_hooks()
 
     def _update_hooks(self) -> None:
         enabled = [callback for callback in self.all.values() if callback.enabled]
-        self._by_hook = {hook: [callback for callback in enabled
+        self._by_hook: dict[str, list[Callback]] = {hook: [callback for callback in enabled
                                 if getattr(type(callback), hook) is not getattr(Callback, hook)] for hook in HOOKS}
 
     def _call(self, hook: str, *args: Any) -> list[Any]:
         return [getattr(callback, hook)(*args) for callback in self._by_hook[hook]]
 
     def _merged(self, hook: str, *args: Any) -> dict[str, float]:
-        extra: dict[str, float] = {}
-        for more in self._call(hook, *args):
-            extra.update(more or {})
-        return extra
+        return {key: value for more in self._call(hook, *args) for key, value in (more or {}).items()}
 
     @property
     def metric_splits(self) -> tuple[str, ...]:
@@ -187,10 +178,12 @@ class Callbacks:
         return self._merged("on_test", run, test)
 
     def epoch_end(self, run: Run, record: Mapping[str, float]) -> EndRun | None:
-        """The first `EndRun` a callback returns, as rank 0 decided it; every callback is asked (their collectives)."""
+        """The first `EndRun` a callback returns, as rank 0 decided it (ranks that went on would wait forever for those
+        that stopped); every callback is asked (their collectives). A collective."""
         if not self._by_hook["on_epoch_end"]:
             return None
-        return agreed(next((stop for stop in self._call("on_epoch_end", run, record) if stop is not None), None))
+        stop = next((stop for stop in self._call("on_epoch_end", run, record) if stop is not None), None)
+        return broadcast_object(stop)  # type: ignore[return-value]
 
     def checkpoint(self, run: Run) -> None:
         self._call("on_checkpoint", run)

@@ -1,14 +1,8 @@
-"""Fine-tuning: a fresh run that starts from other weights, and parameters frozen out of training.
-
-`init_from=PATH` reads MODEL WEIGHTS ONLY (never an optimizer, schedule or step count): from a checkpoint of this
-template (each model from its model of the same name, a sharded one gathered whole), or into the run's output model
-from a `torch.save`d state_dict (`weights_only=True`) or a `.safetensors` file. DDP's `module.` and torch.compile's
-`_orig_mod.` prefixes are stripped. What does not match (missing, unexpected, other shapes) is one log line per
-kind, or with `init_from_strict=true` (the default) one error line before any training; with false the model keeps
-its fresh initialisation there (a new head).
-
-`trainer.freeze=[PREFIX, ...]` sets requires_grad=False on the parameters whose names start with a prefix (in a run
-of several models, with its model's name: `discriminator.net.1.weight`), before DDP and the optimizer see them.
+"""Fine-tuning (docs/configuration.md): `init_from=PATH` reads MODEL WEIGHTS ONLY, from a checkpoint of this template
+(each model from its namesake, a sharded one gathered whole), or into the output model from a `torch.save`d
+state_dict or a `.safetensors` file, wrappers' key prefixes stripped; what does not match is one log line per kind,
+or with `init_from_strict=true` one error line before any training. `trainer.freeze=[PREFIX, ...]` freezes the
+parameters whose names start with a prefix, before DDP and the optimizer see them.
 """
 
 from __future__ import annotations

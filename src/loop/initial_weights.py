@@ -8,10 +8,9 @@ any world size. A model declares one hook, or none:
 - `init_weights(self)`: initialise the whole model, called once, the RNG seeded alike.
 - neither: the constructor's values, drawn from the run's RNG as seeded, built whole on every rank.
 
-A model with a hook is built on the meta device and given memory only for what this rank holds (its shards under
-dist=fsdp); its hook runs on a whole-size CPU copy of one module at a time (`init_module`) or of the model
-(`init_weights`), of which each rank keeps its slices. One that cannot be built on meta is built whole, then
-initialised alike. A tensor a hook leaves unset is one error line naming it.
+A model with a hook is built on the meta device, given memory only for what this rank holds, and its hook runs on a
+whole-size CPU copy of one module at a time (or of the model), of which each rank keeps its slices (docs/fsdp.md).
+One that cannot be built on meta is built whole, then initialised alike. A tensor a hook leaves unset is one error.
 """
 
 from __future__ import annotations

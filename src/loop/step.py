@@ -116,16 +116,13 @@ class StepDivisor:
         return loss_sum * self._scale
 
 
-BASE_SHAPES: dict[str, tuple[int, ...]] = {"loss": (), "count": ()}
-
-
 class MetricSums:
     """Running metric sums by name (every task has `loss` and `count`) since `reset()`, added on the device with no
     host sync. `reduce()` all-reduces them in ONE collective (slices of one float64 vector: counts exact to 2**53), so
     a metric computed from them is exact over every rank's samples, not a mean of per-rank means."""
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], device: torch.device) -> None:
-        self.shapes = {**BASE_SHAPES, **shapes}
+        self.shapes: dict[str, tuple[int, ...]] = {"loss": (), "count": (), **shapes}
         self._offsets: dict[str, slice] = {}
         start = 0
         for name, shape in self.shapes.items():

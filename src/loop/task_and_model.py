@@ -1,8 +1,7 @@
-"""The task and models of a run, built from their configs: the task checked against the dataset and the metric and
-bound to the dataset's fields; the trained models by name, each checked against the inputs the task gives it, built,
-frozen, initialised and prepared (DDP or FSDP, compiled), with its optimizer and schedule; and the frozen auxiliary
-models (the config's `aux`, e.g. a distillation's teacher: on the run's device in eval mode, never wrapped, never
-saved in the run's checkpoints).
+"""The task and models of a run, built from their configs: the task, checked and bound to the dataset's fields; the
+trained models by name, checked against the task's inputs, built, frozen, initialised and prepared (DDP or FSDP,
+compiled), with their optimizers and schedules; the frozen auxiliary models (`aux`, e.g. a distillation's teacher: on
+the run's device in eval mode, never wrapped, never saved in the run's checkpoints).
 """
 
 from __future__ import annotations
@@ -187,8 +186,7 @@ def build_optimizers(cfg: DictConfig, modules: dict[str, nn.Module], steps_per_e
 
 
 def build_aux(aux_cfg: DictConfig | None, task: Task, device: torch.device, trusted: set[str]) -> dict[str, nn.Module]:
-    """The frozen auxiliary models `aux` names (a checkpoint, or a weights file with a model `config`; a null `path`
-    is none), on `device`."""
+    """The frozen auxiliary models `aux` names (a checkpoint, or weights with a model `config`), on `device`."""
     aux_cfg = {name: node for name, node in (aux_cfg or {}).items() if node.get("path") is not None}  # null: none
     missing = [name for name in task.aux_models if name not in aux_cfg]
     if missing:
@@ -210,7 +208,5 @@ def _aux_model(name: str, node: DictConfig, trusted: set[str]) -> nn.Module:
     with building.errors_named(f"aux.{name}.config", node.config):
         module = instantiate(node.config)
     weights = init_from.read_weights(path, ["model"], "model")["model"]
-    state = ModelState(module, name)
-    state.source = f"aux.{name}.path={path}"
-    state.load_state_dict(weights)
+    ModelState(module, name, f"aux.{name}.path={path}").load_state_dict(weights)
     return module

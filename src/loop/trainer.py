@@ -1,8 +1,7 @@
-"""The training loop: for each epoch, train its steps (the task's `train_step`, one of `grad_accum` micro-batches at
-a time), evaluate (the task's `evaluate`), record, checkpoint, report; stop with a checkpoint after `max_steps`, on
-preemption, or when a callback ends the run. It sees only its settings (`TrainerConfig`) and the parts the run built
-(`TrainParts`), and tells its callbacks (src/loop/callback.py) what it does. Its records (history, metrics.json,
-TensorBoard scalars, log lines) name rates and counts by the task's unit (`samples_per_s`, `val/num_tokens`).
+"""The training loop: each epoch's steps (the task's `train_step` over `grad_accum` micro-batches), its evaluation,
+record, checkpoint and report; it stops with a checkpoint after `max_steps`, on preemption, or when a callback ends the
+run, telling its callbacks (src/loop/callback.py) what it does. Its records name rates and counts by the task's unit
+(`samples_per_s`, `val/num_tokens`).
 """
 
 from __future__ import annotations
@@ -134,7 +133,10 @@ class Trainer:
                 return interrupted
         state.step_in_epoch = 0
         progress.close()
-        return self._epoch_train_metrics(restored)
+        metrics = metrics_of(self.parts.task, self.epoch_metrics.reduce())
+        # timed_count: the units this run trained, not those a step checkpoint restored
+        metrics["timed_count"] = metrics["count"] - (int(restored["count"][0]) if restored is not None else 0)
+        return metrics
 
     def evaluate(self, desc: str = "val", split: str = "val") -> dict[str, Any]:
         """The task's metrics of the models as they are now over the whole `split` (`desc`: the progress bar's)."""
@@ -184,14 +186,15 @@ class Trainer:
         if state.test is not None and state.test["step"] == state.step:
             return  # tested already: a resumed run that had nothing more to train
         chosen, weights = self._chosen_weights(state)
+        weights_parts = {name: part for name, part in self.stateful(state).items() if name in ("models", "callbacks")}
         if chosen is not None:
-            chosen.restore(self._weights_parts(state))
+            chosen.restore(weights_parts)
         test = self.evaluate("test", split="test")
         scores = {**metric_values("test", test), **parts.callbacks.test(run, test)}
         state.test = {"step": state.step, "weights": weights,
                       "metrics": {**scores, f"test/num_{parts.task.unit}": test["count"]}}
         if chosen is not None:  # the last weights back, before they are saved again
-            checkpoint_read(parts.store.latest()).restore(self._weights_parts(state))
+            checkpoint_read(parts.store.latest()).restore(weights_parts)
         splits = dict.fromkeys(key.split("/")[0] for key in scores)
         log.info("%s (%d %s; weights: %s)", "  ".join(format_metrics(scores, split) for split in splits),
                  test["count"], parts.task.unit, weights)
@@ -211,10 +214,6 @@ class Trainer:
         chosen = checkpoint_read(best)
         step = chosen.loop.get("step")
         return (None if step == state.step else chosen), f"{best.name}, of step {step} (best {self.config.monitor})"
-
-    def _weights_parts(self, state: TrainState) -> dict[str, Any]:
-        parts = self.stateful(state)
-        return {"models": parts["models"], "callbacks": parts["callbacks"]}
 
     def _start_epoch(self, epoch: int, state: TrainState) -> dict[str, list[float]] | None:
         """Point the sampler at the epoch (and step), and start its sums: zero, or a step checkpoint's (returned)."""
@@ -241,12 +240,6 @@ class Trainer:
         if every and step % every == 0 and run.state.step_in_epoch < self.parts.data.train_sampler.steps_per_epoch:
             self._save_mid_epoch(run)
         return None
-
-    def _epoch_train_metrics(self, restored: dict[str, list[float]] | None) -> dict[str, float]:
-        """The epoch's train metrics over all ranks, `timed_count` the units this run trained (not those restored)."""
-        metrics = metrics_of(self.parts.task, self.epoch_metrics.reduce())
-        metrics["timed_count"] = metrics["count"] - (int(restored["count"][0]) if restored is not None else 0)
-        return metrics
 
     def _end_epoch(self, epoch: int, run: Run, train: dict[str, float], started: float) -> bool:
         """Evaluate, record, ask the callbacks whether to stop (the checkpoint holds it), report, checkpoint."""
@@ -329,9 +322,12 @@ class Trainer:
         seconds = time.perf_counter() - window.started
         metrics = metrics_of(self.parts.task, self.epoch_metrics.reduce(baseline=window.totals))
         window.totals = self.epoch_metrics.totals()
-        samples = (step - window.step) * self.parts.data.train_sampler.global_batch_size
-        scalars = window_scalars(metrics, self._lr(), metrics["count"] / seconds, self.parts.task.unit,
-                                 samples / seconds)
+        unit = self.parts.task.unit
+        scalars = {**metric_values("train", metrics), "lr": self._lr(),
+                   f"throughput/{rate_name(unit)}": metrics["count"] / seconds}
+        if unit != "samples":  # also in samples, MFU's unit
+            samples = (step - window.step) * self.parts.data.train_sampler.global_batch_size
+            scalars["throughput/samples_per_s"] = samples / seconds
         scalars.update(self.parts.callbacks.log(step, scalars))  # the NaN watch looks at train/loss here
         self.parts.reporter.scalars(scalars, step)
         window.started, window.step = time.perf_counter(), step
@@ -376,9 +372,6 @@ def _unused_parameters(error: RuntimeError) -> UsageError | None:
                       "or freeze those parameters (trainer.freeze)")
 
 
-_NOT_METRICS = ("count", "timed_count")
-
-
 def rate_name(unit: str) -> str:
     return f"{unit}_per_s"
 
@@ -386,7 +379,7 @@ def rate_name(unit: str) -> str:
 def metric_values(split: str, metrics: dict[str, Any]) -> dict[str, float]:
     """`split/<name>` for each metric the task computed; counts and tables are reported on their own."""
     return {f"{split}/{name}": value for name, value in metrics.items()
-            if name not in _NOT_METRICS and isinstance(value, float)}
+            if name not in ("count", "timed_count") and isinstance(value, float)}
 
 
 def format_metrics(record: dict[str, Any], split: str) -> str:
@@ -416,15 +409,6 @@ def epoch_line(record: dict[str, float], epochs: int, num_val: int, unit: str = 
     return "epoch %d/%d  step %d  %s  %s (%d %s)  %.0f %s/s" % (
         record["epoch"], epochs, record["step"], format_metrics(record, "train"), val, num_val, unit,
         record[rate_name(unit)], unit)
-
-
-def window_scalars(window: dict[str, Any], lr: float, per_s: float, unit: str = "samples",
-                   samples_per_s: float | None = None) -> dict[str, float]:
-    """A log window's train/* scalars, lr and throughput (also in samples, MFU's unit, for another unit)."""
-    rates = {f"throughput/{rate_name(unit)}": per_s}
-    if unit != "samples" and samples_per_s is not None:
-        rates["throughput/samples_per_s"] = samples_per_s
-    return {**metric_values("train", window), "lr": lr, **rates}
 
 
 def run_summary(history: list[dict[str, float]], num_val: int, world_size: int, global_batch_size: int,

@@ -1,11 +1,8 @@
-"""Fully sharded data parallel (`dist.strategy=fsdp`) with PyTorch's FSDP2: each unit's parameters become DTensors
-sharded along their first dimension, so a rank keeps 1/world_size of every parameter, gradient and optimizer state;
-a unit's forward and backward all-gather its parameters, and its gradients are reduce-scattered (DDP's mean, sliced).
-
-Units: the modules `dist.fsdp.wrap` names by class, else the root's children holding at least
-`dist.fsdp.min_unit_params` parameters (the children of a lone container child; a ModuleList's or ModuleDict's
-members), then the root. A unit's all-gather overlaps the previous unit's compute and gathered memory is bounded by
-the largest unit, but each unit costs its own collectives: a small model is one unit."""
+"""Fully sharded data parallel (`dist.strategy=fsdp`, docs/fsdp.md) with PyTorch's FSDP2: each unit's parameters
+become DTensors sharded along their first dimension, all-gathered for its forward and backward, its gradients
+reduce-scattered. Units: the modules `dist.fsdp.wrap` names by class, else the root's children holding at least
+`dist.fsdp.min_unit_params` parameters, then the root. A unit's all-gather overlaps the previous unit's compute, but
+each unit costs its own collectives: a small model is one unit."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
-"""A rank that stops arriving (frozen, hung, swapped out): fail the group soon, and say who it was.
-
-The group is created with `dist.timeout_s`, long enough for start-up; after this process's first training step
-(`Runtime.first_step_taken`) its timeout drops to `dist.step_timeout_s`, which only has to cover the longest gap
-between two collectives of a running job (a step, a checkpoint write, an evaluation pass).
-
-gloo says only "Timed out waiting 10000ms for recv". Every rank that timed out marks itself in the launcher's store;
-after a short grace the marks show which ranks never arrived. Those on this host are SIGKILLed as this process exits
-(a stopped process never exits, and some launchers wait for every task). The error names the collective, the ranks
-and the timeout."""
+"""A rank that stops arriving (frozen, hung, swapped out): fail the group soon, and say who it was
+(docs/fault-tolerance.md). After the first training step the group's timeout drops from `dist.timeout_s` (start-up)
+to `dist.step_timeout_s`, the longest gap between two collectives of a running job. gloo says only "Timed out
+waiting 10000ms for recv", so every rank that timed out marks itself in the launcher's store and, after a short
+grace, the ranks without a mark are named; those on this host are SIGKILLed as this process exits (a stopped process
+never exits, and some launchers wait for every task)."""
 
 from __future__ import annotations
 

@@ -88,20 +88,14 @@ def config_flags(argv: Sequence[str]) -> tuple[str, ...]:
 def run_started_at(environ: MutableMapping[str, str] = os.environ) -> datetime.datetime:
     """The run's start time (rank 0's), agreed once and kept in the environment the processes it starts inherit."""
     if STARTED_AT not in environ:
-        environ[STARTED_AT] = _agree_on_start_time().isoformat()
+        started, env = datetime.datetime.now().isoformat(), read_env()
+        if env.is_distributed:
+            store = distributed.rendezvous_store(env)
+            if env.is_main_process:  # compare_set keeps the first value: a rank 0 restarted in the store keeps the dir
+                store.compare_set(_STORE_KEY, "", started)
+            started = store.get(_STORE_KEY).decode()
+        environ[STARTED_AT] = started
     return datetime.datetime.fromisoformat(environ[STARTED_AT])
-
-
-def _agree_on_start_time() -> datetime.datetime:
-    now = datetime.datetime.now()
-    env = read_env()
-    if not env.is_distributed:
-        return now
-    store = distributed.rendezvous_store(env)
-    if env.is_main_process:
-        # compare_set keeps the first value: a rank 0 restarted in the same store keeps the dir
-        store.compare_set(_STORE_KEY, "", now.isoformat())
-    return datetime.datetime.fromisoformat(store.get(_STORE_KEY).decode())
 
 
 def register_resolvers() -> None:

@@ -1,9 +1,7 @@
-"""Preemption: a signal asks the run to stop, and every rank stops at the same step with a checkpoint.
-
-SLURM sends SIGTERM (and, with `--signal`, SIGUSR2 before the time limit; submitit asks for USR2), torchrun forwards
-SIGTERM and SIGKILLs 30 s later. A handler only raises a flag; the ranks all-reduce (MAX) it at *check steps*, which
-every rank computes alike: each check also all-reduces the seconds per step, so the next check is about
-`CHECK_EVERY_S` ahead on the slowest rank's clock, and every log step is a check step too."""
+"""Preemption (docs/fault-tolerance.md): on SIGTERM or SIGUSR2 every rank stops at the same step with a checkpoint.
+A handler only raises a flag; the ranks all-reduce (MAX) it at check steps, which every rank computes alike: each
+check also all-reduces the seconds per step, so the next check is about `CHECK_EVERY_S` ahead on the slowest rank's
+clock (torchrun SIGKILLs 30 s after its SIGTERM), and every log step is a check step too."""
 
 from __future__ import annotations
 

@@ -112,8 +112,7 @@ class CPUSyncBatchNormThen(_ThenItsChildren, CPUSyncBatchNorm):
 
 def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
     """`module` with every BatchNorm replaced, in place, by the sync-BN that works on `device` (same keys, tensors):
-    nn.SyncBatchNorm on CUDA, CPUSyncBatchNorm elsewhere (DDP refuses CPU modules holding nn.SyncBatchNorm). A
-    BatchNorm with submodules of its own (timm's BatchNormAct2d) keeps them, run after the normalisation."""
+    nn.SyncBatchNorm on CUDA, else CPUSyncBatchNorm; one with submodules (timm's BatchNormAct2d) keeps them."""
     unsynced = isinstance(module, _BatchNorm) and not isinstance(module, (nn.SyncBatchNorm, CPUSyncBatchNorm))
     converted = _to_sync_batchnorm(module, device) if unsynced else module
     for name, child in module.named_children():

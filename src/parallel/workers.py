@@ -112,8 +112,7 @@ def die_with_launcher(environ: Mapping[str, str] = os.environ) -> None:
     launcher = environ.get(LAUNCHER_PID)
     if launcher is None or not sys.platform.startswith("linux") or os.getppid() != int(launcher):
         return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != int(launcher):  # the launcher died before the kernel watched it
         os.kill(os.getpid(), signal.SIGKILL)
 

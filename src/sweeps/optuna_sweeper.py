@@ -132,13 +132,12 @@ class OptunaSweeper(Sweeper):
         Trial, TrialState = _optuna().trial.Trial, _optuna().trial.TrialState
         for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             job, job_dir = frozen.user_attrs.get("job"), frozen.user_attrs.get("job_dir")
-            job_dir = None if job_dir is None else Path(job_dir)
-            state = None if job_dir is None else jobs.job_state(job_dir)
+            state = None if job_dir is None else jobs.job_state(Path(job_dir))
             if state == "pruned":
                 study.tell(frozen.number, state=TrialState.PRUNED)
                 continue
             if state == "completed":
-                study.tell(frozen.number, jobs.read_metrics(job_dir)[self.config.trainer.monitor])
+                study.tell(frozen.number, jobs.read_metrics(Path(job_dir))[self.config.trainer.monitor])
                 continue
             died = state != "failed"  # killed, not raised: its values deserve a run
             if died:

@@ -140,8 +140,9 @@ class Callbacks:
 
     def _update_hooks(self) -> None:
         enabled = [callback for callback in self.all.values() if callback.enabled]
-        self._by_hook: dict[str, list[Callback]] = {hook: [callback for callback in enabled
-                                if getattr(type(callback), hook) is not getattr(Callback, hook)] for hook in HOOKS}
+        self._by_hook: dict[str, list[Callback]] = {
+            hook: [callback for callback in enabled if getattr(type(callback), hook) is not getattr(Callback, hook)]
+            for hook in HOOKS}
 
     def _call(self, hook: str, *args: Any) -> list[Any]:
         return [getattr(callback, hook)(*args) for callback in self._by_hook[hook]]

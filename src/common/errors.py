@@ -44,7 +44,11 @@ def find_usage_error(error: BaseException) -> UsageError | None:
 def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterator[None]:
     """Exit with `error: <message>` (printed by the main process) and code 2 if the block raises a UsageError;
     in a sweep it propagates (Hydra marks the job failed). An out-of-memory error propagates with a note."""
-    _exit_if_failed_for_good()
+    failed_for_good = retries.final_failure()
+    if failed_for_good is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {failed_for_good} (not retried: every restart would stop on it)", file=sys.stderr)
+        sys.exit(USAGE_ERROR_EXIT_CODE)
     try:
         yield
     except Exception as error:
@@ -62,14 +66,6 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
             # Exiting at once would let torchrun's agent SIGTERM rank 0 before it has printed the line.
             time.sleep(NON_MAIN_RANK_GRACE_S)
         retries.record_final_failure(str(usage_error))  # a restart would stop on it again
-        sys.exit(USAGE_ERROR_EXIT_CODE)
-
-
-def _exit_if_failed_for_good() -> None:
-    message = retries.final_failure()
-    if message is not None:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {message} (not retried: every restart would stop on it)", file=sys.stderr)
         sys.exit(USAGE_ERROR_EXIT_CODE)
 
 

@@ -55,18 +55,15 @@ def trusted(listed: Iterable[str], own_config: Any = None) -> set[str]:
     return targets_of_config_groups(config_dirs()) | set(map(str, listed)) | own
 
 
-def interpolations_in(node: Any) -> Iterator[tuple[str, str]]:
-    """Every `(key, value)` of a string holding `${`: an interpolation once in OmegaConf's hands."""
-    return ((dotted, value) for dotted, _, value in _entries(node) if isinstance(value, str) and "${" in value)
-
-
 def check_saved_config(saved: Any, path: Path, allowed: set[str]) -> None:
     """Refuse a config read from `path` that names a `_target_` outside `allowed`, or holds an interpolation."""
     if not isinstance(saved, dict):
         raise UsageError(f"checkpoint {path} holds no saved config (a dict); it was not written by train.py")
-    for key, value in interpolations_in(saved):
-        raise UsageError(f"checkpoint {path} holds the interpolation {key}={value!r}; train.py saves configs "
-                         "resolved, so this file was not written by it: nothing was built")
+    # A string holding `${` is an interpolation once in OmegaConf's hands.
+    for key, _, value in _entries(saved):
+        if isinstance(value, str) and "${" in value:
+            raise UsageError(f"checkpoint {path} holds the interpolation {key}={value!r}; train.py saves configs "
+                             "resolved, so this file was not written by it: nothing was built")
     unknown = [(key, target) for key, target in targets_in(saved) if str(target) not in allowed]
     if not unknown:
         return

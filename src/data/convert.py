@@ -170,21 +170,17 @@ def convert(out: Path, splits: dict[str, tuple[Any, Iterable[Any]]]) -> dict[str
     return rows
 
 
-def damaged_images(root: Path) -> Iterator[str]:
-    """One line for each image file under `root` that does not decode in full, as training would read it."""
+def check_images(root: Path) -> int:
+    """Print the images under `root` that do not decode in full, as training reads them, and their count; 1 if any."""
+    if not root.is_dir():
+        raise UsageError(f"{root} is not a folder")
+    damaged = []
     for file in sorted(root.rglob("*")):
         if file.suffix.lower() in IMAGE_EXTENSIONS:
             try:
                 read_image(str(file))
             except UnreadableSampleError as error:
-                yield str(error).split(": replace or remove it")[0]
-
-
-def check_images(root: Path) -> int:
-    """Print each damaged image under `root` and how many images were read; 1 if any is damaged."""
-    if not root.is_dir():
-        raise UsageError(f"{root} is not a folder")
-    damaged = list(damaged_images(root))
+                damaged.append(str(error).split(": replace or remove it")[0])
     print("\n".join(damaged + [f"{root}: {len(damaged)} damaged image(s)"]))
     return 1 if damaged else 0
 

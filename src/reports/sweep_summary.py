@@ -74,14 +74,6 @@ def best_command(rows: list[dict[str, Any]]) -> str | None:
     return " ".join(["python train.py", *map(shlex.quote, jobs.saved_overrides(Path(rows[0]["job_dir"])))])
 
 
-def to_csv(rows: list[dict[str, Any]], metrics: list[str]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=["job", "status", "overrides", *metrics, "job_dir"], restval="")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buffer.getvalue()
-
-
 def _format(value: Any) -> str:
     if value is None:
         return "-"
@@ -101,7 +93,11 @@ class SweepSummary(Callback):
         best = best_command(rows)
         if best is not None:
             table += f"\nBest job ({rows[0]['job']}), trained again by:\n\n    {best}\n"
-        write_text_atomically(sweep_dir / "summary.csv", to_csv(rows, columns))
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=["job", "status", "overrides", *columns, "job_dir"], restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+        write_text_atomically(sweep_dir / "summary.csv", buffer.getvalue())
         write_text_atomically(sweep_dir / "summary.md", table)
         return table
 

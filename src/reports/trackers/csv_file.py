@@ -24,7 +24,10 @@ class CSVTracker(Tracker):
     def open(self, run_id: str | None, identity: RunIdentity, params: Mapping[str, Any]) -> str | None:
         path = identity.run_dir / self.filename
         held = whole_rows(path)
-        self._sent = last_steps(held)
+        self._sent = {}  # the last step of each name held (the hyperparameters' rows, without a step: -1)
+        for row in csv.DictReader(io.StringIO(held)):
+            step = int(row["step"]) if row["step"] else -1
+            self._sent[row["name"]] = max(step, self._sent.get(row["name"], -1))
         if held:  # what a kill cut short goes; the rest stays
             os.truncate(path, len(held.encode("utf-8")))
         self._file = path.open("a" if held else "w", encoding="utf-8", newline="")
@@ -56,12 +59,3 @@ def whole_rows(path: Path) -> str:
         return ""
     text = path.read_text(encoding="utf-8")
     return text[: text.rfind("\n") + 1] if text.startswith(HEADER) else ""
-
-
-def last_steps(text: str) -> dict[str, int]:
-    """The last step of each name in `text` (rows without a step, the hyperparameters, count as step -1)."""
-    last: dict[str, int] = {}
-    for row in csv.DictReader(io.StringIO(text)):
-        step = int(row["step"]) if row["step"] else -1
-        last[row["name"]] = max(step, last.get(row["name"], -1))
-    return last

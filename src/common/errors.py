@@ -14,6 +14,8 @@ from src.common import retries
 
 USAGE_ERROR_EXIT_CODE = 2
 NON_MAIN_RANK_GRACE_S = 1.0  # how long other ranks wait, on a usage error, for rank 0 to report it
+# How torch's CPU allocator and CUDA's caching allocator say an allocation found no memory.
+_NO_MEMORY = ("can't allocate memory", "out of memory")
 
 
 class UsageError(Exception):
@@ -54,7 +56,8 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
     except Exception as error:
         usage_error = find_usage_error(error)
         if usage_error is None or in_sweep:
-            out_of_memory = _out_of_memory(error)
+            out_of_memory = next((e for e in _chain(error) if isinstance(e, MemoryError) or (
+                isinstance(e, RuntimeError) and any(words in str(e) for words in _NO_MEMORY))), None)
             if out_of_memory is None:
                 raise
             out_of_memory.add_note(_out_of_memory_hint(out_of_memory))
@@ -69,9 +72,6 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
         sys.exit(USAGE_ERROR_EXIT_CODE)
 
 
-# How torch's CPU allocator and CUDA's caching allocator say an allocation found no memory.
-_NO_MEMORY = ("can't allocate memory", "out of memory")
-
 
 def _out_of_memory_hint(error: BaseException) -> str:
     """The note under an out-of-memory traceback: the rank, the size asked for, the memory limit, what to change."""
@@ -81,11 +81,6 @@ def _out_of_memory_hint(error: BaseException) -> str:
             "state does not fit one process: under dist=ddp use dist=fsdp, which keeps 1/W of the parameters, "
             "gradients and optimizer state on each of W ranks; under dist=fsdp use more ranks "
             "(torchrun --nproc_per_node=N) or a smaller per-rank batch")
-
-
-def _out_of_memory(error: BaseException) -> BaseException | None:
-    return next((e for e in _chain(error) if isinstance(e, MemoryError) or (
-        isinstance(e, RuntimeError) and any(words in str(e) for words in _NO_MEMORY))), None)
 
 
 def memory_limit() -> str:

@@ -7,7 +7,6 @@ import csv
 import io
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, TextIO
 
 from src.reports.trackers import RunIdentity, Tracker
@@ -23,7 +22,8 @@ class CSVTracker(Tracker):
 
     def open(self, run_id: str | None, identity: RunIdentity, params: Mapping[str, Any]) -> str | None:
         path = identity.run_dir / self.filename
-        held = whole_rows(path)
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        held = text[: text.rfind("\n") + 1] if text.startswith(HEADER) else ""  # up to its last complete row
         self._sent = {}  # the last step of each name held (the hyperparameters' rows, without a step: -1)
         for row in csv.DictReader(io.StringIO(held)):
             step = int(row["step"]) if row["step"] else -1
@@ -51,11 +51,3 @@ class CSVTracker(Tracker):
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def whole_rows(path: Path) -> str:
-    """The file's text up to its last complete row (the header included); '' if there is none."""
-    if not path.exists():
-        return ""
-    text = path.read_text(encoding="utf-8")
-    return text[: text.rfind("\n") + 1] if text.startswith(HEADER) else ""

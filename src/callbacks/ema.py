@@ -53,8 +53,14 @@ class EmaWeights:
                 torch._foreach_copy_(live, kept)
 
     def state_dict(self) -> dict[str, Any]:
+        # The model's state_dict keys, in its order, without building one (a sharded model's would gather).
+        names = [name for name, _ in self.model.named_parameters()]
+        for module_name, module in self.model.named_modules():
+            skipped = getattr(module, "_non_persistent_buffers_set", set())
+            names += [f"{module_name}.{name}" if module_name else name for name, buffer in module._buffers.items()
+                      if buffer is not None and name not in skipped]
         buffers = dict(self.model.named_buffers())
-        return {name: self.average.get(name, buffers.get(name)) for name in _state_names(self.model)}
+        return {name: self.average.get(name, buffers.get(name)) for name in names}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """The averaged parameters of `state` (whole or sharded, into whole or sharded ones)."""
@@ -67,16 +73,6 @@ class EmaWeights:
 
     def _local_average(self) -> list[torch.Tensor]:
         return [fsdp.local(tensor) for tensor in self.average.values()]
-
-
-def _state_names(model: nn.Module) -> list[str]:
-    """The model's state_dict keys, in its order, without building one (a sharded model's would gather)."""
-    persistent = [name for name, _ in model.named_parameters()]
-    for module_name, module in model.named_modules():
-        skipped = getattr(module, "_non_persistent_buffers_set", set())
-        persistent += [f"{module_name}.{name}" if module_name else name for name, buffer in module._buffers.items()
-                       if buffer is not None and name not in skipped]
-    return persistent
 
 
 class EMA(Callback):

@@ -3,8 +3,6 @@ the start of a run; only for image datasets (`image_size` in their info) whose f
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from src.config.building import check_arguments
@@ -23,12 +21,9 @@ class InputGrid(Callback):
         if not run.parts.reporter.shows_images or "image_size" not in data.splits.info:
             return
         indices = next(iter(data.train_sampler))[: self.count]  # the sampler's first step, not yet started
-        inputs = [_first_input(task, data.splits.train[index]) for index in indices]
+        inputs = []
+        for index in indices:  # each sample's first positional model input, else its first keyword one
+            args, kwargs, _ = task.split(data.splits.train[index])
+            inputs.append(args[0] if args else next(iter(kwargs.values()), None))
         if all(isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] in (1, 3) for x in inputs):
             run.parts.reporter.image("inputs/train_batch", image_grid(torch.stack(inputs)), step=0)
-
-
-def _first_input(task: Any, sample: Any) -> Any:
-    """The first model input of one sample (its first positional input, else its first keyword one)."""
-    args, kwargs, _ = task.split(sample)
-    return args[0] if args else next(iter(kwargs.values()), None)

@@ -41,13 +41,11 @@ def _open_trial() -> Any:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage, study_name = os.environ[STORAGE_ENV], os.environ[STUDY_ENV]
-    spec = optuna.load_study(study_name=study_name, storage=storage).user_attrs["pruner"]
-    study = optuna.load_study(study_name=study_name, storage=storage, pruner=build_pruner(optuna, spec))
-    return optuna.trial.Trial(study, int(os.environ[TRIAL_ENV]))
-
-
-def build_pruner(optuna: Any, spec: Mapping[str, Any]) -> Any:
-    """The pruner the sweeper configured (`spec`: conf/hydra/sweeper/optuna.yaml's `pruner*` keys)."""
+    spec = optuna.load_study(study_name=study_name, storage=storage).user_attrs["pruner"]  # the sweeper's pruner* keys
     if spec["name"] == "hyperband":
-        return optuna.pruners.HyperbandPruner(min_resource=1 + spec["warmup_epochs"])
-    return optuna.pruners.MedianPruner(n_startup_trials=spec["startup_trials"], n_warmup_steps=spec["warmup_epochs"])
+        pruner = optuna.pruners.HyperbandPruner(min_resource=1 + spec["warmup_epochs"])
+    else:
+        pruner = optuna.pruners.MedianPruner(n_startup_trials=spec["startup_trials"],
+                                             n_warmup_steps=spec["warmup_epochs"])
+    study = optuna.load_study(study_name=study_name, storage=storage, pruner=pruner)
+    return optuna.trial.Trial(study, int(os.environ[TRIAL_ENV]))

@@ -14,6 +14,8 @@ from src.common import retries
 
 USAGE_ERROR_EXIT_CODE = 2
 NON_MAIN_RANK_GRACE_S = 1.0  # how long other ranks wait, on a usage error, for rank 0 to report it
+# How torch's CPU allocator and CUDA's caching allocator say an allocation found no memory.
+_NO_MEMORY = ("can't allocate memory", "out of memory")
 
 
 class UsageError(Exception):
@@ -44,13 +46,18 @@ def find_usage_error(error: BaseException) -> UsageError | None:
 def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterator[None]:
     """Exit with `error: <message>` (printed by the main process) and code 2 if the block raises a UsageError;
     in a sweep it propagates (Hydra marks the job failed). An out-of-memory error propagates with a note."""
-    _exit_if_failed_for_good()
+    failed_for_good = retries.final_failure()
+    if failed_for_good is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {failed_for_good} (not retried: every restart would stop on it)", file=sys.stderr)
+        sys.exit(USAGE_ERROR_EXIT_CODE)
     try:
         yield
     except Exception as error:
         usage_error = find_usage_error(error)
         if usage_error is None or in_sweep:
-            out_of_memory = _out_of_memory(error)
+            out_of_memory = next((e for e in _chain(error) if isinstance(e, MemoryError) or (
+                isinstance(e, RuntimeError) and any(words in str(e) for words in _NO_MEMORY))), None)
             if out_of_memory is None:
                 raise
             out_of_memory.add_note(_out_of_memory_hint(out_of_memory))
@@ -65,17 +72,6 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
         sys.exit(USAGE_ERROR_EXIT_CODE)
 
 
-def _exit_if_failed_for_good() -> None:
-    message = retries.final_failure()
-    if message is not None:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {message} (not retried: every restart would stop on it)", file=sys.stderr)
-        sys.exit(USAGE_ERROR_EXIT_CODE)
-
-
-# How torch's CPU allocator and CUDA's caching allocator say an allocation found no memory.
-_NO_MEMORY = ("can't allocate memory", "out of memory")
-
 
 def _out_of_memory_hint(error: BaseException) -> str:
     """The note under an out-of-memory traceback: the rank, the size asked for, the memory limit, what to change."""
@@ -85,11 +81,6 @@ def _out_of_memory_hint(error: BaseException) -> str:
             "state does not fit one process: under dist=ddp use dist=fsdp, which keeps 1/W of the parameters, "
             "gradients and optimizer state on each of W ranks; under dist=fsdp use more ranks "
             "(torchrun --nproc_per_node=N) or a smaller per-rank batch")
-
-
-def _out_of_memory(error: BaseException) -> BaseException | None:
-    return next((e for e in _chain(error) if isinstance(e, MemoryError) or (
-        isinstance(e, RuntimeError) and any(words in str(e) for words in _NO_MEMORY))), None)
 
 
 def memory_limit() -> str:

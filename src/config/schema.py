@@ -187,18 +187,13 @@ def check_train_config(cfg: DictConfig) -> None:
     """Refuse values the schema's types let through, naming every key to change at once."""
     missing = OmegaConf.missing_keys(cfg)
     problems = [f"{key} is required: add {key}=VALUE" for key in sorted(missing)]
-    rules = {**rules_of("trainer", TrainerConfig), **rules_of("dist", DistConfig), **OPEN_GROUP_RULES}
-    problems += init_from_problems(cfg)
-    _refuse(problems + value_problems(cfg, rules, skip=missing))
-
-
-def init_from_problems(cfg: DictConfig) -> list[str]:
-    """init_from starts a fresh run; resuming a given checkpoint is another run's state: not both."""
     init_from, resume = OmegaConf.select(cfg, "init_from"), OmegaConf.select(cfg, "resume")
-    if init_from is not None and resume not in (None, "auto"):
-        return [f"init_from={init_from} starts a fresh run from weights, resume={resume} continues a run: pass only "
-                "one (with resume=auto, init_from applies only when the run dir holds no checkpoint yet)"]
-    return []
+    if init_from is not None and resume not in (None, "auto"):  # a fresh run, or another run's state: not both
+        problems.append(f"init_from={init_from} starts a fresh run from weights, resume={resume} continues a run: "
+                        "pass only one (with resume=auto, init_from applies only when the run dir holds no "
+                        "checkpoint yet)")
+    rules = {**rules_of("trainer", TrainerConfig), **rules_of("dist", DistConfig), **OPEN_GROUP_RULES}
+    _refuse(problems + value_problems(cfg, rules, skip=missing))
 
 
 def check_eval_config(cfg: DictConfig) -> None:

@@ -32,14 +32,6 @@ def targets_in(node: Any) -> Iterator[tuple[str, Any]]:
     return ((dotted, value) for dotted, key, value in _entries(node) if key == "_target_")
 
 
-def config_dirs() -> list[Path]:
-    """The folders this run composes its config from: conf/ and `hydra.searchpath`'s `file://` ones."""
-    if not HydraConfig.initialized():
-        return [DEFAULT_CONF]
-    sources = HydraConfig.get().runtime.config_sources
-    return [Path(source.path) for source in sources if source.schema == "file" and source.provider != "hydra"]
-
-
 def targets_of_config_groups(dirs: Iterable[Path]) -> set[str]:
     targets: set[str] = set()
     for directory in dirs:
@@ -51,22 +43,23 @@ def targets_of_config_groups(dirs: Iterable[Path]) -> set[str]:
 
 def trusted(listed: Iterable[str], own_config: Any = None) -> set[str]:
     """The targets a saved config may name: the config groups', those `listed`, and those of `own_config`."""
+    dirs = [DEFAULT_CONF]  # the folders this run composes its config from: conf/ and hydra.searchpath's file:// ones
+    if HydraConfig.initialized():
+        sources = HydraConfig.get().runtime.config_sources
+        dirs = [Path(source.path) for source in sources if source.schema == "file" and source.provider != "hydra"]
     own = {str(target) for _, target in targets_in(own_config)}
-    return targets_of_config_groups(config_dirs()) | set(map(str, listed)) | own
-
-
-def interpolations_in(node: Any) -> Iterator[tuple[str, str]]:
-    """Every `(key, value)` of a string holding `${`: an interpolation once in OmegaConf's hands."""
-    return ((dotted, value) for dotted, _, value in _entries(node) if isinstance(value, str) and "${" in value)
+    return targets_of_config_groups(dirs) | set(map(str, listed)) | own
 
 
 def check_saved_config(saved: Any, path: Path, allowed: set[str]) -> None:
     """Refuse a config read from `path` that names a `_target_` outside `allowed`, or holds an interpolation."""
     if not isinstance(saved, dict):
         raise UsageError(f"checkpoint {path} holds no saved config (a dict); it was not written by train.py")
-    for key, value in interpolations_in(saved):
-        raise UsageError(f"checkpoint {path} holds the interpolation {key}={value!r}; train.py saves configs "
-                         "resolved, so this file was not written by it: nothing was built")
+    # A string holding `${` is an interpolation once in OmegaConf's hands.
+    for key, _, value in _entries(saved):
+        if isinstance(value, str) and "${" in value:
+            raise UsageError(f"checkpoint {path} holds the interpolation {key}={value!r}; train.py saves configs "
+                             "resolved, so this file was not written by it: nothing was built")
     unknown = [(key, target) for key, target in targets_in(saved) if str(target) not in allowed]
     if not unknown:
         return

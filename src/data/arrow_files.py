@@ -115,12 +115,6 @@ def _value(column: Any, row: int, is_image: bool) -> Any:
     return encoded
 
 
-def decode_image(encoded: bytes) -> Any:
-    """A PIL image in RGB, decoded as torchvision's ImageFolder decodes a file (so both give the same pixels)."""
-    with Image.open(io.BytesIO(encoded)) as image:
-        return image.convert("RGB")
-
-
 class ArrowSamples(Dataset):
     """The rows of a split as tuples of `columns`' values, images decoded and passed through `image_transform`."""
 
@@ -136,8 +130,9 @@ class ArrowSamples(Dataset):
         sample = []
         for name, value in zip(self.columns, values):
             if name in self.images:
-                try:
-                    value = decode_image(value)
+                try:  # in RGB, as torchvision's ImageFolder decodes a file (so both give the same pixels)
+                    with Image.open(io.BytesIO(value)) as image:
+                        value = image.convert("RGB")
                 except Exception as error:  # PIL raises several kinds for damaged bytes
                     raise UnreadableSampleError(f"corrupt record {index} of {self.split.folder} ({where}): cannot "
                                              f"decode its {name} ({_one_line(error)})") from error

@@ -115,20 +115,16 @@ def write_split(folder: Path, batches: Iterable[Any], schema: Any, shard_bytes: 
     names = [f"data-{i:05d}-of-{len(shards):05d}.arrow" for i in range(len(shards))]
     for shard, name in zip(shards, names):
         shard.rename(folder / name)
-    _write_split_metadata(folder, names, schema)
-    return rows
-
-
-def _write_split_metadata(folder: Path, shard_names: list[str], schema: Any) -> None:
-    """state.json and dataset_info.json as `datasets` 5 writes them."""
+    # state.json and dataset_info.json as `datasets` 5 writes them.
     metadata = json.loads((schema.metadata or {}).get(b"huggingface", b"{}"))
     features = metadata.get("info", {}).get("features")
-    state = {"_data_files": [{"filename": name} for name in shard_names], "_fingerprint": secrets.token_hex(8),
+    state = {"_data_files": [{"filename": name} for name in names], "_fingerprint": secrets.token_hex(8),
              "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False,
              "_split": None}
     info = {"citation": "", "description": "", "features": features, "homepage": "", "license": ""}
     (folder / "state.json").write_text(json.dumps(state, indent=2))
     (folder / "dataset_info.json").write_text(json.dumps(info, indent=2))
+    return rows
 
 
 def parquet_batches(source: Path) -> tuple[Any, Iterator[Any]]:
@@ -170,21 +166,17 @@ def convert(out: Path, splits: dict[str, tuple[Any, Iterable[Any]]]) -> dict[str
     return rows
 
 
-def damaged_images(root: Path) -> Iterator[str]:
-    """One line for each image file under `root` that does not decode in full, as training would read it."""
+def check_images(root: Path) -> int:
+    """Print the images under `root` that do not decode in full, as training reads them, and their count; 1 if any."""
+    if not root.is_dir():
+        raise UsageError(f"{root} is not a folder")
+    damaged = []
     for file in sorted(root.rglob("*")):
         if file.suffix.lower() in IMAGE_EXTENSIONS:
             try:
                 read_image(str(file))
             except UnreadableSampleError as error:
-                yield str(error).split(": replace or remove it")[0]
-
-
-def check_images(root: Path) -> int:
-    """Print each damaged image under `root` and how many images were read; 1 if any is damaged."""
-    if not root.is_dir():
-        raise UsageError(f"{root} is not a folder")
-    damaged = list(damaged_images(root))
+                damaged.append(str(error).split(": replace or remove it")[0])
     print("\n".join(damaged + [f"{root}: {len(damaged)} damaged image(s)"]))
     return 1 if damaged else 0
 

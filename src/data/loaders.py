@@ -126,9 +126,8 @@ class TensorBatchLoader:
             first, *rest = (t.index_select(0, index) for t in self.tensors)
             if self.images is not None:
                 first = self.images.normalize(first)
-            if self.augments:
-                first = self.images.augment(first, sample_key(self.seed, epoch, index))
-            if self.images is not None:
+                if self.augments:
+                    first = self.images.augment(first, sample_key(self.seed, epoch, index))
                 first = self.images.resize(first)
             yield (first, *rest)
 

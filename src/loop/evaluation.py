@@ -56,7 +56,8 @@ class Evaluation:
         position = first_index
         for batch in self.track(batches, split):
             batch = to_device(batch, self.device)
-            rows = _rows(batch)
+            # Its samples: the first dimension of its first tensor.
+            rows = next((t.shape[0] for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim()), 0)
             positions = torch.arange(position, position + rows, device=self.device)
             position += rows
             yield batch, Samples(self.seed, SPLIT_DRAWS.get(split, VAL_EPOCH), positions)
@@ -92,11 +93,6 @@ class Evaluation:
 
     def image(self, tag: str, images: torch.Tensor) -> None:
         self.images[tag] = images.detach().float().cpu()
-
-
-def _rows(batch: Any) -> int:
-    """The samples in a batch: the first dimension of its first tensor."""
-    return next((part.shape[0] for part in tree_leaves(batch) if isinstance(part, torch.Tensor) and part.dim()), 0)
 
 
 def _in_lockstep(loader: Iterable[Any], device: torch.device) -> Iterator[Any]:

@@ -28,7 +28,6 @@ SHOWN = 4  # keys named per kind in a log or error line
 
 @dataclass
 class Match:
-
     loadable: dict[str, torch.Tensor] = field(default_factory=dict)  # same key, same shape
     missing: list[str] = field(default_factory=list)  # in the model, not in the file
     unexpected: list[str] = field(default_factory=list)  # in the file, not in the model
@@ -54,7 +53,9 @@ def read_weights(path: Path, names: list[str], output: str) -> dict[str, dict[st
                          "saved with torch.save?") from None
     if isinstance(payload, dict) and str(payload.get("format", "")).startswith("ddp-template-checkpoint/"):
         return _template_weights(checkpoint.read(path), names)
-    if not _is_state_dict(payload):
+    is_state_dict = isinstance(payload, dict) and bool(payload) and all(
+        isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in payload.items())
+    if not is_state_dict:
         raise UsageError(f"init_from={path} holds no state_dict (a dict of tensors by name, or a checkpoint of this "
                          "template): save one with torch.save(model.state_dict(), PATH)")
     return {output: strip_prefixes(payload)}
@@ -81,11 +82,6 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path), device="cpu")
     except Exception as error:  # a truncated or foreign file
         raise UsageError(f"init_from={path} cannot be read as safetensors ({type(error).__name__})") from None
-
-
-def _is_state_dict(payload: Any) -> bool:
-    return isinstance(payload, dict) and bool(payload) and all(
-        isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in payload.items())
 
 
 def strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

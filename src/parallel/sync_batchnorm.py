@@ -58,7 +58,11 @@ class CPUSyncBatchNorm(_BatchNorm):
         mean, var, count = self._global_statistics(x)
         if self.track_running_stats:
             self._update_running_stats(mean, var, count)
-        return self._normalize(x, mean, var).to(input.dtype)
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        out = (x - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out.to(input.dtype)
 
     def _global_statistics(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-channel mean and biased variance over all ranks, and the global element count."""
@@ -82,14 +86,6 @@ class CPUSyncBatchNorm(_BatchNorm):
         momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
         self.running_var.mul_(1 - momentum).add_(var * (count / (count - 1)), alpha=momentum)
-
-    def _normalize(self, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        out = (x - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape)
-        if self.affine:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out
-
 
 class _ThenItsChildren:
     """A sync-BN that runs its submodules after normalising, in their order, as timm's BatchNormAct2d runs its

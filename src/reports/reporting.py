@@ -61,22 +61,17 @@ def log_run_start(run_dir: Path, runtime: Any, modules: Mapping[str, nn.Module],
         frozen = f", {total - trainable:,} frozen" if total > trainable else ""  # trainer.freeze
         named = "" if list(modules) == ["model"] else f"{name}: "
         models.append(f"{named}{type(module).__name__} ({total:,} parameters, {trainable:,} trainable{frozen})")
-    trainer = config["trainer"]
+    trainer, test = config["trainer"], getattr(data.splits, "test", None)
+    sizes = f"{len(data.splits.train)} train / {len(data.splits.val)} val"
+    sizes += f" / {len(test)} test samples" if test is not None else " samples, no test split"
     best = f"best.pt by {trainer['monitor']}, {trainer['monitor_mode']}" if trainer["monitor"] else (
         "no best.pt: trainer.monitor=null")
     log.info("run dir %s | world size %d | device %s | backend %s | task %s (%s), metrics per %s | model %s | "
              "%s | global batch %d = %d ranks x %d per rank x %d accum | %d steps/epoch",
              run_dir, runtime.world_size, runtime.device, runtime.backend or "none (single process)",
              config["task"]["_target_"].rsplit(".", 1)[-1], best, unit.removesuffix("s"), ", ".join(models),
-             split_sizes(data.splits), sampler.global_batch_size, runtime.world_size, sampler.micro_batch_size,
+             sizes, sampler.global_batch_size, runtime.world_size, sampler.micro_batch_size,
              grad_accum, sampler.steps_per_epoch)
-
-
-def split_sizes(splits: Any) -> str:
-    """`1437 train / 180 val / 180 test samples`, or `... val samples, no test split`."""
-    test = getattr(splits, "test", None)
-    sizes = f"{len(splits.train)} train / {len(splits.val)} val"
-    return f"{sizes} / {len(test)} test samples" if test is not None else f"{sizes} samples, no test split"
 
 
 def parameter_counts(module: nn.Module) -> tuple[int, int]:

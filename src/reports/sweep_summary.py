@@ -67,21 +67,6 @@ def to_markdown(rows: list[dict[str, Any]], metrics: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def best_command(rows: list[dict[str, Any]]) -> str | None:
-    """`python train.py <overrides>` of the best completed job (`rows` are best first), or None."""
-    if not rows or rows[0]["status"] != "completed":
-        return None
-    return " ".join(["python train.py", *map(shlex.quote, jobs.saved_overrides(Path(rows[0]["job_dir"])))])
-
-
-def to_csv(rows: list[dict[str, Any]], metrics: list[str]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=["job", "status", "overrides", *metrics, "job_dir"], restval="")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buffer.getvalue()
-
-
 def _format(value: Any) -> str:
     if value is None:
         return "-"
@@ -98,10 +83,14 @@ class SweepSummary(Callback):
         rows = collect(sweep_dir, self.metric, self.mode)
         columns = metric_columns(rows, self.metric)
         table = to_markdown(rows, columns)
-        best = best_command(rows)
-        if best is not None:
+        if rows and rows[0]["status"] == "completed":  # the best job (rows are best first), trained again
+            best = " ".join(["python train.py", *map(shlex.quote, jobs.saved_overrides(Path(rows[0]["job_dir"])))])
             table += f"\nBest job ({rows[0]['job']}), trained again by:\n\n    {best}\n"
-        write_text_atomically(sweep_dir / "summary.csv", to_csv(rows, columns))
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=["job", "status", "overrides", *columns, "job_dir"], restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+        write_text_atomically(sweep_dir / "summary.csv", buffer.getvalue())
         write_text_atomically(sweep_dir / "summary.md", table)
         return table
 

@@ -7,7 +7,6 @@ import csv
 import io
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, TextIO
 
 from src.reports.trackers import RunIdentity, Tracker
@@ -23,8 +22,12 @@ class CSVTracker(Tracker):
 
     def open(self, run_id: str | None, identity: RunIdentity, params: Mapping[str, Any]) -> str | None:
         path = identity.run_dir / self.filename
-        held = whole_rows(path)
-        self._sent = last_steps(held)
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        held = text[: text.rfind("\n") + 1] if text.startswith(HEADER) else ""  # up to its last complete row
+        self._sent = {}  # the last step of each name held (the hyperparameters' rows, without a step: -1)
+        for row in csv.DictReader(io.StringIO(held)):
+            step = int(row["step"]) if row["step"] else -1
+            self._sent[row["name"]] = max(step, self._sent.get(row["name"], -1))
         if held:  # what a kill cut short goes; the rest stays
             os.truncate(path, len(held.encode("utf-8")))
         self._file = path.open("a" if held else "w", encoding="utf-8", newline="")
@@ -48,20 +51,3 @@ class CSVTracker(Tracker):
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def whole_rows(path: Path) -> str:
-    """The file's text up to its last complete row (the header included); '' if there is none."""
-    if not path.exists():
-        return ""
-    text = path.read_text(encoding="utf-8")
-    return text[: text.rfind("\n") + 1] if text.startswith(HEADER) else ""
-
-
-def last_steps(text: str) -> dict[str, int]:
-    """The last step of each name in `text` (rows without a step, the hyperparameters, count as step -1)."""
-    last: dict[str, int] = {}
-    for row in csv.DictReader(io.StringIO(text)):
-        step = int(row["step"]) if row["step"] else -1
-        last[row["name"]] = max(step, last.get(row["name"], -1))
-    return last

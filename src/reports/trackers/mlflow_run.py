@@ -25,8 +25,13 @@ class MLflowTracker(Tracker):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(timeout_s, 1))))
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         self.mlflow = import_package("mlflow", "mlflow", INSTALL)  # with its client and entities
-        if tracking_uri and tracking_uri.startswith(("http://", "https://")):
-            check_server(tracking_uri, timeout_s)
+        if tracking_uri and tracking_uri.startswith(("http://", "https://")):  # one line, before any work
+            try:
+                with urllib.request.urlopen(f"{tracking_uri.rstrip('/')}/health", timeout=timeout_s) as response:
+                    response.read()
+            except (urllib.error.URLError, OSError) as error:
+                raise UsageError(f"logger.mlflow.tracking_uri={tracking_uri} does not answer ({error}): start the "
+                                 "server, or choose another tracking_uri") from None
         self.client = self.mlflow.tracking.MlflowClient(tracking_uri=tracking_uri or None)
         self.experiment_name, self.run_id = experiment_name, None
 
@@ -80,13 +85,3 @@ class MLflowTracker(Tracker):
             self.client.set_tag(self.run_id, "stop_reason", stop_reason)
         self.client.set_terminated(self.run_id, status)
         self.run_id = None
-
-
-def check_server(uri: str, timeout_s: float) -> None:
-    """One line, before any work, if the tracking server does not answer within `timeout_s`."""
-    try:
-        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as response:
-            response.read()
-    except (urllib.error.URLError, OSError) as error:
-        raise UsageError(f"logger.mlflow.tracking_uri={uri} does not answer ({error}): start the server, or "
-                         f"choose another tracking_uri") from None

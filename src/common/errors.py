@@ -72,7 +72,6 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
         sys.exit(USAGE_ERROR_EXIT_CODE)
 
 
-
 def _out_of_memory_hint(error: BaseException) -> str:
     """The note under an out-of-memory traceback: the rank, the size asked for, the memory limit, what to change."""
     asked = re.search(r"tried to allocate [\d.,]+ ?\w+", str(error), re.IGNORECASE)  # torch's allocators say

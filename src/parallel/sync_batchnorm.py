@@ -87,9 +87,11 @@ class CPUSyncBatchNorm(_BatchNorm):
         self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
         self.running_var.mul_(1 - momentum).add_(var * (count / (count - 1)), alpha=momentum)
 
+
 class _ThenItsChildren:
     """A sync-BN that runs its submodules after normalising, in their order, as timm's BatchNormAct2d runs its
-    dropout and activation (torch's convert_sync_batchnorm drops them: the converted model computes another function)."""
+    dropout and activation (torch's convert_sync_batchnorm drops them: the converted model computes another
+    function)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         output = super().forward(input)  # type: ignore[misc]

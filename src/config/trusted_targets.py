@@ -32,6 +32,14 @@ def targets_in(node: Any) -> Iterator[tuple[str, Any]]:
     return ((dotted, value) for dotted, key, value in _entries(node) if key == "_target_")
 
 
+def config_dirs() -> list[Path]:
+    """The folders this run composes its config from: conf/ and `hydra.searchpath`'s `file://` ones."""
+    if not HydraConfig.initialized():
+        return [DEFAULT_CONF]
+    sources = HydraConfig.get().runtime.config_sources
+    return [Path(source.path) for source in sources if source.schema == "file" and source.provider != "hydra"]
+
+
 def targets_of_config_groups(dirs: Iterable[Path]) -> set[str]:
     targets: set[str] = set()
     for directory in dirs:
@@ -43,12 +51,8 @@ def targets_of_config_groups(dirs: Iterable[Path]) -> set[str]:
 
 def trusted(listed: Iterable[str], own_config: Any = None) -> set[str]:
     """The targets a saved config may name: the config groups', those `listed`, and those of `own_config`."""
-    dirs = [DEFAULT_CONF]  # the folders this run composes its config from: conf/ and hydra.searchpath's file:// ones
-    if HydraConfig.initialized():
-        sources = HydraConfig.get().runtime.config_sources
-        dirs = [Path(source.path) for source in sources if source.schema == "file" and source.provider != "hydra"]
     own = {str(target) for _, target in targets_in(own_config)}
-    return targets_of_config_groups(dirs) | set(map(str, listed)) | own
+    return targets_of_config_groups(config_dirs()) | set(map(str, listed)) | own
 
 
 def check_saved_config(saved: Any, path: Path, allowed: set[str]) -> None:

@@ -2,8 +2,8 @@
 naming what to change, no traceback, and no existing run's files touched.
 
 The rows run the real command line from a directory whose outputs/ already holds a finished run,
-as a user's would. Each error of Hydra's composition has a row here; the wording of every message
-src/config/hydra_errors.py can give is checked in process by tests/unit/config/test_hydra_errors.py.
+as a user's would. The wording of Hydra's composition errors, in more cases than these rows, is
+checked in process by tests/unit/config/test_hydra_errors.py.
 """
 
 from __future__ import annotations

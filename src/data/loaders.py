@@ -223,11 +223,6 @@ def build_splits(dataset_cfg: DictConfig) -> DataSplits:
         return instantiate(params)
 
 
-def make_val_loader(splits: DataSplits, global_batch_size: int, rank: int, world_size: int, device: torch.device,
-                    num_workers: int, seed: int, max_batches: int | None = None) -> Iterable[Any]:
-    return make_eval_loader(splits.val, global_batch_size, rank, world_size, device, num_workers, seed, max_batches)[0]
-
-
 def val_batch_size(global_batch_size: int, world_size: int) -> int:
     """Samples per val batch on each rank: the training batch's share, at least one."""
     return max(1, global_batch_size // world_size)

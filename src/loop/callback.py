@@ -255,13 +255,6 @@ class TrainParts:
     seed: int = 0  # the run's `seed`: the loop derives per-rank step seeds (dropout) from it
     saved_config: dict[str, Any] = field(default_factory=dict)  # the resolved run config, saved in checkpoints
 
-    @classmethod
-    def one_model(cls, runtime: Runtime, task: Task, module: nn.Module, train_model: nn.Module,
-                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, data: Data,
-                  store: Store, reporter: Reporter, callbacks: Callbacks | None = None, **rest: Any) -> TrainParts:
-        return cls(runtime, task, {"model": module}, {"model": train_model}, {"model": optimizer}, {"model": scheduler},
-                   data, store, reporter, callbacks or Callbacks(), **rest)
-
 
 def build_callbacks(callbacks_cfg: DictConfig, trackers: Callback) -> Callbacks:
     """The run's callbacks (conf/callbacks/) in config order, after the `trackers` (told of a failure first)."""

@@ -2,8 +2,10 @@
 naming what to change, no traceback, and no existing run's files touched.
 
 The rows run the real command line from a directory whose outputs/ already holds a finished run,
-as a user's would. The wording of Hydra's composition errors, in more cases than these rows, is
-checked in process by tests/unit/config/test_hydra_errors.py.
+as a user's would. Of Hydra's composition errors, five run here (an unknown option, a mistyped key, a wrong type,
+an unparsable override, eval.py's unknown option): they share one path to the `error:` line. The wording of every
+case (a key one level down, a key of an option not chosen, each type, eval.py's groups, ...) is checked in process
+by tests/unit/config/test_hydra_errors.py, which composes the same conf/ through the same code.
 """
 
 from __future__ import annotations
@@ -34,32 +36,17 @@ def row(script: str, args: list[str], message: str, id: str, marks=()):  # noqa:
 
 
 ROWS = [
-    # Hydra's composition: the command line against conf/ and the schema's types.
+    # Hydra's composition: the command line against conf/ and the schema's types (every wording:
+    # tests/unit/config/test_hydra_errors.py).
     row(TRAIN, ["model=cnnn"], "model=cnnn is not an option of model (did you mean model=cnn?); "
         f"choose one of {options('model')}", "unknown-option"),
-    row(TRAIN, ["modell=mlp"], "modell is not a config key (did you mean model?)", "typo-in-group"),
     row(TRAIN, ["trainer.epoch=3"], "trainer.epoch is not a config key (did you mean trainer.epochs?); "
         "to add a new key, use +trainer.epoch=3", "typo-in-key"),
     row(TRAIN, ["trainer.epochs=abc"], "trainer.epochs=abc: trainer.epochs takes an integer, e.g. trainer.epochs=20",
         "int-expected"),
-    row(TRAIN, ["trainer.grad_clip=x"], "trainer.grad_clip=x: trainer.grad_clip takes a number or null",
-        "float-expected"),
-    row(TRAIN, ["dist.sync_bn=maybe"], "dist.sync_bn=maybe: dist.sync_bn takes true or false, e.g. dist.sync_bn=true",
-        "bool-expected"),
-    row(TRAIN, ["trainer.epochs=null"], "trainer.epochs=null: trainer.epochs cannot be null", "null-not-allowed"),
-    row(TRAIN, ["dist.master_port=abc"], "dist.master_port=abc: dist.master_port takes an integer or null",
-        "port-not-a-number"),
     row(TRAIN, ["trainer.epochs=[1"], "cannot parse the override 'trainer.epochs=[1'", "unparsable-override"),
-    # A key one level deeper than given: named in full, with the option that adds its block if it is not chosen.
-    row(TRAIN, ["dist.cpu_offload=true"], "dist.cpu_offload is not a config key (did you mean dist.fsdp.cpu_offload?); "
-        "pass dist.fsdp.cpu_offload=true", "key-one-level-down"),
-    row(TRAIN, ["logger.tracking_uri=x"], "logger.tracking_uri is not a config key (did you mean "
-        "logger.mlflow.tracking_uri?); pass logger=mlflow logger.mlflow.tracking_uri=x", "key-of-an-option-not-chosen"),
     row(EVAL, ["checkpoint={checkpoint}", "dataset=nope"], "dataset=nope is not an option of dataset",
         "eval-unknown-option"),
-    row(EVAL, ["checkpoint={checkpoint}", "trainer.devic=cpu"], "trainer.devic is not a config key "
-        "(did you mean trainer.device?)", "eval-typo-in-key"),
-    row(EVAL, ["checkpoint={checkpoint}", "model=mlp"], "eval.py has no model option to choose", "eval-no-model"),
     # Values the types let through, refused when the run starts (src/config/schema.py).
     row(TRAIN, ["optimizer.lr=-0.1"], "optimizer.lr=-0.1 must be a number >= 0", "negative-lr"),
     row(TRAIN, ["optimizer=sgd", "optimizer.lr=abc"], "optimizer.lr=abc must be a number >= 0", "lr-not-a-number"),
@@ -77,13 +64,9 @@ ROWS = [
     # Callbacks' settings (conf/callbacks/), refused by the callback (src/config/building.py names the key).
     row(TRAIN, ["callbacks.ema.decay=1.5"], "callbacks.ema.decay=1.5 must be in (0, 1) (or null)",
         "ema-decay-above-1"),
-    row(TRAIN, ["callbacks.ema.decay=0"], "callbacks.ema.decay=0 must be in (0, 1) (or null)", "ema-decay-zero"),
     row(TRAIN, ["callbacks.ema.warmup_steps=-1"], "callbacks.ema.warmup_steps=-1 must be at least 0",
         "ema-negative-warmup"),
     # A key the class does not take: the compose-time hint says so, and adding it anyway is one line too.
-    row(TRAIN, ["model.hiden=3"], "model.hiden is not a config key (did you mean model.hidden?); "
-        "src.components.models.SimpleCNN takes in_channels, image_size, num_outputs, channels, hidden, dropout",
-        "model-key-typo"),
     row(TRAIN, ["+model.foo=1"], "model.foo is not an argument of model: src.components.models.SimpleCNN takes "
         "in_channels, image_size, num_outputs, channels, hidden, dropout; remove it", "model-argument-unknown"),
     row(TRAIN, ["+callbacks.mine._target_=src.callbacks.ema.EMA"], "callbacks.mine needs decay, warmup_steps: "

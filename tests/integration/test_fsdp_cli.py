@@ -321,7 +321,7 @@ def test_the_export_loads_into_the_plain_model_with_the_runs_val_metrics(runs: R
 
     from src.components.models import SimpleCNN
     from src.components.tasks import Classification
-    from src.data.loaders import build_splits, make_val_loader
+    from src.data.loaders import build_splits, make_eval_loader
     from src.loop.trainer import evaluate
 
     straight = runs("straight")
@@ -335,7 +335,7 @@ def test_the_export_loads_into_the_plain_model_with_the_runs_val_metrics(runs: R
     from omegaconf import OmegaConf
 
     splits = build_splits(OmegaConf.create(config["dataset"]))
-    loader = make_val_loader(splits, 48, 0, 1, torch.device("cpu"), 0, 0)
+    loader, _ = make_eval_loader(splits.val, 48, 0, 1, torch.device("cpu"), 0, 0)
     val = evaluate(Classification(), {"model": model}, lambda split: (loader, 0), splits.info, torch.device("cpu"))
     best = max(metrics(straight)["history"], key=lambda record: record["val/acc"])
     assert val["acc"] == best["val/acc"] and val["count"] == 180

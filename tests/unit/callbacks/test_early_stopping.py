@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from one_model import one_model_parts
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -23,7 +24,7 @@ from src.config.schema import TrainerConfig
 from src.data.loaders import Data, GlobalBatchSampler, TensorBatchLoader
 from src.data.splits import DataSplits
 from src.loop.callback import Callback, Callbacks, EndRun, Outcome
-from src.loop.trainer import Trainer, TrainParts, TrainState
+from src.loop.trainer import Trainer, TrainState
 from src.parallel.distributed import DistEnv, Runtime
 from src.reports.reporting import Reporter
 
@@ -75,10 +76,11 @@ def plateau_trainer(tmp_path: Path, patience: int | None, epochs: int = 6, judge
     config = TrainerConfig(epochs=epochs, monitor="val/loss", monitor_mode="min")
     callbacks = Callbacks({"early_stopping": EarlyStopping(patience=patience, min_delta=0.0),
                            **({} if judge is None else {"judge": judge})})
-    return Trainer(config, TrainParts.one_model(Runtime(DistEnv(), torch.device("cpu"), backend=None), Classification(), model,
-                                      model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-                                      data, FileStore(tmp_path / "checkpoints", True),
-                                      Reporter(tmp_path, True, tensorboard=False), callbacks))
+    runtime = Runtime(DistEnv(), torch.device("cpu"), backend=None)
+    return Trainer(config, one_model_parts(runtime, Classification(), model, model, optimizer,
+                                           torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
+                                           FileStore(tmp_path / "checkpoints", True),
+                                           Reporter(tmp_path, True, tensorboard=False), callbacks))
 
 
 def resume(trainer: Trainer, path: Path) -> TrainState:

@@ -12,6 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from one_model import one_model_parts
 from torch import nn
 
 from src import checkpoint
@@ -119,10 +120,10 @@ def tiny_parts(tmp_path: Path, model: nn.Module, grad_accum: int = 1, callbacks:
     data = Data(splits=splits, train_sampler=sampler, train_loader=TensorBatchLoader(dataset, sampler, cpu),
                 val_loader=TensorBatchLoader(dataset, [list(range(SAMPLES))], cpu), num_val_samples=SAMPLES)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return TrainParts.one_model(Runtime(DistEnv(), cpu, backend=None), Classification(), model, model, optimizer,
-                      torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
-                      FileStore(tmp_path / "checkpoints", True), Reporter(tmp_path, True, tensorboard=False),
-                      callbacks or Callbacks())
+    return one_model_parts(Runtime(DistEnv(), cpu, backend=None), Classification(), model, model, optimizer,
+                           torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
+                           FileStore(tmp_path / "checkpoints", True), Reporter(tmp_path, True, tensorboard=False),
+                           callbacks or Callbacks())
 
 
 def ema_trainer(tmp_path: Path, model: nn.Module, epochs: int = 2, **config) -> Trainer:

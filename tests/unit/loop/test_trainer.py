@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from one_model import one_model_parts
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -23,7 +24,7 @@ from src.config.schema import TrainerConfig
 from src.data.loaders import Data, GlobalBatchSampler, TensorBatchLoader
 from src.data.splits import DataSplits
 from src.loop.callback import Run
-from src.loop.trainer import Trainer, TrainParts, TrainState
+from src.loop.trainer import Trainer, TrainState
 from src.parallel.distributed import DistEnv, Runtime
 from src.reports.reporting import Reporter
 
@@ -68,9 +69,10 @@ def test_gradients_are_all_reduced_on_the_last_micro_step_only(one_rank_group, t
     # aot_eager: dynamo and autograd tracing as with inductor, without building C++ kernels.
     train_model = torch.compile(ddp, backend="aot_eager") if compiled else ddp
     trainer = Trainer(TrainerConfig(epochs=1, grad_accum=grad_accum),
-                      TrainParts.one_model(runtime, Classification(), model, train_model, optimizer,
-                                 torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), tiny_data(grad_accum),
-                                 FileStore(tmp_path / "checkpoints", False), Reporter(tmp_path, False)))
+                      one_model_parts(runtime, Classification(), model, train_model, optimizer,
+                                      torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+                                      tiny_data(grad_accum), FileStore(tmp_path / "checkpoints", False),
+                                      Reporter(tmp_path, False)))
     assert trainer.step._gradient_syncs["model"].__self__ is ddp  # the DDP inside torch.compile's wrapper
     state = TrainState()
     trainer.train_one_epoch(0, Run(trainer.config, trainer.parts, state, False, trainer.evaluate))
@@ -105,10 +107,10 @@ def one_process_trainer(tmp_path: Path, task, monitor: str = "val/loss", mode: s
                 num_val_samples=GLOBAL_BATCH * STEPS)
     runtime = Runtime(DistEnv(), torch.device("cpu"), backend=None)
     return Trainer(TrainerConfig(epochs=1, save_checkpoints=False, monitor=monitor, monitor_mode=mode),
-                   TrainParts.one_model(runtime, task, model, model, optimizer,
-                                        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
-                                        FileStore(tmp_path / "checkpoints", True),
-                                        Reporter(tmp_path, True, tensorboard=False)))
+                   one_model_parts(runtime, task, model, model, optimizer,
+                                   torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
+                                   FileStore(tmp_path / "checkpoints", True),
+                                   Reporter(tmp_path, True, tensorboard=False)))
 
 
 def test_an_added_metric_is_reported_for_train_and_val(tmp_path: Path):

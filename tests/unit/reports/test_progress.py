@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from one_model import one_model_parts
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -21,7 +22,7 @@ from src.config.schema import TrainerConfig
 from src.data.loaders import Data, GlobalBatchSampler, TensorBatchLoader
 from src.data.splits import DataSplits
 from src.loop.callback import Run
-from src.loop.trainer import Trainer, TrainParts, TrainState
+from src.loop.trainer import Trainer, TrainState
 from src.parallel.distributed import DistEnv, Runtime
 from src.reports import progress
 from src.reports.progress import shows_progress
@@ -105,9 +106,9 @@ def test_a_training_epoch_bar_ends_at_its_steps_also_when_resumed(terminal, monk
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reporter = Reporter(tmp_path, is_main_process=True, tensorboard=False, progress=True)
     trainer = Trainer(TrainerConfig(epochs=1),
-                      TrainParts.one_model(Runtime(DistEnv(), cpu, backend=None), Classification(), model, model, optimizer,
-                                 torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
-                                 FileStore(tmp_path / "checkpoints", False), reporter))
+                      one_model_parts(Runtime(DistEnv(), cpu, backend=None), Classification(), model, model, optimizer,
+                                      torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), data,
+                                      FileStore(tmp_path / "checkpoints", False), reporter))
     state = TrainState(step=step_in_epoch, step_in_epoch=step_in_epoch)
     trainer.train_one_epoch(0, Run(trainer.config, trainer.parts, state, False, trainer.evaluate))
     drawn = bar_states(terminal.getvalue(), "epoch 1/1")

@@ -1,5 +1,6 @@
 """Presets and diagnostics through the real CLI: debug=fast|overfit|profile, experiment=*,
-and the NaN guard (`callbacks.divergence.detect_anomaly`)."""
+and the NaN guard (`callbacks.divergence.detect_anomaly`). The tests that launch training are marked slow (out of
+`make test-fast`, as every launched training run is); those that compose the presets are fast."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.slow  # launches training
 def test_debug_fast_is_a_two_step_smoke_run_kept_apart(workdir: Path):
     check(train(["debug=fast"], workdir))
     run_dir = only_run_dir(workdir, "outputs/debug")
@@ -41,6 +43,7 @@ def test_debug_fast_is_a_two_step_smoke_run_kept_apart(workdir: Path):
     assert not (run_dir / "checkpoints").exists()
 
 
+@pytest.mark.slow  # launches training
 def test_debug_overfit_drives_the_loss_to_zero(workdir: Path):
     check(train(["debug=overfit"], workdir))
     result = metrics(only_run_dir(workdir, "outputs/debug"))
@@ -51,6 +54,7 @@ def test_debug_overfit_drives_the_loss_to_zero(workdir: Path):
     assert result["history"][0]["train/loss"] > 1.0  # it really learned
 
 
+@pytest.mark.slow  # launches training
 def test_debug_profile_writes_a_trace_of_the_recorded_steps(workdir: Path):
     check(train(["debug=profile"], workdir))
     run_dir = only_run_dir(workdir, "outputs/debug")
@@ -141,6 +145,7 @@ def test_digits_experiment_is_the_default_run():
     assert composed(["experiment=digits_cnn"]) == composed([])
 
 
+@pytest.mark.slow  # launches training
 @pytest.mark.parametrize(
     "name,write_files,extra",
     [
@@ -163,6 +168,7 @@ def test_file_dataset_experiments_run_end_to_end(workdir: Path, name, write_file
     assert 0.0 <= result["val/acc"] <= 1.0
 
 
+@pytest.mark.slow  # launches training
 @pytest.mark.parametrize(
     "extra,message",
     [

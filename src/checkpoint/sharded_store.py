@@ -57,12 +57,12 @@ class ShardedStore(Store):
                 dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging, sync_files=True),
                          process_group=distributed.collective_group())
         except CheckpointException as error:  # raised on every rank, with every rank's failure
-            raise _no_room(error, staging, tensors) or error
+            raise _no_room(staging, tensors) or error
         stop_every_rank_on_failure(self.is_main_process,
                                    lambda: _publish(self.directory, staging, name, is_best, self.keep_last))
 
 
-def _no_room(error: CheckpointException, staging: Path, tensors: dict[str, Any]) -> UsageError | None:
+def _no_room(staging: Path, tensors: dict[str, Any]) -> UsageError | None:
     """One line when a rank's shard found no room: DCP strips the causes ("unexpected pos"), so each rank checks its
     own against the free space and file-size limit, and the ranks agree (a collective)."""
     shards = [tensor.to_local() if hasattr(tensor, "to_local") else tensor for tensor in tensors.values()]
@@ -103,9 +103,9 @@ def _with_tensors(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return tree_map(lambda value: value if _key(value) is None else tensors[_key(value)], skeleton)
 
 
-def _at(state: Any, key: str, start: int) -> Any:
-    """The value at `key`'s place (from its `start`-th part on) in a live state, or None."""
-    for name in key.split("/")[start:]:
+def _at(state: Any, key: str) -> Any:
+    """The value at `key`'s place (after its part's name) in a part's live state, or None."""
+    for name in key.split("/")[1:]:
         if isinstance(state, dict):
             state = state.get(name, state.get(int(name)) if name.isdigit() else None)
         elif isinstance(state, (list, tuple)) and name.isdigit() and int(name) < len(state):
@@ -167,29 +167,24 @@ class ShardedCheckpoint(Checkpoint):
 
     def restore_part(self, name: str, part: Any) -> None:
         """Read the part's tensors into those at their places in its live state (each rank its slices), else whole."""
-        skeleton = self.state[name]
         live = part.load_targets() if hasattr(part, "load_targets") else state_of(part)
-        metadata = read_metadata(self.directory)
-        targets = {}
-        for key in _tensor_keys(skeleton):
-            found, saved = _at(live, key, 1), metadata.state_dict_metadata[key]
-            fits = isinstance(found, torch.Tensor) and tuple(found.shape) == tuple(saved.size)
-            targets[key] = found if fits else torch.empty(saved.size, dtype=saved.properties.dtype)
-        self._load(targets, process_group=distributed.collective_group())
-        part.load_state_dict(_with_tensors(skeleton, targets))
+        part.load_state_dict(self._read(self.state[name], live, process_group=distributed.collective_group()))
 
     def whole(self, *keys: str) -> Any:
-        skeleton = functools.reduce(operator.getitem, keys, self.state)
-        saved = read_metadata(self.directory).state_dict_metadata
-        targets = {key: torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
-                   for key in _tensor_keys(skeleton)}
-        self._load(targets, no_dist=True)
-        return _with_tensors(skeleton, targets)
+        return self._read(functools.reduce(operator.getitem, keys, self.state), None, no_dist=True)
 
-    def _load(self, targets: dict[str, torch.Tensor], **where: Any) -> None:
+    def _read(self, skeleton: Any, live: Any, **where: Any) -> Any:
+        """`skeleton` with its tensors read: into those at their places in `live` where the shapes agree, else whole."""
+        saved = read_metadata(self.directory).state_dict_metadata
+        targets = {}
+        for key in _tensor_keys(skeleton):
+            found = _at(live, key)
+            fits = isinstance(found, torch.Tensor) and tuple(found.shape) == tuple(saved[key].size)
+            targets[key] = found if fits else torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
         if targets:
             with _alone_is_fine():
                 dcp.load(targets, storage_reader=SafeReader(self.directory), **where)
+        return _with_tensors(skeleton, targets)
 
 
 @contextlib.contextmanager

@@ -41,12 +41,9 @@ def config_dirs() -> list[Path]:
 
 
 def targets_of_config_groups(dirs: Iterable[Path]) -> set[str]:
-    targets: set[str] = set()
-    for directory in dirs:
-        for group in GROUPS:
-            for option in sorted((directory / group).glob("**/*.yaml")):
-                targets.update(str(target) for _, target in targets_in(yaml.safe_load(option.read_text())))
-    return targets
+    return {str(target) for directory in dirs for group in GROUPS
+            for option in sorted((directory / group).glob("**/*.yaml"))
+            for _, target in targets_in(yaml.safe_load(option.read_text()))}
 
 
 def trusted(listed: Iterable[str], own_config: Any = None) -> set[str]:

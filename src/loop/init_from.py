@@ -8,6 +8,7 @@ parameters whose names start with a prefix, before DDP and the optimizer see the
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from src.parallel import distributed, fsdp
 
 log = logging.getLogger(__name__)
 
-PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's wrappers' key prefixes
+PREFIXES = re.compile(r"^(module\.|_orig_mod\.)+")  # DDP's and torch.compile's wrappers' key prefixes
 SHOWN = 4  # keys named per kind in a log or error line
 
 
@@ -86,12 +87,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`module._orig_mod.layer.weight` -> `layer.weight`: the names of the unwrapped model."""
-    stripped = {}
-    for key, value in state.items():
-        while key.startswith(PREFIXES):
-            key = key.split(".", 1)[1]
-        stripped[key] = value
-    return stripped
+    return {PREFIXES.sub("", key): value for key, value in state.items()}
 
 
 def match(module: nn.Module, state: dict[str, torch.Tensor]) -> Match:
@@ -147,8 +143,7 @@ def load_on_every_rank(modules: dict[str, nn.Module], output: str, path: Path, s
         load_initial_weights(modules, output, path, strict)
     except UsageError as error:
         failure = str(error)
-    failures = distributed.gather_objects(failure)
-    for rank, reason in enumerate(failures):
+    for rank, reason in enumerate(distributed.gather_objects(failure)):
         if reason is not None:
             raise UsageError(reason if rank == 0 else f"rank {rank}: {reason}")
 

@@ -39,11 +39,10 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[tuple[str, torch.nn
         return instantiate({**options, **overrides})(params=params)
 
     try:
-        if sharded and options.get("fused"):
-            if not fsdp.fused_step_takes_shards(make, [parameter for _, parameter in named]):
-                log.info(f"optimizer.fused=true: {options['_target_']}'s fused kernel does not take sharded "
-                         "parameters (dist=fsdp): foreach kernels instead")
-                return make(groups, fused=None, foreach=True)
+        if sharded and options.get("fused") and not fsdp.fused_step_takes_shards(make, [p for _, p in named]):
+            log.info(f"optimizer.fused=true: {options['_target_']}'s fused kernel does not take sharded "
+                     "parameters (dist=fsdp): foreach kernels instead")
+            return make(groups, fused=None, foreach=True)
         return make(groups)
     except ValueError as error:
         message = f"{options['_target_']} refused its settings ({error}): change the optimizer.* keys"

@@ -24,15 +24,15 @@ from src.common.errors import UsageError
 from src.common.seeding import seed_generators, step_seed
 from src.config.schema import TrainerConfig
 from src.data.batches import to_device
-from src.loop.callback import Callbacks, EndRun, Outcome, Run, Step, TrainParts, TrainState
+from src.loop.callback import Outcome, Run, Step, TrainParts, TrainState
 from src.loop.evaluation import Evaluation
 from src.loop.performance import autocast_dtype
 from src.loop.step import MetricSums, StepContext
 from src.loop.task import Task
 from src.parallel import fsdp
 from src.parallel.preemption import Preemption
-from src.reports.images import image_grid
 from src.reports.hparams import run_hparams
+from src.reports.images import image_grid
 from src.reports.reporting import model_summary
 
 log = logging.getLogger(__name__)

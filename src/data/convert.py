@@ -98,19 +98,16 @@ def batches_of(rows: Iterable[dict[str, Any]], schema: Any) -> Iterator[Any]:
 def write_split(folder: Path, batches: Iterable[Any], schema: Any, shard_bytes: int = SHARD_BYTES) -> int:
     """Write a split as save_to_disk does (shards of about `shard_bytes` and its JSON files); returns its rows."""
     folder.mkdir(parents=True)
-    shards, writer, rows, written = [], None, 0, 0
+    shards = [folder / "shard-0.tmp"]  # an empty split too has one (empty) shard, as datasets writes
+    writer, rows, written = pa.ipc.new_stream(str(shards[0]), schema), 0, 0
     for batch in batches:
-        if writer is None or written >= shard_bytes:
-            if writer is not None:
-                writer.close()
+        if written >= shard_bytes:
+            writer.close()
             shards.append(folder / f"shard-{len(shards)}.tmp")
             writer, written = pa.ipc.new_stream(str(shards[-1]), schema), 0
         writer.write_batch(batch)
         written += batch.nbytes
         rows += batch.num_rows
-    if writer is None:  # no rows: one empty shard, as datasets writes for an empty split
-        shards.append(folder / "shard-0.tmp")
-        writer = pa.ipc.new_stream(str(shards[-1]), schema)
     writer.close()
     names = [f"data-{i:05d}-of-{len(shards):05d}.arrow" for i in range(len(shards))]
     for shard, name in zip(shards, names):

@@ -124,16 +124,16 @@ def recording_errors(function: Callable[..., T]) -> Callable[..., T]:
         try:
             return function(*args, **kwargs)
         except Exception as error:
-            if find_usage_error(error) is None and retries.peer_failure() is not None:
+            if find_usage_error(error) is not None:
+                raise _UnrecordedError(error) from None  # @record catches Exception, not BaseException
+            if retries.peer_failure() is not None:
                 # A collective broke as a peer exited on a usage error, which it printed: the run's one line.
                 raise _UnrecordedError(WorkersReportedUsageError("a peer stopped on the error above")) from None
-            if find_usage_error(error) is None:
-                # Until @record has written the error file: one cut short by the SIGTERM torchrun's agent sends the
-                # survivors of a failure is empty, and the agent crashes on it instead of restarting the group.
-                if _is_main_thread():
-                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-                raise
-            raise _UnrecordedError(error) from None  # @record catches Exception, not BaseException
+            # Until @record has written the error file: one cut short by the SIGTERM torchrun's agent sends the
+            # survivors of a failure is empty, and the agent crashes on it instead of restarting the group.
+            if _is_main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            raise
 
     recorded = record(raising_usage_errors_past_record)
 

@@ -115,7 +115,18 @@ class Task:
              dataset: str = "the dataset") -> Binding:
         """Bind `inputs` and `target` to a dataset's `fields` and `target`, or to its `sample`'s structure; a name the
         dataset lacks is one error line."""
-        self.binding = bind(self.inputs, self.target, fields, target, sample, dataset)
+        names, parts = _names_and_parts(fields, sample)
+        task_target, inputs = self.target, self.inputs
+        if task_target is None:
+            task_target = target if target is not None else _default_target(fields, sample, parts, dataset)
+        if inputs is None:
+            inputs = [key for key in (names if names is not None else range(parts)) if key != task_target]
+        positions = {} if names is None else {name: index for index, name in enumerate(names)}
+        args, kwargs = ((), dict(inputs)) if isinstance(inputs, Mapping) else (tuple(inputs), {})
+        for key in (*args, *kwargs.values()):
+            _check_key("task.inputs", key, names, parts, dataset)
+        _check_key("task.target", task_target, names, parts, dataset)
+        self.binding = Binding(args, kwargs, task_target, positions, dataset)
         return self.binding
 
     def split(self, batch: Any) -> Batch:
@@ -225,23 +236,6 @@ def ratio(total: torch.Tensor, count: torch.Tensor) -> float:
 def shape(tensor: torch.Tensor) -> str:
     """`(8, 10)`: a shape as people write it, for messages."""
     return f"({', '.join(map(str, tensor.shape))}{',' if tensor.dim() == 1 else ''})"
-
-
-def bind(inputs: Sequence[Key] | Mapping[str, Key] | None, target: Key | None, fields: Sequence[str] | None,
-         dataset_target: str | None, sample: Any, dataset: str) -> Binding:
-    """The binding of a task's `inputs` and `target` to a dataset's `fields` and target, or to its `sample`."""
-    names, parts = _names_and_parts(fields, sample)
-    if target is None:
-        target = dataset_target if dataset_target is not None else _default_target(fields, sample, parts, dataset)
-    if inputs is None:
-        inputs = [key for key in (names if names is not None else range(parts)) if key != target]
-    positions = {} if names is None else {name: index for index, name in enumerate(names)}
-    args, kwargs = ((), dict(inputs)) if isinstance(inputs, Mapping) else (tuple(inputs), {})
-    binding = Binding(args, kwargs, target, positions, dataset)
-    for key in (*binding.args, *binding.kwargs.values()):
-        _check_key("task.inputs", key, names, parts, dataset)
-    _check_key("task.target", binding.target, names, parts, dataset)
-    return binding
 
 
 def _names_and_parts(fields: Sequence[str] | None, sample: Any) -> tuple[tuple[str, ...] | None, int]:

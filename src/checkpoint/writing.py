@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from src.common import files
-from src.common.errors import UsageError
+from src.common.errors import UsageError, no_room_error
 from src.parallel import distributed
 
 
@@ -58,7 +58,7 @@ def _file_size_limit() -> int | None:
 
 def no_room(error: BaseException, path: Path, size: Callable[[], int]) -> UsageError | None:
     """A one-line error for a write of `path` that found no room (full, quota, file-size limit), else None."""
-    cause = files.no_room_error(error)
+    cause = no_room_error(error)
     if cause is None:
         return None
     free, limit = shutil.disk_usage(path.parent).free, _file_size_limit()

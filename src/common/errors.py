@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import resource
@@ -16,6 +17,7 @@ USAGE_ERROR_EXIT_CODE = 2
 NON_MAIN_RANK_GRACE_S = 1.0  # how long other ranks wait, on a usage error, for rank 0 to report it
 # How torch's CPU allocator and CUDA's caching allocator say an allocation found no memory.
 _NO_MEMORY = ("can't allocate memory", "out of memory")
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file-size limit
 
 
 class UsageError(Exception):
@@ -40,6 +42,11 @@ def _chain(error: BaseException | None) -> Iterator[BaseException]:
 
 def find_usage_error(error: BaseException) -> UsageError | None:
     return next((e for e in _chain(error) if isinstance(e, UsageError)), None)
+
+
+def no_room_error(error: BaseException) -> OSError | None:
+    """The OSError saying the disk had no room, behind `error` if any (torch.save wraps it in a RuntimeError)."""
+    return next((e for e in _chain(error) if isinstance(e, OSError) and e.errno in NO_ROOM), None)
 
 
 @contextlib.contextmanager

@@ -5,12 +5,9 @@ write (a full disk) removes its temp file."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 from pathlib import Path
 from typing import BinaryIO, Iterator
-
-NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file-size limit
 
 
 @contextlib.contextmanager
@@ -42,13 +39,3 @@ def fsync_directory(directory: Path) -> None:
 def write_text_atomically(path: Path, text: str, shared: bool = False) -> None:
     with atomic_file(path, shared) as file:
         file.write(text.encode("utf-8"))
-
-
-def no_room_error(error: BaseException) -> OSError | None:
-    """The OSError saying the disk had no room, behind `error` if any (torch.save wraps it in a RuntimeError)."""
-    current: BaseException | None = error
-    while current is not None:
-        if isinstance(current, OSError) and current.errno in NO_ROOM:
-            return current
-        current = current.__cause__ or current.__context__
-    return None

@@ -31,9 +31,7 @@ def is_directory_checkpoint(path: Path) -> bool:
 
 def resolve(path: Path) -> Path:
     """The directory `path` is or names (a `last` / `best` file); any other path as it is."""
-    if path.is_file() and path.name in POINTERS:
-        return path.parent / path.read_text().strip()
-    return path
+    return path.parent / path.read_text().strip() if path.is_file() and path.name in POINTERS else path
 
 
 def latest(directory: Path) -> Path | None:
@@ -67,6 +65,4 @@ def resume_path(directory: Path, resume: str | None) -> Path | None:
             raise UsageError(f"{directory.parent} already holds a run; pass resume=auto to continue it or choose "
                              "another hydra.run.dir")
         return None
-    if resume == "auto":
-        return latest(directory)
-    return Path(resume)
+    return latest(directory) if resume == "auto" else Path(resume)

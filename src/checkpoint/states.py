@@ -34,9 +34,7 @@ class ModelState:
         self.source = source  # what errors name: `checkpoint PATH`, set by the reader
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        if fsdp.is_sharded(self.module):
-            return get_model_state_dict(self.module)
-        return self.module.state_dict()
+        return get_model_state_dict(self.module) if fsdp.is_sharded(self.module) else self.module.state_dict()
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Whole or sharded tensors into a plain or a sharded module; keys or shapes that differ are one line."""

@@ -218,9 +218,8 @@ class _IndexUnpickler(pickle.Unpickler):
 
 
 def read_metadata(directory: Path | str) -> Any:
-    path = Path(directory) / METADATA
     try:
-        return _IndexUnpickler(io.BytesIO(path.read_bytes())).load()
+        return _IndexUnpickler(io.BytesIO((Path(directory) / METADATA).read_bytes())).load()
     except Exception as error:  # a truncated, foreign or crafted index
         raise UsageError(f"checkpoint {directory} has an index ({METADATA}) that is not DCP's metadata "
                          f"({type(error).__name__}: {error}); it was not loaded") from None

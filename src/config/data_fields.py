@@ -81,7 +81,6 @@ def check_same(saved: Mapping[str, Any] | None, fields: Mapping[str, Any], what:
 def fill_model_config(cfg: DictConfig, fields: dict[str, Any], dataset: str) -> dict[str, Any]:
     """Fill `cfg.model`'s `${data:FIELD}`s; returns the run's resolved config with its `data_fields`."""
     used = used_by(cfg.model, fields)
-    filled = fill(cfg.model, fields, f"dataset={dataset}")
     with open_dict(cfg):
-        cfg.model = filled
+        cfg.model = fill(cfg.model, fields, f"dataset={dataset}")
     return {**OmegaConf.to_container(cfg, resolve=True), "data_fields": used}

@@ -42,8 +42,7 @@ class MLflowTracker(Tracker):
         tags = {"run_dir": str(identity.run_dir)}
         if identity.group is not None:
             tags.update(sweep=identity.group, sweep_job=str(identity.job))
-        run = self.client.create_run(self._experiment_id(), run_name=identity.name, tags=tags)
-        self.run_id = run.info.run_id
+        self.run_id = self.client.create_run(self._experiment_id(), run_name=identity.name, tags=tags).info.run_id
         param = self.mlflow.entities.Param
         self.client.log_batch(self.run_id, params=[param(key, str(value)) for key, value in params.items()])
         return self.run_id

@@ -51,9 +51,8 @@ class Evaluation:
     def batches(self, split: str | None = None) -> Iterator[tuple[Any, Samples]]:
         """This rank's batches of `split` on the device, with their samples; under dist=fsdp every rank runs as many."""
         split = split or self.split
-        loader, first_index = self.loaders(split)
+        loader, position = self.loaders(split)  # and the index in the split of its first sample
         batches = _in_lockstep(loader, self.device) if self.lockstep else loader
-        position = first_index
         for batch in self.track(batches, split):
             batch = to_device(batch, self.device)
             # Its samples: the first dimension of its first tensor.

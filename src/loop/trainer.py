@@ -120,9 +120,8 @@ class Trainer:
         state = run.state
         restored = self._start_epoch(epoch, state)
         window = LogWindow(self.epoch_metrics.totals(), state.step)
-        steps_per_epoch = self.parts.data.train_sampler.steps_per_epoch
-        progress = self.parts.reporter.progress(f"epoch {epoch + 1}/{self.config.epochs}", steps_per_epoch,
-                                                done=state.step_in_epoch)
+        progress = self.parts.reporter.progress(f"epoch {epoch + 1}/{self.config.epochs}",
+                                                self.parts.data.train_sampler.steps_per_epoch, done=state.step_in_epoch)
         for micro_batches in _in_steps(self.parts.data.train_loader, self.config.grad_accum):
             self._train_step(micro_batches, state)
             progress.update()

@@ -70,8 +70,7 @@ class CPUSyncBatchNorm(_BatchNorm):
         reduce_dims = [0, *range(2, x.dim())]
         local_count = torch.full((1,), x.numel() / channels, dtype=x.dtype, device=x.device)
         local = torch.cat([x.sum(reduce_dims), (x * x).sum(reduce_dims), local_count])
-        total = _AllReduceSum.apply(local, self.process_group)
-        total_sum, total_sq, count = total.split([channels, channels, 1])
+        total_sum, total_sq, count = _AllReduceSum.apply(local, self.process_group).split([channels, channels, 1])
         if count.item() <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got {int(count.item())}")
         mean = total_sum / count

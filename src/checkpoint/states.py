@@ -96,8 +96,7 @@ class OptimizerState:
             saved_state = {"state": dict(state["state"]), "param_groups": groups}
             set_optimizer_state_dict(self.module, self.optimizer, saved_state,
                                      options=StateDictOptions(full_state_dict=whole))
-            saved = set(state["state"])
-            for parameter in [p for p in self.optimizer.state if by_id[id(p)] not in saved]:
+            for parameter in [p for p in self.optimizer.state if by_id[id(p)] not in state["state"]]:
                 del self.optimizer.state[parameter]  # made up by torch's helper: this parameter had no state
             return
         live = [[by_id[id(parameter)] for parameter in group["params"]] for group in self.optimizer.param_groups]

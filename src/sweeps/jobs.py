@@ -31,8 +31,7 @@ def job_state(job_dir: Path) -> str | None:
     metrics = read_metrics(job_dir)
     if "stop_reason" in metrics:  # a callback ended the run for good: the pruner, early stopping, a fork's own
         return "pruned" if metrics["stop_reason"] == "pruned" else "completed"
-    epochs = OmegaConf.load(config_file).trainer.epochs
-    return "completed" if metrics.get("epoch") == epochs else "incomplete"
+    return "completed" if metrics.get("epoch") == OmegaConf.load(config_file).trainer.epochs else "incomplete"
 
 
 def read_metrics(job_dir: Path) -> dict[str, Any]:

@@ -109,7 +109,8 @@ class MFU(Callback):
     def on_log(self, step: int, scalars: Mapping[str, float]) -> dict[str, float]:
         if self.utilization is None:
             parts = self._run.parts  # type: ignore[union-attr]
-            self.utilization = Utilization(parts.module, parts.runtime.device, str(self._run.config.precision),
+            model = parts.modules[parts.task.output_model]  # the model the step's first micro-batch fed
+            self.utilization = Utilization(model, parts.runtime.device, str(self._run.config.precision),
                                            parts.runtime.world_size, self.example_inputs,
                                            parts.data.train_sampler.micro_batch_size)
         return self.utilization.scalars(scalars["throughput/samples_per_s"])

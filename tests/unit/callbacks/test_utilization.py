@@ -6,13 +6,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from one_model import one_model_parts
 from torch import nn
 
 from src.callbacks import utilization as utilization_module
 from src.callbacks.utilization import GIB, MFU, Utilization, mfu, peak_flops, training_flops_per_sample
 from src.components.models import SimpleCNN
+from src.components.tasks import Classification
 from src.loop import performance
-from src.loop.callback import Callbacks
+from src.loop.callback import Callbacks, Step
+from src.parallel.distributed import DistEnv, Runtime
 
 
 def cnn(seed: int = 0) -> SimpleCNN:
@@ -143,3 +146,21 @@ def test_the_callback_turns_itself_off_on_the_cpu():
     callbacks = Callbacks({"mfu": callback})
     callbacks.run_start(run)
     assert not callback.enabled and callbacks.log(5, {"throughput/samples_per_s": 1000.0}) == {}
+
+
+def test_the_callback_reports_the_mfu_of_the_model_the_step_fed_on_a_known_gpu(monkeypatch, restore_backend_flags):
+    """Through the hooks, with the run's real TrainParts: the model is the task's output model (by name)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * GIB)
+    performance.set_backend_flags(torch.device("cuda"), tf32=True, deterministic=False)
+    model = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
+    runtime = Runtime(DistEnv(world_size=2), torch.device("cuda", 0), backend="nccl")
+    data = SimpleNamespace(train_sampler=SimpleNamespace(micro_batch_size=32))
+    parts = one_model_parts(runtime, Classification(), model, model, None, None, data, None, None)
+    run = SimpleNamespace(parts=parts, config=SimpleNamespace(precision="32"))
+    callback = MFU()
+    callbacks = Callbacks({"mfu": callback})
+    callbacks.run_start(run)
+    callbacks.step_end(Step(1, None, ((torch.zeros(32, 1, 8, 8),), {})))
+    assert callbacks.log(5, {"throughput/samples_per_s": 10_000.0}) == {
+        "perf/mfu": pytest.approx(7_945_728 * 10_000 / (156e12 * 2)), "memory/peak_allocated_gib": 3.0}

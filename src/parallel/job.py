@@ -77,9 +77,11 @@ CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", 
 
 def config_flags(argv: Sequence[str]) -> tuple[str, ...]:
     """Hydra's flags in `argv` that choose the config's folders and file, each with its value."""
-    flags = [[arg] if "=" in arg else [arg, *argv[index + 1:index + 2]]
-             for index, arg in enumerate(argv) if arg.split("=", 1)[0] in CONFIG_FLAGS]
-    return tuple(part for flag in flags for part in flag)
+    flags: list[str] = []
+    for index, arg in enumerate(argv):
+        if arg.split("=", 1)[0] in CONFIG_FLAGS:
+            flags += [arg] if "=" in arg else [arg, *argv[index + 1:index + 2]]
+    return tuple(flags)
 
 
 def run_started_at(environ: MutableMapping[str, str] = os.environ) -> datetime.datetime:

@@ -10,15 +10,19 @@ import itertools
 import os
 import sys
 import threading
+import time
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from src.common.errors import UsageError
+from src.common.files import write_text_atomically
 from src.parallel import fsdp, hang
-from src.parallel.ranks import DistEnv, read_env
+from src.parallel.ranks import PORT_FILE, DistEnv, read_env
 from src.parallel.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -228,7 +232,36 @@ def rendezvous_store(env: DistEnv, timeout_s: float = 600.0) -> dist.Store:
         return _store
     atexit.register(_release_store)
     agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    _store = dist.TCPStore(host_name=env.master_addr, port=env.master_port, world_size=env.world_size,
-                           is_master=env.is_main_process and not agent_serves,
-                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    if PORT_FILE in os.environ and not agent_serves:
+        _store = _published_store(env, Path(os.environ[PORT_FILE]), timeout_s)
+    else:
+        _store = dist.TCPStore(host_name=env.master_addr, port=env.master_port, world_size=env.world_size,
+                               is_master=env.is_main_process and not agent_serves,
+                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     return _store
+
+
+_TOKEN_KEY = "ddp_template/port_file_token"
+
+
+def _published_store(env: DistEnv, port_file: Path, timeout_s: float) -> dist.Store:
+    """A submitit job's store: rank 0 hosts it on a port the OS picks and writes that port and a token into the job
+    folder every node shares. submitit's port, drawn from the job id, may be busy on the node (rank 0 would fail, the
+    others wait out the timeout); the token tells an earlier start's file (a requeue's) from this one's."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if env.is_main_process:
+        store = dist.TCPStore(env.master_addr, 0, env.world_size, True, timeout=timeout, wait_for_workers=False)
+        store.set(_TOKEN_KEY, token := uuid.uuid4().hex)
+        write_text_atomically(port_file, f"{store.port} {token}", shared=True)
+        return store
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, RuntimeError):  # not written yet, or an earlier start's port
+            port, token = port_file.read_text().split()
+            store = dist.TCPStore(env.master_addr, int(port), env.world_size, False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=min(2.0, timeout_s)))
+            if store.get(_TOKEN_KEY).decode() == token:
+                store.set_timeout(timeout)
+                return store
+        time.sleep(0.1)
+    raise TimeoutError(f"rank {env.rank}: rank 0 wrote no store port into {port_file} within {timeout_s:g} s")

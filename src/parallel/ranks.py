@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Mapping, MutableMapping
 
 SWEEP_JOB_RESUMES = "DDP_TEMPLATE_SWEEP_JOB_RESUMES"  # set on a sweep's job that a sweep run again restarts
+PORT_FILE = "DDP_TEMPLATE_PORT_FILE"  # a submitit job's: where rank 0 writes its store's port (distributed.py)
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,13 @@ def adopt_cluster_env(environ: MutableMapping[str, str] = os.environ) -> None:
     environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # a task of `srun python train.py`
     import submitit  # an optional package: the launcher presets' dependency
 
-    if submitit.JobEnvironment().num_tasks > 1:
+    job = submitit.JobEnvironment()
+    if job.num_tasks > 1:
         submitit.helpers.TorchDistributedEnvironment().export()
         # As torchrun does: one thread per worker unless the job says how many cores it has.
         environ.setdefault("OMP_NUM_THREADS", environ.get("SLURM_CPUS_PER_TASK", "1"))
+        if "SUBMITIT_FOLDER" in environ:  # launched by submitit: its job folder is on a file system every node shares
+            environ[PORT_FILE] = str(job.paths.folder / f"{job.job_id}_master_port")
 
 
 def restarted_by_launcher(environ: Mapping[str, str] = os.environ) -> bool:

@@ -123,6 +123,8 @@ def test_optuna_trials_run_by_the_submitit_launcher_are_groups_of_two_tasks_with
     check(run([sys.executable, TRAIN, *args], REPO, timeout=600))
     trials = load_study(sweep_dir).trials
     assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED"]  # the first two trials of `ddp_study`
+    # Each job's ranks met on the port its rank 0 published in the job's submitit folder.
+    assert len(list((sweep_dir / ".submitit").glob("*/*_master_port"))) == 2
     for trial in trials:
         job_dir = sweep_dir / str(trial.user_attrs["job"])
         rank0, rank1 = logged_config(job_dir / "train.log"), logged_config(job_dir / "train.rank1.log")

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,35 @@ def test_ranks_agree_on_rank_zeros_start_time():
     stamps = [p.communicate(timeout=60)[0].strip() for p in processes]
     assert [p.returncode for p in processes] == [0, 0]
     assert stamps[0] == stamps[1] and stamps[0]
+
+
+def test_a_submitit_jobs_ranks_meet_on_the_port_rank_zero_publishes_not_a_busy_or_stale_one(tmp_path: Path):
+    # submitit's MASTER_PORT is busy (a foreign store listens there) and the port file is an earlier start's,
+    # naming that same foreign store: rank 1, started first, must wait for rank 0's file, not join the stranger.
+    foreign = torch_store_on_a_free_port()
+    port_file = tmp_path / "4242_master_port"
+    port_file.write_text(f"{foreign.port} an-earlier-starts-token")
+    processes = []
+    for rank in ("1", "0"):
+        env = {**os.environ, "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(foreign.port), ranks.PORT_FILE: str(port_file)}
+        env.pop("DDP_TEMPLATE_RUN_STARTED_AT", None)
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        processes.append(subprocess.Popen([sys.executable, "-c", AGREE.format(repo=str(REPO))], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        time.sleep(1.0)
+    outputs = [p.communicate(timeout=60) for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert outputs[0][0] == outputs[1][0]  # one store: the start time rank 0 set
+    published_port, token = port_file.read_text().split()
+    assert int(published_port) != foreign.port and token != "an-earlier-starts-token"
+
+
+def torch_store_on_a_free_port():
+    import datetime
+
+    import torch.distributed as dist
+    return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
 
 
 def test_start_time_is_inherited_by_child_processes(monkeypatch):

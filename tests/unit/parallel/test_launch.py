@@ -100,8 +100,8 @@ def test_only_rank_zero_writes_hydra_files(monkeypatch):
 
 def adopted_environment(extra: dict[str, str]) -> dict[str, str]:
     """The launcher variables `adopt_cluster_env` exports, given a job environment (in a fresh process)."""
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR")
-    env = {k: v for k, v in os.environ.items() if k not in keys and not k.startswith("SLURM_")}
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR", ranks.PORT_FILE)
+    env = {k: v for k, v in os.environ.items() if k not in keys and not k.startswith(("SLURM_", "SUBMITIT_"))}
     code = (f"import json, os, sys; sys.path.insert(0, {str(REPO)!r}); from src.parallel import ranks; "
             f"main = ranks.is_main_process(); ranks.adopt_cluster_env(); assert ranks.is_main_process() == main; "
             f"print(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))")
@@ -139,6 +139,15 @@ def test_srun_tasks_export_the_torchrun_contract():
     exported = adopted_environment(slurm)
     assert (exported["RANK"], exported["LOCAL_RANK"], exported["WORLD_SIZE"]) == ("3", "1", "4")
     assert exported["MASTER_ADDR"] == "gpu07" and 0 < int(exported["MASTER_PORT"]) < 65536
+    assert exported[ranks.PORT_FILE] is None  # no submitit job folder: the ranks meet on submitit's port
+
+
+def test_a_submitit_task_is_told_where_rank_zero_writes_the_port(tmp_path: Path):
+    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_FOLDER": str(tmp_path / "%j"), "SLURM_JOB_ID": "4242",
+             "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1",
+             "SLURM_JOB_NODELIST": "gpu07"}
+    exported = adopted_environment(slurm)
+    assert exported["RANK"] == "1" and exported[ranks.PORT_FILE] == str(tmp_path / "4242" / "4242_master_port")
 
 
 def test_a_single_slurm_task_stays_a_single_process():

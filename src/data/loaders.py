@@ -215,10 +215,8 @@ def first_samples(dataset: Dataset, count: int) -> Dataset:
 
 def build_splits(dataset_cfg: DictConfig) -> DataSplits:
     """The splits of the dataset `dataset_cfg` names (its LOADER_KEYS are the loaders'), built by rank 0 first."""
-    params = OmegaConf.to_container(dataset_cfg, resolve=True)
-    assert isinstance(params, dict)
-    for key in LOADER_KEYS:
-        params.pop(key, None)
+    params = {key: value for key, value in OmegaConf.to_container(dataset_cfg, resolve=True).items()
+              if key not in LOADER_KEYS}
     with errors_named("dataset", dataset_cfg, passed_elsewhere=LOADER_KEYS), main_process_first():
         return instantiate(params)
 

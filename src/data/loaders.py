@@ -62,9 +62,8 @@ class GlobalBatchSampler:
         order = self.permutation().tolist()
         b = self.micro_batch_size
         for step in range(self.start_step, self.steps_per_epoch):
-            step_start = step * self.global_batch_size
             for micro in range(self.grad_accum):
-                start = step_start + (micro * self.world_size + self.rank) * b
+                start = step * self.global_batch_size + (micro * self.world_size + self.rank) * b
                 yield order[start : start + b]
 
 

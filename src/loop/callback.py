@@ -125,8 +125,7 @@ class Callback:
         return None
 
 
-HOOKS = ("on_run_start", "on_before_optimizer_step", "on_step_end", "on_log", "on_validation", "on_test",
-         "on_epoch_end", "on_checkpoint", "on_run_end", "on_exception")
+HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))  # in the order Callback declares them
 
 
 class Callbacks:

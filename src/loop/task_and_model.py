@@ -46,13 +46,11 @@ def check_task(task: Task, splits: DataSplits, choices: Mapping[str, str], monit
     """`task`, refused in one line if it does not fit the dataset or compute the `monitor`ed metric (`extra_splits`:
     the callbacks' prefixes; `hints`: what turns on another's), and bound to the dataset."""
     task_name = choices.get("task") or type(task).__name__
-    dataset_name = f"dataset={choices['dataset']}" if choices.get("dataset") else "the dataset"
     check_fit(task, splits.info, task_name, choices.get("dataset") or "this dataset")
-    bind_to_dataset(task, splits, dataset_name)
+    bind_to_dataset(task, splits, f"dataset={choices['dataset']}" if choices.get("dataset") else "the dataset")
     if monitor is None:  # trainer.monitor=null: no best.pt
         return task
-    metric_splits = ("val", *extra_splits, "train")
-    metrics = [f"{split}/{name}" for split in metric_splits for name in task.metric_names]
+    metrics = [f"{split}/{name}" for split in ("val", *extra_splits, "train") for name in task.metric_names]
     split, _, name = monitor.partition("/")
     if split.startswith("test"):
         raise UsageError(f"trainer.monitor={monitor}: every choice (best.pt, early stopping, a sweep's objective and "

@@ -131,8 +131,7 @@ class Task:
 
     def split(self, batch: Any) -> Batch:
         """The model's inputs and target of `batch` (a task bound to no dataset binds to its first batch)."""
-        binding = self.binding if self.binding is not None else self.bind(None, None, batch)
-        return binding.split(batch)
+        return (self.binding or self.bind(None, None, batch)).split(batch)
 
     # The info field the task learns from, and what it means: its value is the model's output width.
     needs: tuple[str, str] | None = None

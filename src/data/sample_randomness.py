@@ -149,16 +149,14 @@ def uniform_per_sample(seed: int, step: int, stream: str, positions: torch.Tenso
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Uniform draws in (0, 1), `(len(positions), *shape)` on `positions`' device, row i from (seed, step, stream,
     positions[i]) alone, with no host sync; word j of a row is `draw(key, j)`."""
-    count = math.prod(shape)
     keys = _absorb(_stream_state(seed, step, stream), positions.to(torch.int64))
-    words = draw(keys[:, None], torch.arange(count, device=positions.device, dtype=torch.int64)[None, :])
+    words = draw(keys[:, None], torch.arange(math.prod(shape), device=positions.device, dtype=torch.int64)[None, :])
     return ((words.double() + 0.5) / 2.0**32).to(dtype).view(len(positions), *shape)
 
 
 def normal_per_sample(seed: int, step: int, stream: str, positions: torch.Tensor, shape: Sequence[int],
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Standard normal draws, as `uniform_per_sample` keys them (Box-Muller of two uniform words per value)."""
-    count = math.prod(shape)
-    uniform = uniform_per_sample(seed, step, stream, positions, (2, count), torch.float64)
+    uniform = uniform_per_sample(seed, step, stream, positions, (2, math.prod(shape)), torch.float64)
     radius = torch.sqrt(-2.0 * torch.log(uniform[:, 0]))
     return (radius * torch.cos(2 * math.pi * uniform[:, 1])).to(dtype).view(len(positions), *shape)

@@ -25,12 +25,9 @@ SPLITS = ("val/", "test/", "val_ema/", "test_ema/", "train/")  # the metrics' pr
 
 def job_row(job_dir: Path) -> dict[str, Any]:
     metrics, status = jobs.read_metrics(job_dir), jobs.job_state(job_dir)
-    row: dict[str, Any] = {"job": job_dir.name, "status": status, "overrides": " ".join(jobs.saved_overrides(job_dir))}
-    row.update({name: value for name, value in metrics.items() if _is_column(name)})
-    if status == "pruned":
-        row[PRUNED_COLUMN] = metrics["stopped_at_epoch"]
-    row["job_dir"] = str(job_dir)
-    return row
+    pruned = {PRUNED_COLUMN: metrics["stopped_at_epoch"]} if status == "pruned" else {}
+    return {"job": job_dir.name, "status": status, "overrides": " ".join(jobs.saved_overrides(job_dir)),
+            **{name: value for name, value in metrics.items() if _is_column(name)}, **pruned, "job_dir": str(job_dir)}
 
 
 def _is_column(name: str) -> bool:

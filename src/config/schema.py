@@ -232,5 +232,4 @@ class CheckBeforeWriting(Callback):
         with exit_on_usage_error(is_main_process()):
             check_train_config(OmegaConf.masked_copy(config, [key for key in config if key != "hydra"]))
             if is_main_process():  # a late rank could see the checkpoint rank 0 has just written
-                checkpoints = Path(config.hydra.run.dir) / "checkpoints"
-                layout.resume_path(checkpoints, resume_setting(config.resume))
+                layout.resume_path(Path(config.hydra.run.dir) / "checkpoints", resume_setting(config.resume))

@@ -45,8 +45,7 @@ def best(directory: Path) -> Path | None:
 
 
 def _later(*paths: Path) -> Path | None:
-    found = [path for path in paths if path.is_file()]
-    return max(found, key=lambda path: path.stat().st_mtime_ns, default=None)
+    return max((path for path in paths if path.is_file()), key=lambda path: path.stat().st_mtime_ns, default=None)
 
 
 def newest_first(directory: Path) -> list[Path]:

@@ -170,8 +170,7 @@ class OptunaSweeper(Sweeper):
 
     def log_best(self, study: Any) -> None:
         """The best trial and the command that trains it again (also in summary.md)."""
-        completed = [t for t in study.trials if t.state.name == "COMPLETE"]
-        if not completed:
+        if not any(t.state.name == "COMPLETE" for t in study.trials):
             log.warning("no trial of study %s completed", self.study_name)
             return
         best = study.best_trial

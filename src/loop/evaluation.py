@@ -52,8 +52,7 @@ class Evaluation:
         """This rank's batches of `split` on the device, with their samples; under dist=fsdp every rank runs as many."""
         split = split or self.split
         loader, position = self.loaders(split)  # and the index in the split of its first sample
-        batches = _in_lockstep(loader, self.device) if self.lockstep else loader
-        for batch in self.track(batches, split):
+        for batch in self.track(_in_lockstep(loader, self.device) if self.lockstep else loader, split):
             batch = to_device(batch, self.device)
             # Its samples: the first dimension of its first tensor.
             rows = next((t.shape[0] for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim()), 0)

@@ -149,8 +149,7 @@ class MetricSums:
 
     def reduce(self, baseline: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Every sum over all ranks (since `baseline`, if given), as float64 CPU tensors by name. A collective."""
-        vector = self.totals() if baseline is None else self._vector - baseline
-        reduced = all_reduce_sum(vector).cpu()
+        reduced = all_reduce_sum(self.totals() if baseline is None else self._vector - baseline).cpu()
         return {name: reduced[where].view(self.shapes[name]) for name, where in self._offsets.items()}
 
     def state_dict(self) -> dict[str, list[float]]:

@@ -75,8 +75,7 @@ class CPUSyncBatchNorm(_BatchNorm):
             raise ValueError(f"Expected more than 1 value per channel when training, got {int(count.item())}")
         mean = total_sum / count
         # E[x^2] - E[x]^2 can round slightly below zero.
-        var = (total_sq / count - mean * mean).clamp_min(0)
-        return mean, var, count
+        return mean, (total_sq / count - mean * mean).clamp_min(0), count
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor) -> None:

@@ -66,8 +66,7 @@ class ImageTensorDataset(TensorDataset):
         rows = top + torch.arange(h, device=images.device)  # (n, h): the padded rows each crop keeps
         cols = torch.arange(w, device=images.device).expand(n, w)
         if self.flip:
-            flipped = (draw(keys, 2) & 1).bool()
-            cols = torch.where(flipped, cols.flip(1), cols)
+            cols = torch.where((draw(keys, 2) & 1).bool(), cols.flip(1), cols)  # flipped where draw 2 is odd
         cols = left + cols
         # One gather does crop and flip: each output pixel names its padded source pixel.
         source = (rows[:, :, None] * (w + 2 * pad) + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)

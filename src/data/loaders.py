@@ -52,8 +52,7 @@ class GlobalBatchSampler:
     def permutation(self) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(self.num_samples)
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.num_samples, generator=generator)
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
 
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.start_step) * self.grad_accum

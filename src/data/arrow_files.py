@@ -179,9 +179,7 @@ def target_info(splits: Sequence[ArrowSplit], name: str) -> dict[str, Any]:
         largest = max((pc.max(batch.column(name)).as_py() for split in splits for batch in split.record_batches()),
                       key=lambda value: -1 if value is None else value, default=None)
         return {"num_classes": 0 if largest is None else largest + 1}
-    if pa.types.is_floating(arrow_type):
-        return {"num_targets": 1}
-    return {}
+    return {"num_targets": 1} if pa.types.is_floating(arrow_type) else {}
 
 
 def _read_json(path: Path, what: str) -> Any:

@@ -41,9 +41,16 @@ def diagnosed(store: dist.Store, rank: int, world_size: int, timeout_s: float,
               step_timeout_s: float | None) -> Iterator[Callable[[], None]]:
     """Around a process group's life: give what tightens its timeout, and name the ranks a timeout waited for."""
     store.set(f"process/{rank}", f"{socket.gethostname()} {os.getpid()}")  # whom to end if it freezes
-    timeout = _Timeout("dist.timeout_s", timeout_s)
+    key, seconds = "dist.timeout_s", timeout_s  # the group's timeout now, and the setting it comes from
+
+    def tighten() -> None:
+        nonlocal key, seconds
+        if step_timeout_s is not None and key != "dist.step_timeout_s":
+            dist.set_timeout(datetime.timedelta(seconds=step_timeout_s))
+            key, seconds = "dist.step_timeout_s", step_timeout_s
+
     try:
-        yield lambda: timeout.tighten(step_timeout_s)
+        yield tighten
     except RuntimeError as error:
         if _PEER_GAVE_UP.search(str(error)):  # a peer timed out first: this rank is no frozen one
             _mark_alive(store, rank)
@@ -53,19 +60,9 @@ def diagnosed(store: dist.Store, rank: int, world_size: int, timeout_s: float,
         ranks = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
         who = (f"{ranks} did not arrive (stopped, hung, or far slower than the others)"
                f"{_end_frozen_peers(store, missing)}" if missing else "every rank was waiting (a network fault?)")
-        message = f"{_collective(error)} timed out after {timeout.seconds:g} s ({timeout.key}): {who}"
+        message = f"{_collective(error)} timed out after {seconds:g} s ({key}): {who}"
         log.error(message)
         raise CollectiveTimeout(message) from error
-
-
-class _Timeout:
-    def __init__(self, key: str, seconds: float) -> None:
-        self.key, self.seconds = key, seconds  # the group's timeout now, and the setting it comes from
-
-    def tighten(self, step_timeout_s: float | None) -> None:
-        if step_timeout_s is not None and self.key != "dist.step_timeout_s":
-            dist.set_timeout(datetime.timedelta(seconds=step_timeout_s))
-            self.key, self.seconds = "dist.step_timeout_s", step_timeout_s
 
 
 def _mark_alive(store: dist.Store, rank: int) -> None:

@@ -53,8 +53,7 @@ def no_room_error(error: BaseException) -> OSError | None:
 def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterator[None]:
     """Exit with `error: <message>` (printed by the main process) and code 2 if the block raises a UsageError;
     in a sweep it propagates (Hydra marks the job failed). An out-of-memory error propagates with a note."""
-    failed_for_good = retries.final_failure()
-    if failed_for_good is not None:
+    if (failed_for_good := retries.final_failure()) is not None:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {failed_for_good} (not retried: every restart would stop on it)", file=sys.stderr)
         sys.exit(USAGE_ERROR_EXIT_CODE)

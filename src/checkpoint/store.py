@@ -79,12 +79,10 @@ class Checkpoint:
         if name not in self.model_names:
             raise UsageError(f"{self.path} holds no model {name!r}; it holds {', '.join(self.model_names)}")
         tensors = dict(self.whole("models", name))
-        if weights != "model":
-            if not self.has_weights(weights, name):
-                raise UsageError(f"{self.path} holds no {weights} weights of model {name!r} (its run had "
-                                 f"callbacks.{weights}.decay=null or averaged another model): evaluate weights=model")
-            tensors.update(self.whole("callbacks", weights, "weights"))
-        return tensors
+        if not self.has_weights(weights, name):  # weights="model": always
+            raise UsageError(f"{self.path} holds no {weights} weights of model {name!r} (its run had "
+                             f"callbacks.{weights}.decay=null or averaged another model): evaluate weights=model")
+        return tensors if weights == "model" else {**tensors, **self.whole("callbacks", weights, "weights")}
 
     def has_weights(self, weights: str, name: str | None = None) -> bool:
         if weights == "model":

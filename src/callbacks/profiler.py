@@ -25,9 +25,7 @@ class Profiler(Callback):
     def on_run_start(self, run: Run) -> None:
         # Kineto (the profiler's tracer) reports a missing GPU as an ERROR line on CPU machines.
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")
-        activities = [ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(ProfilerActivity.CUDA)
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]
         trace_dir = run.parts.reporter.run_dir / "tb" / "profile"
         self.profile = profile(
             activities=activities, schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),

@@ -26,8 +26,7 @@ class CSVTracker(Tracker):
         held = text[: text.rfind("\n") + 1] if text.startswith(HEADER) else ""  # up to its last complete row
         self._sent = {}  # the last step of each name held (the hyperparameters' rows, without a step: -1)
         for row in csv.DictReader(io.StringIO(held)):
-            step = int(row["step"]) if row["step"] else -1
-            self._sent[row["name"]] = max(step, self._sent.get(row["name"], -1))
+            self._sent[row["name"]] = max(int(row["step"]) if row["step"] else -1, self._sent.get(row["name"], -1))
         if held:  # what a kill cut short goes; the rest stays
             os.truncate(path, len(held.encode("utf-8")))
         self._file = path.open("a" if held else "w", encoding="utf-8", newline="")

@@ -126,8 +126,9 @@ class MetricSums:
         self._offsets: dict[str, slice] = {}
         start = 0
         for name, shape in self.shapes.items():
-            self._offsets[name] = slice(start, start + math.prod(shape))
-            start = self._offsets[name].stop
+            size = math.prod(shape)
+            self._offsets[name] = slice(start, start + size)
+            start += size
         self._vector = torch.zeros(start, dtype=torch.float64, device=device)
         self._views = {name: self._vector[where].view(self.shapes[name]) for name, where in self._offsets.items()}
 

@@ -56,8 +56,9 @@ def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, c
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     chosen = units(module, wrap, min_unit_params)
     if wrap and not chosen and list(wrap) != ROOT_ONLY:
+        classes = sorted({type(child).__name__ for child in module.modules()})
         raise UsageError(f"dist.fsdp.wrap={list(wrap)} names no module class of the model; its classes: "
-                         f"{', '.join(sorted({type(child).__name__ for child in module.modules()}))}")
+                         f"{', '.join(classes)}")
     if param_dtype is not None:
         for norm in [child for child in module.modules() if isinstance(child, _BatchNorm) and child.affine]:
             fully_shard(norm, reshard_after_forward=reshard_after_forward, offload_policy=offload)

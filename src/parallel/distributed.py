@@ -254,14 +254,17 @@ def _published_store(env: DistEnv, port_file: Path, timeout_s: float) -> dist.St
         store.set(_TOKEN_KEY, token := uuid.uuid4().hex)
         write_text_atomically(port_file, f"{store.port} {token}", shared=True)
         return store
-    deadline = time.monotonic() + timeout_s
+    deadline, last_error = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError, RuntimeError):  # not written yet, or an earlier start's port
+        try:
             port, token = port_file.read_text().split()
             store = dist.TCPStore(env.master_addr, int(port), env.world_size, False, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=min(2.0, timeout_s)))
             if store.get(_TOKEN_KEY).decode() == token:
                 store.set_timeout(timeout)
                 return store
+        except (OSError, ValueError, RuntimeError) as error:  # not written yet, or an earlier start's port
+            last_error = error
         time.sleep(0.1)
-    raise TimeoutError(f"rank {env.rank}: rank 0 wrote no store port into {port_file} within {timeout_s:g} s")
+    message = f"rank {env.rank}: no store of rank 0's at the port in {port_file} within {timeout_s:g} s"
+    raise TimeoutError(message) from last_error

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -70,6 +71,17 @@ def test_a_submitit_jobs_ranks_meet_on_the_port_rank_zero_publishes_not_a_busy_o
     assert outputs[0][0] == outputs[1][0]  # one store: the start time rank 0 set
     published_port, token = port_file.read_text().split()
     assert int(published_port) != foreign.port and token != "an-earlier-starts-token"
+
+
+def test_a_rank_that_finds_no_store_at_the_published_port_stops_naming_the_file_and_the_cause(tmp_path: Path):
+    from src.parallel import distributed
+
+    port_file = tmp_path / "4242_master_port"
+    port_file.write_text("1 a-token")  # port 1: nothing of rank 0's listens there
+    expected = f"rank 1: no store of rank 0's at the port in {port_file} within 1 s"
+    with pytest.raises(TimeoutError, match=re.escape(expected)) as raised:
+        distributed._published_store(ranks.DistEnv(rank=1, local_rank=1, world_size=2), port_file, 1.0)
+    assert "127.0.0.1, 1" in str(raised.value.__cause__)  # the last connection that failed
 
 
 def torch_store_on_a_free_port():

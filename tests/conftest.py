@@ -93,6 +93,14 @@ def _named_ports() -> Iterator[int]:
 _PORTS = _named_ports()
 
 
+# The suite runs every process with one intra-op thread (pytest_configure below), so what a test computes does not
+# depend on the machine's core count. A 1-process run's sums, though, differ with its thread count, and tests that
+# compare a run which was 1 process for a while with a 2-rank run within 1e-5 hold with 2 threads, the default on
+# the 2-core machine their tolerances were measured on: with 1 thread four of them differed by up to 2e-2, with 4 by
+# 1.2e-4 (2026-11-26). Those tests give their 1-process runs this environment.
+TWO_THREADS = {"OMP_NUM_THREADS": "2"}
+
+
 def train(args: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess:
     """`python train.py ARGS` in `cwd`."""
     return run([sys.executable, TRAIN, *args], cwd, **kwargs)
@@ -124,6 +132,14 @@ def weights(run_dir: Path, name: str = "last.pt") -> dict[str, torch.Tensor]:
 TEMPLATE = {"tests/integration/test_readme.py", "tests/integration/test_chaos.py"}
 # The tests of those files that launch the benchmarks: slow (out of `make test-fast`).
 BENCHMARK_RUNS = "test_the_*benchmark*"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One intra-op thread per process (as torchrun gives each of its workers) unless a test asks for TWO_THREADS:
+    the same sums on any machine, and no more threads than cores while two tests, each launching two or three
+    processes, run at a time (-n 2). Set before xdist starts its workers: they and every launched process inherit it."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, check, metrics, run, torchrun, train
+from conftest import REPO, TWO_THREADS, check, metrics, run, torchrun, train
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytestmark = pytest.mark.slow
@@ -164,8 +164,8 @@ def test_a_sharded_ema_resumes_bitwise_on_its_world_size_and_reshards_to_others(
 
     run_dir = fsdp_straight / f"resumed_on_{processes}"
     shutil.copytree(fsdp_straight / "stopped", run_dir)
-    launch = train if processes == 1 else lambda args, cwd: torchrun(processes, args, cwd)
-    check(launch([*FSDP_EMA, "resume=auto", f"hydra.run.dir={run_dir}"], fsdp_straight))
+    args = [*FSDP_EMA, "resume=auto", f"hydra.run.dir={run_dir}"]
+    check(train(args, fsdp_straight, env=TWO_THREADS) if processes == 1 else torchrun(processes, args, fsdp_straight))
     resumed, straight = sharded(run_dir), sharded(fsdp_straight / "straight")
     assert metrics(run_dir)["world_size"] == processes
     if processes == 2:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAIN, check, metrics, torchrun, train, weights
+from conftest import TRAIN, TWO_THREADS, check, metrics, torchrun, train, weights
 
 pytestmark = pytest.mark.slow
 
@@ -84,9 +84,10 @@ TWO_EPOCHS = ["trainer.epochs=2", "optimizer=sgd", "optimizer.lr=0.01", "schedul
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> Path:
-    """One process, two epochs, never interrupted: what every interrupted run must end as."""
+    """One process (2 threads: conftest.TWO_THREADS), two epochs, never interrupted: what every interrupted run
+    must end as."""
     workdir = tmp_path_factory.mktemp("straight")
-    check(train([*TWO_EPOCHS, "hydra.run.dir=run"], workdir))
+    check(train([*TWO_EPOCHS, "hydra.run.dir=run"], workdir, env=TWO_THREADS))
     return workdir / "run"
 
 
@@ -102,14 +103,14 @@ def assert_same_run(run_dir: Path, reference: Path, atol: float = 0.0) -> None:
 
 def test_a_step_checkpoint_resumes_mid_epoch_exactly(workdir: Path, straight: Path):
     first = check(train([*TWO_EPOCHS, "trainer.checkpoint_every_steps=5", "trainer.max_steps=27",
-                         "hydra.run.dir=run"], workdir))
+                         "hydra.run.dir=run"], workdir, env=TWO_THREADS))
     assert "stopped at step 27 with a checkpoint" in first.stdout
     checkpoints = sorted(p.name for p in (workdir / "run" / "checkpoints").iterdir())
     assert checkpoints == ["best.pt", "last.pt", "step_000000025.pt", "step_000000027.pt"]  # keep_last=2
     saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)["loop"]
     assert (saved["epoch"], saved["step"], saved["step_in_epoch"]) == (1, 27, 5)
     assert saved["epoch_totals"]["count"] == [5 * 64]  # the unfinished epoch's samples so far, by name
-    second = check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))
+    second = check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir, env=TWO_THREADS))
     assert "after epoch 1, step 27 (5 steps into epoch 2)" in second.stdout
     assert_same_run(workdir / "run", straight)
 
@@ -118,7 +119,7 @@ def test_a_run_resumes_on_another_world_size(workdir: Path, straight: Path):
     check(torchrun(2, [*TWO_EPOCHS, "trainer.max_steps=27", "hydra.run.dir=run"], workdir))
     saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert saved["config"]["trainer"]["max_steps"] == 27 and saved["loop"]["step"] == 27
-    check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))  # now one process
+    check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir, env=TWO_THREADS))  # now one process
     summary = metrics(workdir / "run")
     assert summary["world_size"] == 1 and summary["step"] == 44
     # Same global batches in the same order: only float rounding (sync-BN on 2 ranks) differs,
@@ -129,7 +130,8 @@ def test_a_run_resumes_on_another_world_size(workdir: Path, straight: Path):
 
 def test_sigterm_checkpoints_and_stops_cleanly(workdir: Path, straight: Path):
     command = [sys.executable, TRAIN, *TWO_EPOCHS, "trainer.log_every_steps=2", "hydra.run.dir=run"]
-    process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **TWO_THREADS})
     deadline = time.time() + 120
     while not (workdir / "run" / "metrics.json").exists() and time.time() < deadline:
         time.sleep(0.02)
@@ -140,7 +142,7 @@ def test_sigterm_checkpoints_and_stops_cleanly(workdir: Path, straight: Path):
     assert "stopped at step" in out
     saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)["loop"]
     assert saved["epoch"] == 1 and 22 < saved["step"] < 44 and saved["step"] % 2 == 0
-    check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))
+    check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir, env=TWO_THREADS))
     assert_same_run(workdir / "run", straight)
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import fnmatch
 import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -166,3 +168,27 @@ def restore_backend_flags():
 def workdir(tmp_path: Path) -> Path:
     """An empty directory to launch from: its outputs/ is where default run dirs land."""
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def one_epoch_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """The run dir of `python train.py trainer.epochs=1 hydra.run.dir=run`: one epoch of the default digits run,
+    trained once per session and shared by xdist's workers (the first to ask trains it, under a lock). Read it,
+    or `copy_run` it to change anything."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent  # pytest-N/: this session's, for every worker
+    with open(shared / "one_epoch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / "one_epoch" / "run" / "metrics.json").is_file():
+            shutil.rmtree(shared / "one_epoch", ignore_errors=True)  # a worker that failed to train it
+            (shared / "one_epoch").mkdir()
+            check(train(["trainer.epochs=1", "hydra.run.dir=run"], shared / "one_epoch"))
+    return shared / "one_epoch" / "run"
+
+
+def copy_run(run_dir: Path, to: Path) -> Path:
+    """A copy of a run dir at `to`: it resumes and evaluates as the original (its checkpoints and config name no
+    absolute path; only train.log and .hydra/hydra.yaml record where it ran)."""
+    shutil.copytree(run_dir, to)
+    return to
+

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from conftest import REPO, TRAIN, check, run, torchrun, train
+from conftest import REPO, TRAIN, copy_run, run, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -47,19 +47,11 @@ ROWS = [
     row(TRAIN, ["trainer.epochs=[1"], "cannot parse the override 'trainer.epochs=[1'", "unparsable-override"),
     row(EVAL, ["checkpoint={checkpoint}", "dataset=nope"], "dataset=nope is not an option of dataset",
         "eval-unknown-option"),
-    # Values the types let through, refused when the run starts (src/config/schema.py).
-    row(TRAIN, ["optimizer.lr=-0.1"], "optimizer.lr=-0.1 must be a number >= 0", "negative-lr"),
-    row(TRAIN, ["optimizer=sgd", "optimizer.lr=abc"], "optimizer.lr=abc must be a number >= 0", "lr-not-a-number"),
+    # Values the types let through, refused when the run starts (src/config/schema.py): two rows here, as they
+    # share one path to the `error:` line; the wording of every value the schema refuses is checked in process
+    # by tests/unit/config/test_schema.py.
     row(TRAIN, ["trainer.epochs=0", "trainer.keep_last=0"], "trainer.epochs=0 must be at least 1; "
         "trainer.keep_last=0 must be at least 1", "zero-epochs-and-keep-last"),
-    row(TRAIN, ["trainer.log_every_steps=0"], "trainer.log_every_steps=0 must be at least 1", "log-every-zero"),
-    row(TRAIN, ["trainer.monitor_mode=maximum"], "trainer.monitor_mode=maximum is not one of max, min",
-        "monitor-mode"),
-    row(TRAIN, ["trainer.limit_train_batches=-1"], "trainer.limit_train_batches=-1 must be at least 1 (or null)",
-        "negative-limit"),
-    row(TRAIN, ["trainer.overfit_batches=-2"], "trainer.overfit_batches=-2 must be at least 0", "negative-overfit"),
-    row(TRAIN, ["trainer.precision=8"], "trainer.precision=8 is not one of 32, bf16, 16", "precision-8"),
-    row(TRAIN, ["dist.master_port=70000"], "dist.master_port=70000 is not a port (1-65535)", "port-out-of-range"),
     row(TRAIN, ["dataset=image_folder"], "dataset.root is required: add dataset.root=VALUE", "required-key"),
     # Callbacks' settings (conf/callbacks/), refused by the callback (src/config/building.py names the key).
     row(TRAIN, ["callbacks.ema.decay=1.5"], "callbacks.ema.decay=1.5 must be in (0, 1) (or null)",
@@ -72,7 +64,6 @@ ROWS = [
     row(TRAIN, ["+callbacks.mine._target_=src.callbacks.ema.EMA"], "callbacks.mine needs decay, warmup_steps: "
         "src.callbacks.ema.EMA takes decay, warmup_steps, model; add +callbacks.mine.decay=VALUE",
         "callback-argument-missing"),
-    row(TRAIN, ["dist.strategy=zero"], "dist.strategy=zero is not one of ddp, fsdp", "unknown-strategy"),
     row(EVAL, ["checkpoint={checkpoint}", "weights=best"], "weights=best is not one of model, ema",
         "eval-unknown-weights"),
     # What the run finds when it starts: batches, files, devices, ports.
@@ -151,11 +142,10 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def workdir_with_a_run(tmp_path_factory) -> tuple[Path, Path]:
+def workdir_with_a_run(one_epoch_run: Path, tmp_path_factory) -> tuple[Path, Path]:
     """A launch directory whose outputs/ holds one finished run (1 epoch of digits): (workdir, run dir)."""
     workdir = tmp_path_factory.mktemp("bad_input")
-    check(train(["trainer.epochs=1"], workdir))
-    (run_dir,) = (workdir / "outputs").glob("*/*")
+    run_dir = copy_run(one_epoch_run, workdir / "outputs" / "2026-01-01" / "00-00-00")
     (workdir / "images" / "train").mkdir(parents=True)
     (workdir / "images" / "val").mkdir()
     (workdir / "empty.pt").write_bytes(b"")  # init_from rows: a file cut to nothing, one with no model weights

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, check, metrics, run, torchrun, train
+from conftest import REPO, check, copy_run, metrics, run, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +28,9 @@ def only_eval_dir(workdir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trained(one_epoch_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The run dir of one epoch of training on digits (180 val samples, 180 test samples)."""
-    workdir = tmp_path_factory.mktemp("train")
-    check(train(["trainer.epochs=1", "hydra.run.dir=run"], workdir))
-    return workdir / "run"
+    return copy_run(one_epoch_run, tmp_path_factory.mktemp("train") / "run")
 
 
 @pytest.fixture(scope="module")

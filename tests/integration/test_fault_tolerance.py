@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAIN, TWO_THREADS, check, metrics, torchrun, train, weights
+from conftest import TRAIN, TWO_THREADS, check, copy_run, metrics, torchrun, train, weights
 
 pytestmark = pytest.mark.slow
 
@@ -146,8 +146,8 @@ def test_sigterm_checkpoints_and_stops_cleanly(workdir: Path, straight: Path):
     assert_same_run(workdir / "run", straight)
 
 
-def test_a_corrupt_last_checkpoint_is_refused_and_left_alone(workdir: Path):
-    check(train(["trainer.epochs=1", "hydra.run.dir=run"], workdir))
+def test_a_corrupt_last_checkpoint_is_refused_and_left_alone(workdir: Path, one_epoch_run: Path):
+    copy_run(one_epoch_run, workdir / "run")
     last = workdir / "run" / "checkpoints" / "last.pt"
     last.write_bytes(last.read_bytes()[:1000])  # as if the disk filled up under another tool
     damaged = last.read_bytes()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check, metrics, torchrun, train, weights
+from conftest import check, copy_run, metrics, torchrun, train, weights
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +37,10 @@ def assert_equal(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor])
 
 
 @pytest.fixture(scope="module")
-def workdir_with_a_source(tmp_path_factory) -> Path:
+def workdir_with_a_source(one_epoch_run: Path, tmp_path_factory) -> Path:
     """A launch directory holding `source/`: one epoch of the default digits run."""
     workdir = tmp_path_factory.mktemp("finetune")
-    check(train(["trainer.epochs=1", "hydra.run.dir=source"], workdir))
+    copy_run(one_epoch_run, workdir / "source")
     return workdir
 
 

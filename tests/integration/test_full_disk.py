@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TRAIN, check, train
+from conftest import REPO, TRAIN, copy_run
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +33,9 @@ def file_size_limit() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT))
 
 
-def test_a_checkpoint_that_does_not_fit_stops_every_rank_and_keeps_the_previous_one(tmp_path: Path):
-    check(train(["trainer.epochs=1", "hydra.run.dir=run"], tmp_path))
+def test_a_checkpoint_that_does_not_fit_stops_every_rank_and_keeps_the_previous_one(tmp_path: Path,
+                                                                                   one_epoch_run: Path):
+    copy_run(one_epoch_run, tmp_path / "run")
     checkpoints = tmp_path / "run" / "checkpoints"
     last = checkpoints / "last.pt"
     before = last.read_bytes()

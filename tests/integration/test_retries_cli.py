@@ -1,11 +1,11 @@
 """No pointless retries: under `torchrun --max-restarts=3`, an error every restart would hit again (a NaN
-loss, a missing dataset folder, checkpoints that are all unreadable) ends the run in about the time of one
-attempt, with its one-line reason; the restarts exit before doing any work."""
+loss, a missing dataset folder, checkpoints that are all unreadable) ends the run with its one-line reason; the
+restarts exit before doing any work, each with the reason and that it was not retried. (How long that takes
+against one attempt is in docs/fault-tolerance.md's measurements; the suite does not time it.)"""
 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -40,25 +40,20 @@ CASES = {
 }
 
 
-def timed_torchrun(max_restarts: int, args: list[str], cwd: Path) -> tuple[float, str]:
-    """Seconds a failing `torchrun --max-restarts=N` took, and its stderr."""
+def failed_torchrun(args: list[str], cwd: Path) -> str:
+    """The stderr of a failing `torchrun --max-restarts=3`."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               f"--max-restarts={max_restarts}", TRAIN, *args]
-    started = time.monotonic()
+               "--max-restarts=3", TRAIN, *args]
     result = run(command, cwd, timeout=300)
     assert result.returncode != 0
-    return time.monotonic() - started, result.stderr
+    return result.stderr
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_an_error_every_restart_would_hit_is_not_retried(case: str, workdir: Path, request):
     make_args, reason = CASES[case]
     corrupt = request.getfixturevalue("corrupt_run") if case == "every-checkpoint-corrupt" else None
-    single, _ = timed_torchrun(0, make_args(workdir / "single", corrupt), workdir)
-    restarted, stderr = timed_torchrun(3, make_args(workdir / "restarted", corrupt), workdir)
-    print(f"{case}: one attempt {single:.1f} s, --max-restarts=3 {restarted:.1f} s ({restarted / single:.2f}x)")
+    stderr = failed_torchrun(make_args(workdir / "restarted", corrupt), workdir)
     reasons = [line for line in stderr.splitlines() if line.startswith(reason)]
     assert len(reasons) == 4  # the first attempt's, then once per restart cut short
     assert all("(not retried: every restart would stop on it)" in line for line in reasons[1:])
-    # The time ratio is printed, not asserted: speed is shown on an idle machine, never by a timed assertion
-    # in the suite, where the other test worker shares the cores (README: 1.08-1.17x measured alone).

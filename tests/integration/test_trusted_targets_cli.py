@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, check, run, train
+from conftest import REPO, check, copy_run, run, train
 
 EVAL = str(REPO / "eval.py")
 OWN_MODEL = """
@@ -29,10 +29,10 @@ class MyNet(nn.Module):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
+def trained(one_epoch_run: Path, tmp_path_factory) -> Path:
     """A workdir holding a finished 1-epoch digits run in `run/`."""
     workdir = tmp_path_factory.mktemp("trusted")
-    check(train(["trainer.epochs=1", "hydra.run.dir=run"], workdir))
+    copy_run(one_epoch_run, workdir / "run")
     return workdir
 
 

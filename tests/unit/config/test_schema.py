@@ -14,7 +14,6 @@ from src.common.errors import UsageError
 from src.config import schema
 from src.parallel import job  # noqa: F401 - registers ${data:} ... as train.py does
 
-
 CONF = Path(__file__).resolve().parents[3] / "conf"
 
 
@@ -78,3 +77,21 @@ def test_every_problem_is_named_at_once_in_declaration_order():
     with pytest.raises(UsageError) as error:
         schema.check_train_config(composed("config", ["trainer.keep_last=0", "trainer.epochs=0"]))
     assert str(error.value) == "trainer.epochs=0 must be at least 1; trainer.keep_last=0 must be at least 1"
+
+
+@pytest.mark.parametrize("overrides, message", [  # moved from tests/integration/test_bad_input.py's rows
+    (["optimizer.lr=-0.1"], "optimizer.lr=-0.1 must be a number >= 0"),
+    (["optimizer=sgd", "optimizer.lr=abc"], "optimizer.lr=abc must be a number >= 0"),
+    (["trainer.log_every_steps=0"], "trainer.log_every_steps=0 must be at least 1"),
+    (["trainer.monitor_mode=maximum"], "trainer.monitor_mode=maximum is not one of max, min"),
+    (["trainer.limit_train_batches=-1"], "trainer.limit_train_batches=-1 must be at least 1 (or null)"),
+    (["trainer.overfit_batches=-2"], "trainer.overfit_batches=-2 must be at least 0"),
+    (["dist.master_port=70000"], "dist.master_port=70000 is not a port (1-65535); leave it null for a free one"),
+    (["dist.strategy=zero"], "dist.strategy=zero is not one of ddp, fsdp"),
+    (["dataset=image_folder"], "dataset.root is required: add dataset.root=VALUE"),
+])
+def test_each_value_the_types_let_through_is_refused_with_its_key_and_what_it_takes(overrides, message):
+    """The command line's exit code 2 and single `error:` line for these: test_bad_input.py's schema rows."""
+    with pytest.raises(UsageError) as error:
+        schema.check_train_config(composed("config", overrides))
+    assert str(error.value) == message

@@ -68,8 +68,8 @@ def test_unshuffled_sampler_walks_the_dataset_in_order():
 
 @pytest.mark.parametrize(
     "batch,world,accum,message",
-    [(0, 1, 1, "must be positive"), (-8, 1, 1, "must be positive"), (63, 2, 1, "divisible"),
-     (64, 3, 1, "divisible"), (64, 2, 3, "divisible"), (64, 1, 0, "grad_accum")],
+    [(0, 1, 1, "dataset.batch_size must be positive, got 0"), (-8, 1, 1, "dataset.batch_size must be positive, got -8"),
+     (63, 2, 1, "divisible"), (64, 3, 1, "divisible"), (64, 2, 3, "divisible"), (64, 1, 0, "grad_accum")],
 )
 def test_batch_size_errors_name_the_key(batch, world, accum, message):
     with pytest.raises(UsageError, match=message):

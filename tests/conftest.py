@@ -191,4 +191,3 @@ def copy_run(run_dir: Path, to: Path) -> Path:
     absolute path; only train.log and .hydra/hydra.yaml record where it ran)."""
     shutil.copytree(run_dir, to)
     return to
-

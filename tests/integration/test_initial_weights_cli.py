@@ -7,9 +7,10 @@ real command line (src/loop/initial_weights.py):
 - models that declare one (a per-name rule in `init_module(module, name)`, a model-level `init_weights()`, and the
   built-in models): built on the meta device under both strategies, to the same weights on 1, 2 and 3 ranks.
 
-The fork's models are a module of its own (PYTHONPATH), named by `model._target_`. Initial weights are read from a
-checkpoint after one SGD step at lr=0 (the step changes no parameter; BatchNorm's running statistics, which see
-each rank's batches, are left out).
+The fork's models are a module of its own (PYTHONPATH), each an option of the `model` group in the test's conf/.
+Initial weights are read from a checkpoint after one SGD step at lr=0 (the step changes no parameter; BatchNorm's
+running statistics, which see each rank's batches, are left out). The runs on as many processes share a launch
+(LazyRuns).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check, torchrun, train
+from lazy_runs import LazyRuns
 
 from src import checkpoint
 
@@ -105,23 +106,32 @@ FIRST_STEP = ["optimizer=sgd", "optimizer.lr=0", "scheduler=constant", "trainer.
 FSDP = ["dist=fsdp", "dist.fsdp.min_unit_params=0"]  # every child that holds parameters sharded as a unit
 
 
-def fork_model(name: str) -> list[str]:
-    return ["model=mlp", f"model._target_=forkmodels.{name}", "~model.hidden_sizes", "~model.dropout"]
+MODELS = ["ZeroHead", "NanoStyle", "PerName", "WholeInit"]
+CNN = ["model=cnn"]
+RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
+    **{f"{model}_one": (1, [f"model={model}"]) for model in ("PerName", "WholeInit")},
+    **{f"{model}_ddp": (2, [f"model={model}"]) for model in MODELS},
+    **{f"{model}_fsdp": (3, [f"model={model}", *FSDP]) for model in MODELS},
+    "cnn_one": (1, CNN), "cnn_ddp": (2, CNN), "cnn_fsdp_2": (2, [*CNN, *FSDP]), "cnn_fsdp_3": (3, [*CNN, *FSDP]),
+}
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> LazyRuns:
+    """The runs of RUNS (LazyRuns); the fork's models are options of the `model` group in its conf/."""
     root = tmp_path_factory.mktemp("initial_weights")
     (root / "forkmodels.py").write_text(FORK)
-    return root
+    (root / "conf" / "model").mkdir(parents=True)
+    for model in MODELS:
+        (root / "conf" / "model" / f"{model}.yaml").write_text(
+            f"_target_: forkmodels.{model}\nin_features: ${{data:num_features}}\nnum_outputs: ${{data:num_outputs}}\n")
+    return LazyRuns(root, {name: (processes, [*FIRST_STEP, *args]) for name, (processes, args) in RUNS.items()},
+                    env={"PYTHONPATH": str(root)})
 
 
-def started(workdir: Path, processes: int, args: list[str], name: str) -> dict[str, torch.Tensor]:
-    """The parameters a run of `args` on `processes` ranks starts from (no buffers)."""
-    env = {"PYTHONPATH": str(workdir)}
-    full = [*FIRST_STEP, *args, f"hydra.run.dir={name}"]
-    check(train(full, workdir, env=env) if processes == 1 else torchrun(processes, full, workdir, env=env))
-    path = workdir / name / "checkpoints"
+def started(runs: LazyRuns, name: str) -> dict[str, torch.Tensor]:
+    """The parameters run `name` starts from (no buffers)."""
+    path = runs(name) / "checkpoints"
     saved = checkpoint.read(path / "last.pt" if (path / "last.pt").exists() else path / "last").model_weights()
     return {key: value for key, value in saved.items() if "running_" not in key and "num_batches" not in key}
 
@@ -141,25 +151,22 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("model", ["ZeroHead", "NanoStyle"])
-def test_a_model_without_a_hook_starts_from_its_constructor_s_weights_under_ddp_and_fsdp(workdir: Path, model: str):
-    ddp = started(workdir, 2, fork_model(model), f"{model}_ddp")
-    fsdp = started(workdir, 3, [*fork_model(model), *FSDP], f"{model}_fsdp")
-    assert_same(ddp, constructed(workdir, model))
+def test_a_model_without_a_hook_starts_from_its_constructor_s_weights_under_ddp_and_fsdp(runs: LazyRuns, model: str):
+    ddp, fsdp = started(runs, f"{model}_ddp"), started(runs, f"{model}_fsdp")
+    assert_same(ddp, constructed(runs.root, model))
     assert_same(fsdp, ddp)
     if model == "ZeroHead":
         assert ddp["head.weight"].abs().sum() == 0 and ddp["head.bias"].abs().sum() == 0
     else:
         assert ddp["blocks.0.c_proj.weight"].std().item() == pytest.approx(0.01, rel=0.2)
-    log = (workdir / f"{model}_fsdp" / "train.log").read_text()
+    log = (runs(f"{model}_fsdp") / "train.log").read_text()
     assert (f"dist=fsdp: the model ({model}) is built whole on every rank, then sharded: it declares no "
             "init_module(module, name) or init_weights(); give it one to build it on the meta device") in log
 
 
 @pytest.mark.parametrize("model", ["PerName", "WholeInit"])
-def test_a_model_with_a_hook_is_built_on_meta_to_the_same_weights_on_any_world_size(workdir: Path, model: str):
-    one = started(workdir, 1, fork_model(model), f"{model}_one")
-    ddp = started(workdir, 2, fork_model(model), f"{model}_ddp")
-    fsdp = started(workdir, 3, [*fork_model(model), *FSDP], f"{model}_fsdp")
+def test_a_model_with_a_hook_is_built_on_meta_to_the_same_weights_on_any_world_size(runs: LazyRuns, model: str):
+    one, ddp, fsdp = (started(runs, f"{model}_{kind}") for kind in ("one", "ddp", "fsdp"))
     assert_same(one, ddp)
     assert_same(fsdp, ddp)
     if model == "PerName":
@@ -170,15 +177,14 @@ def test_a_model_with_a_hook_is_built_on_meta_to_the_same_weights_on_any_world_s
     hook = "init_module" if model == "PerName" else "init_weights"
     for run in (f"{model}_ddp", f"{model}_fsdp"):
         assert f"the model is built on the meta device; its {hook} gives it its weights" in (
-            workdir / run / "train.log").read_text()
+            runs(run) / "train.log").read_text()
 
 
-def test_the_built_in_models_start_from_their_constructor_s_weights_on_one_two_and_three_ranks_of_either_strategy(workdir: Path):
-    cnn = ["model=cnn"]
-    one = started(workdir, 1, cnn, "cnn_one")
-    assert_same(started(workdir, 2, cnn, "cnn_ddp"), one)
-    assert_same(started(workdir, 2, [*cnn, *FSDP], "cnn_fsdp_2"), one)
-    assert_same(started(workdir, 3, [*cnn, *FSDP], "cnn_fsdp_3"), one)
+def test_the_built_in_models_start_from_their_constructor_s_weights_on_one_two_and_three_ranks_of_either_strategy(
+        runs: LazyRuns):
+    one = started(runs, "cnn_one")
+    for name in ("cnn_ddp", "cnn_fsdp_2", "cnn_fsdp_3"):
+        assert_same(started(runs, name), one)
     from src.components.models import SimpleCNN
 
     torch.manual_seed(0)  # built on meta, the CNN starts from its constructor's weights, as every run did before

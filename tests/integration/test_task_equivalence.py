@@ -5,7 +5,7 @@ on 1, 2 and 3 processes for the binary and regression tasks (classification: tes
 - val metrics are identical on 1, 2 and 3 ranks for a val split of prime size;
 - a run stopped mid-epoch and resumed ends bitwise equal to an uninterrupted one.
 
-Each run is launched once per module, on first use, and shared by the tests that read it.
+Each run is launched once per module, on first use, and shared by the tests that read it (LazyRuns).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check, metrics, torchrun, train, weights
+from conftest import TWO_THREADS, check, metrics, train, weights
+from lazy_runs import LazyRuns
 from test_equivalence import assert_all_close, max_abs_diffs, without_timings
 
 pytestmark = pytest.mark.slow
@@ -42,38 +43,29 @@ TASKS = sorted(EQUIVALENCE)
 COUNTED = {"val/acc", "val/precision", "val/recall", "val/f1"}
 
 
-class Runs:
-    """Each (task, kind) run once, when a test first asks for it; returns its run dir."""
+def runs_of(task: str) -> dict[str, tuple[int, list[str]]]:
+    base = [*EQUIVALENCE[task], *COMMON]
+    return {
+        f"{task} 1 rank": (1, base),
+        f"{task} 2 ranks": (2, base),
+        f"{task} 2 ranks without sync-BN": (2, [*base, "dist.sync_bn=false"]),
+        f"{task} val 1": (1, [*VAL[task], *VAL_COMMON]),
+        f"{task} val 2": (2, [*VAL[task], *VAL_COMMON]),
+        f"{task} val 3": (3, [*VAL[task], *VAL_COMMON]),
+    }
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.done: dict[tuple[str, str], Path] = {}
 
-    def __call__(self, task: str, kind: str) -> Path:
-        if (task, kind) not in self.done:
-            run_dir = self.root / f"{task}_{kind}"
-            processes, args = self.launch(task, kind)
-            args = [*args, f"hydra.run.dir={run_dir}"]
-            check(train(args, self.root) if processes == 1 else torchrun(processes, args, self.root))
-            self.done[(task, kind)] = run_dir
-        return self.done[(task, kind)]
+class Runs(LazyRuns):
+    """Each (task, kind) run launched once, when a test first asks for one (LazyRuns: with the other runs on as
+    many processes); returns its run dir."""
 
-    @staticmethod
-    def launch(task: str, kind: str) -> tuple[int, list[str]]:
-        base = [*EQUIVALENCE[task], *COMMON]
-        return {
-            "1 rank": (1, base),
-            "2 ranks": (2, base),
-            "2 ranks without sync-BN": (2, [*base, "dist.sync_bn=false"]),
-            "val 1": (1, [*VAL[task], *VAL_COMMON]),
-            "val 2": (2, [*VAL[task], *VAL_COMMON]),
-            "val 3": (3, [*VAL[task], *VAL_COMMON]),
-        }[kind]
+    def __call__(self, task: str, kind: str) -> Path:  # type: ignore[override]
+        return super().__call__(f"{task} {kind}")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("task_equivalence"))
+    return Runs(tmp_path_factory.mktemp("task_equivalence"), {k: v for task in TASKS for k, v in runs_of(task).items()})
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -113,11 +105,11 @@ def test_a_run_stopped_mid_epoch_and_resumed_ends_bitwise_equal(runs: Runs, task
     stop_at = steps_per_epoch + steps_per_epoch // 2  # in the middle of epoch 2
     run_dir = runs.root / f"{task}_resumed"
     args = [*EQUIVALENCE[task], *COMMON, f"hydra.run.dir={run_dir}"]
-    first = check(train([*args, f"trainer.max_steps={stop_at}"], runs.root))
+    first = check(train([*args, f"trainer.max_steps={stop_at}"], runs.root, env=TWO_THREADS))  # as LazyRuns runs it
     assert f"stopped at step {stop_at} with a checkpoint" in first.stdout
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert set(saved["loop"]["epoch_totals"]) >= {"loss", "count"}  # the unfinished epoch's metric sums, by name
-    check(train([*args, "resume=auto"], runs.root))
+    check(train([*args, "resume=auto"], runs.root, env=TWO_THREADS))
     assert without_timings(metrics(run_dir)) == without_timings(metrics(straight))
     for name, tensor in weights(straight).items():
         assert torch.equal(tensor, weights(run_dir)[name]), name

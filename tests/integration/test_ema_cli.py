@@ -5,7 +5,8 @@
 - a run stopped mid-epoch and resumed ends with bitwise the EMA of an uninterrupted run;
 - val_ema/<metric> is reported every epoch (history, metrics.json, log line, TensorBoard), can be
   monitored (best.pt), and `eval.py weights=ema` reproduces it.
-The bad values (decay 1.5, 0; weights=ema without EMA) are rows of test_bad_input.py.
+The training runs the tests read are launched once per module (LazyRuns). The bad values (decay 1.5, 0;
+weights=ema without EMA) are rows of test_bad_input.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, TWO_THREADS, check, metrics, run, torchrun, train
+from lazy_runs import LazyRuns
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytestmark = pytest.mark.slow
@@ -50,36 +52,31 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[name].double() - b[name].double()).abs().max().item() for name in a)
 
 
-def test_two_ranks_keep_the_ema_of_one_process(tmp_path: Path):
-    check(train([*CNN_EMA, "hydra.run.dir=one"], tmp_path))
-    check(torchrun(2, [*CNN_EMA, "hydra.run.dir=two"], tmp_path))
-    one, two = checkpoint(tmp_path / "one"), checkpoint(tmp_path / "two")
+def test_two_ranks_keep_the_ema_of_one_process(runs: LazyRuns):
+    one, two = checkpoint(runs("one")), checkpoint(runs("two"))
     assert one["ema"].keys() == one["model"].keys()
     assert any("running_var" in name for name in one["ema"])
     difference = max_diff(one["ema"], two["ema"])
     print(f"EMA weights, 2 ranks vs 1 process: max |difference| {difference:.3g}")
     assert difference <= 1e-5  # every tensor: weights, BN affine, running stats
     assert max_diff(one["ema"], one["model"]) > 1e-3  # an average, not a copy of the weights
-    assert metrics(tmp_path / "two")["val_ema/acc"] == pytest.approx(metrics(tmp_path / "one")["val_ema/acc"],
-                                                                     abs=2 / 180)
+    assert metrics(runs("two"))["val_ema/acc"] == pytest.approx(metrics(runs("one"))["val_ema/acc"], abs=2 / 180)
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def straight(runs: LazyRuns) -> Path:
     """One process, two epochs with EMA monitored, never interrupted."""
-    workdir = tmp_path_factory.mktemp("straight")
-    check(train([*TWO_EPOCHS_EMA, "hydra.run.dir=run"], workdir))
-    return workdir / "run"
+    return runs("straight")
 
 
 def test_a_run_stopped_mid_epoch_resumes_to_bitwise_the_same_ema(tmp_path: Path, straight: Path):
     first = check(train([*TWO_EPOCHS_EMA, "trainer.checkpoint_every_steps=5", "trainer.max_steps=27",
-                         "hydra.run.dir=run"], tmp_path))
+                         "hydra.run.dir=run"], tmp_path, env=TWO_THREADS))  # as LazyRuns ran `straight`
     assert "stopped at step 27 with a checkpoint" in first.stdout
     stopped = checkpoint(tmp_path / "run")
     loop = stopped["loop"]
     assert (loop["epoch"], loop["step"], loop["step_in_epoch"]) == (1, 27, 5) and "ema" in stopped
-    check(train([*TWO_EPOCHS_EMA, "resume=auto", "hydra.run.dir=run"], tmp_path))
+    check(train([*TWO_EPOCHS_EMA, "resume=auto", "hydra.run.dir=run"], tmp_path, env=TWO_THREADS))
     resumed, reference = checkpoint(tmp_path / "run"), checkpoint(straight)
     for key in ("ema", "model"):
         for name, tensor in reference[key].items():
@@ -139,45 +136,51 @@ def sharded(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {"model": saved.model_weights(), "ema": saved.model_weights(weights="ema")}
 
 
+RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
+    "one": (1, CNN_EMA),
+    "two": (2, CNN_EMA),
+    "straight": (1, [*TWO_EPOCHS_EMA]),
+    "ddp": (2, [*CNN_EMA, *SAME_KERNELS]),
+    "fsdp": (2, [*CNN_EMA, *FSDP]),
+    "fsdp straight": (2, FSDP_EMA),
+    "fsdp stopped": (2, [*FSDP_EMA, "trainer.max_steps=27"]),
+}
+
+
 @pytest.fixture(scope="module")
-def fsdp_straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    workdir = tmp_path_factory.mktemp("fsdp_ema")
-    check(torchrun(2, [*FSDP_EMA, "hydra.run.dir=straight"], workdir))
-    check(torchrun(2, [*FSDP_EMA, "trainer.max_steps=27", "hydra.run.dir=stopped"], workdir))
-    return workdir
+def runs(tmp_path_factory: pytest.TempPathFactory) -> LazyRuns:
+    return LazyRuns(tmp_path_factory.mktemp("ema"), RUNS)
 
 
-def test_fsdp_keeps_the_ema_ddp_keeps(tmp_path: Path):
-    check(torchrun(2, [*CNN_EMA, *SAME_KERNELS, "hydra.run.dir=ddp"], tmp_path))
-    check(torchrun(2, [*CNN_EMA, *FSDP, "hydra.run.dir=fsdp"], tmp_path))
-    ddp, fsdp = checkpoint(tmp_path / "ddp"), sharded(tmp_path / "fsdp")
-    assert (tmp_path / "fsdp" / "checkpoints" / "last").is_file()  # a sharded checkpoint: every rank's shards
+def test_fsdp_keeps_the_ema_ddp_keeps(runs: LazyRuns):
+    ddp, fsdp = checkpoint(runs("ddp")), sharded(runs("fsdp"))
+    assert (runs("fsdp") / "checkpoints" / "last").is_file()  # a sharded checkpoint: every rank's shards
     assert max_diff(ddp["ema"], fsdp["ema"]) <= 1e-5 and max_diff(ddp["model"], fsdp["model"]) <= 1e-5
     assert max_diff(fsdp["ema"], fsdp["model"]) > 1e-3  # an average, not a copy of the weights
-    assert metrics(tmp_path / "fsdp")["val_ema/acc"] == pytest.approx(metrics(tmp_path / "ddp")["val_ema/acc"],
-                                                                      abs=1 / 180)
+    assert metrics(runs("fsdp"))["val_ema/acc"] == pytest.approx(metrics(runs("ddp"))["val_ema/acc"], abs=1 / 180)
 
 
 @pytest.mark.parametrize("processes", [2, 1, 3])
-def test_a_sharded_ema_resumes_bitwise_on_its_world_size_and_reshards_to_others(fsdp_straight: Path, processes: int):
+def test_a_sharded_ema_resumes_bitwise_on_its_world_size_and_reshards_to_others(runs: LazyRuns, processes: int):
     import shutil
 
-    run_dir = fsdp_straight / f"resumed_on_{processes}"
-    shutil.copytree(fsdp_straight / "stopped", run_dir)
+    run_dir = runs.root / f"resumed_on_{processes}"
+    shutil.copytree(runs("fsdp stopped"), run_dir)
     args = [*FSDP_EMA, "resume=auto", f"hydra.run.dir={run_dir}"]
-    check(train(args, fsdp_straight, env=TWO_THREADS) if processes == 1 else torchrun(processes, args, fsdp_straight))
-    resumed, straight = sharded(run_dir), sharded(fsdp_straight / "straight")
+    check(train(args, runs.root, env=TWO_THREADS) if processes == 1 else torchrun(processes, args, runs.root))
+    resumed, straight = sharded(run_dir), sharded(runs("fsdp straight"))
     assert metrics(run_dir)["world_size"] == processes
     if processes == 2:
         assert max_diff(resumed["ema"], straight["ema"]) == 0 and max_diff(resumed["model"], straight["model"]) == 0
-        assert without_timing(metrics(run_dir)) == without_timing(metrics(fsdp_straight / "straight"))
+        assert without_timing(metrics(run_dir)) == without_timing(metrics(runs("fsdp straight")))
     else:  # as the model reshards: within 1e-5 (test_fsdp_cli.py)
-        assert max_diff(resumed["ema"], straight["ema"]) <= 1e-5 and max_diff(resumed["model"], straight["model"]) <= 1e-5
+        assert max_diff(resumed["ema"], straight["ema"]) <= 1e-5
+        assert max_diff(resumed["model"], straight["model"]) <= 1e-5
 
 
-def test_eval_of_a_sharded_checkpoint_s_ema_weights_reproduces_val_ema(fsdp_straight: Path, tmp_path: Path):
-    summary = metrics(fsdp_straight / "straight")
-    evaluated = evaluate([f"checkpoint={fsdp_straight / 'straight' / 'checkpoints' / 'last'}", "weights=ema",
+def test_eval_of_a_sharded_checkpoint_s_ema_weights_reproduces_val_ema(runs: LazyRuns, tmp_path: Path):
+    summary = metrics(runs("fsdp straight"))
+    evaluated = evaluate([f"checkpoint={runs('fsdp straight') / 'checkpoints' / 'last'}", "weights=ema",
                           "split=val"], tmp_path)
     assert evaluated["weights"] == "ema" and evaluated["num_samples"] == 180
     assert evaluated["val/acc"] == summary["val_ema/acc"]

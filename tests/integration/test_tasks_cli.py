@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAIN, check, metrics, run, torchrun, train
+from conftest import TRAIN, check, metrics, run, train
+from lazy_runs import LazyRuns
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from src.components.datasets import two_input_synthetic
@@ -27,18 +28,11 @@ SYSTEMS = {  # name: overrides
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("tasks_cli")
-    done: dict[tuple[str, int], Path] = {}
-
-    def launch(name: str, processes: int) -> Path:
-        if (name, processes) not in done:
-            run_dir = root / f"{name}_{processes}"
-            args = [*SYSTEMS[name], f"hydra.run.dir={run_dir}"]
-            check(train(args, root) if processes == 1 else torchrun(processes, args, root))
-            done[(name, processes)] = run_dir
-        return done[(name, processes)]
-
-    return launch
+    """Each system's run on 1 process and on 2 ranks (LazyRuns: the runs on as many processes share a launch)."""
+    systems = {f"{name}_{processes}": (processes, overrides)
+               for name, overrides in SYSTEMS.items() for processes in (1, 2)}
+    lazy = LazyRuns(tmp_path_factory.mktemp("tasks_cli"), systems)
+    return lambda name, processes: lazy(f"{name}_{processes}")
 
 
 def mean_target_mae() -> float:

@@ -9,7 +9,7 @@ checkpoint, TensorBoard), never on internals:
 - a seed reproduces a run bit for bit, and another seed does not.
 
 A launch costs 8 s (python) to 20 s (torchrun), so every run is started at most once
-per module, on first use, and shared by the tests that read it.
+per module, on first use, with the others on as many processes (LazyRuns), and shared by the tests that read it.
 """
 
 from __future__ import annotations
@@ -54,15 +54,17 @@ VAL_SIZE, TEST_SIZE = 359, 179
 EVAL = ["model=mlp", "optimizer=sgd", "optimizer.lr=0.0", "scheduler=constant", "trainer.epochs=1",
         "dataset.batch_size=48", f"dataset.val_size={VAL_SIZE}", f"dataset.test_size={TEST_SIZE}"]
 
+# LazyRuns launches the runs on as many processes together, in this order, as the jobs of one multirun;
+# "cnn 2 ranks again" alone: the same-seed test compares job 3 of the 2-rank launch with a launch of its own.
 RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
     "cnn 1 rank": (1, CNN),
+    "mlp 2 ranks accum 2": (2, [*MLP, "trainer.grad_accum=2"]),
+    "cnn 2 ranks without sync-BN": (2, [*CNN, "dist.sync_bn=false"]),
     "cnn 2 ranks": (2, CNN),
     "cnn 2 ranks again": (2, CNN),
-    "cnn 2 ranks without sync-BN": (2, [*CNN, "dist.sync_bn=false"]),
     "cnn 1 rank seed 1": (1, [*CNN, "seed=1"]),
     "mlp accum 1": (1, MLP),
     "mlp accum 2": (1, [*MLP, "trainer.grad_accum=2"]),
-    "mlp 2 ranks accum 2": (2, [*MLP, "trainer.grad_accum=2"]),
     "eval 1 rank": (1, EVAL),
     "eval 2 ranks": (2, EVAL),
     "eval 3 ranks": (3, EVAL),
@@ -189,6 +191,7 @@ def test_lr_schedule_counts_optimizer_steps_not_micro_steps(runs: LazyRuns, name
 
 
 def test_same_seed_reproduces_a_two_rank_run_bit_for_bit(runs: LazyRuns):
+    """Also: a sweep's job (the third of its process) trains bitwise what the same run launched alone trains."""
     first, second = runs("cnn 2 ranks"), runs("cnn 2 ranks again")
     assert without_timings(metrics(first)) == without_timings(metrics(second))
     for name, tensor in weights(first).items():

@@ -1,6 +1,6 @@
 """A damaged newest checkpoint, through the real CLI: `resume=auto` goes on from the newest one that
 loads and ends exactly where an uninterrupted run ends; the ranks resume from one file chosen by rank 0, or
-none of them trains at all."""
+none of them trains at all. The runs the tests copy and compare with share launches (LazyRuns)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TRAIN, check, free_port, metrics, run, torchrun, train, weights
+from conftest import REPO, TRAIN, TWO_THREADS, check, free_port, metrics, run, torchrun, train, weights
+from lazy_runs import LazyRuns
 
 TWO_EPOCHS = ["trainer.epochs=2", "optimizer=sgd", "optimizer.lr=0.01", "scheduler=constant"]
 STOPPED = [*TWO_EPOCHS, "trainer.checkpoint_every_steps=5", "trainer.max_steps=27"]
@@ -41,18 +42,27 @@ def assert_bitwise_equal(run_dir: Path, reference: Path) -> None:
 # -- the real command line ----------------------------------------------------------------------
 
 
+RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides); LazyRuns launches them
+    "stopped": (1, STOPPED),  # stopped at step 27 with step checkpoints every 5 steps (25 and 27 kept)
+    "straight": (1, TWO_EPOCHS),  # two epochs, never interrupted
+    "stopped on 2": (2, STOPPED),
+    "straight on 2": (2, TWO_EPOCHS),
+}
+
+
 @pytest.fixture(scope="module")
-def stopped(tmp_path_factory) -> Path:
-    """A one-process run stopped at step 27 with step checkpoints every 5 steps (25 and 27 kept)."""
-    workdir = tmp_path_factory.mktemp("stopped")
-    check(train([*STOPPED, "hydra.run.dir=run"], workdir))
-    return workdir / "run"
+def runs(tmp_path_factory) -> LazyRuns:
+    return LazyRuns(tmp_path_factory.mktemp("resume"), RUNS)
+
+
+@pytest.fixture(scope="module")
+def stopped(runs: LazyRuns) -> Path:
+    return runs("stopped")
 
 
 @pytest.mark.slow
-def test_a_damaged_last_checkpoint_resumes_from_the_newest_that_loads_exactly(tmp_path: Path, stopped: Path):
-    check(train([*TWO_EPOCHS, "hydra.run.dir=straight"], tmp_path))
-    shutil.copytree(stopped, tmp_path / "run")
+def test_a_damaged_last_checkpoint_resumes_from_the_newest_that_loads_exactly(tmp_path: Path, runs: LazyRuns):
+    shutil.copytree(runs("stopped"), tmp_path / "run")
     damage(tmp_path / "run" / "checkpoints")
 
     explicit = train([*TWO_EPOCHS, "resume=run/checkpoints/last.pt", "hydra.run.dir=run"], tmp_path)
@@ -60,27 +70,24 @@ def test_a_damaged_last_checkpoint_resumes_from_the_newest_that_loads_exactly(tm
     (error,) = [line for line in explicit.stderr.splitlines() if line.startswith("error:")]
     assert error.startswith("error: checkpoint run/checkpoints/last.pt cannot be read")  # no fallback
 
-    result = check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], tmp_path))
+    result = check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], tmp_path, env=TWO_THREADS))  # as LazyRuns
     log = (tmp_path / "run" / "train.log").read_text()
     checkpoints = tmp_path / "run" / "checkpoints"
     assert f"resume: skipping a damaged checkpoint: checkpoint {checkpoints / 'last.pt'} cannot be read" in log
     assert f"resume: skipping a damaged checkpoint: checkpoint {checkpoints / 'step_000000027.pt'} cannot" in log
     assert f"continuing from {checkpoints / 'step_000000025.pt'}, the newest checkpoint that loads" in log
     assert "after epoch 1, step 25 (3 steps into epoch 2)" in result.stdout
-    assert_bitwise_equal(tmp_path / "run", tmp_path / "straight")
+    assert_bitwise_equal(tmp_path / "run", runs("straight"))
 
 
 @pytest.fixture(scope="module")
-def straight_two_ranks(tmp_path_factory) -> Path:
-    """Two ranks, two epochs, never interrupted."""
-    workdir = tmp_path_factory.mktemp("straight2")
-    check(torchrun(2, [*TWO_EPOCHS, "hydra.run.dir=run"], workdir))
-    return workdir / "run"
+def straight_two_ranks(runs: LazyRuns) -> Path:
+    return runs("straight on 2")
 
 
 @pytest.mark.slow
-def test_two_ranks_resume_from_the_file_rank_0_chose(tmp_path: Path, straight_two_ranks: Path):
-    check(torchrun(2, [*STOPPED, "hydra.run.dir=run"], tmp_path))
+def test_two_ranks_resume_from_the_file_rank_0_chose(tmp_path: Path, runs: LazyRuns, straight_two_ranks: Path):
+    shutil.copytree(runs("stopped on 2"), tmp_path / "run")
     damage(tmp_path / "run" / "checkpoints")
     check(torchrun(2, [*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], tmp_path))
     log = (tmp_path / "run" / "train.log").read_text()

@@ -1,5 +1,6 @@
 """A worker killed mid-run: torchrun restarts the group, the run continues from its last
-checkpoint in the same run dir, and ends exactly where an uninterrupted run ends."""
+checkpoint in the same run dir, and ends exactly where an uninterrupted run ends. The 2-rank runs the tests
+compare with or resume share one launch (LazyRuns)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TRAIN, TWO_THREADS, check, copy_run, metrics, torchrun, train, weights
+from lazy_runs import LazyRuns
 
 pytestmark = pytest.mark.slow
 
@@ -56,8 +58,23 @@ def without_timing(summary: dict) -> dict:
     return {**{k: v for k, v in summary.items() if k not in TIMING_KEYS}, "history": history}
 
 
-def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_never_interrupted(workdir: Path):
-    check(torchrun(2, [*ARGS, "hydra.run.dir=straight"], workdir))
+# A small, stable LR: float noise from a different world size stays at float-noise size.
+TWO_EPOCHS = ["trainer.epochs=2", "optimizer=sgd", "optimizer.lr=0.01", "scheduler=constant"]
+# The 2-rank runs the tests compare with or resume, launched together on first use (LazyRuns).
+RUNS: dict[str, tuple[int, list[str]]] = {
+    "straight, 3 epochs": (2, ARGS),
+    "straight": (2, TWO_EPOCHS),
+    "stopped at step 27": (2, [*TWO_EPOCHS, "trainer.max_steps=27"]),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> LazyRuns:
+    return LazyRuns(tmp_path_factory.mktemp("two_ranks"), RUNS)
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_never_interrupted(workdir: Path, two_ranks: LazyRuns):
+    straight = two_ranks("straight, 3 epochs")
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "--max-restarts=2", TRAIN, *ARGS]
@@ -73,13 +90,9 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_never_interrupted(w
     log = (run_dir / "train.log").read_text()
     assert "resumed from" in log and "after epoch" in log  # the restarted group resumed by itself
     assert list((workdir / "outputs").glob("*/*")) == [run_dir]  # the restart kept its run dir
-    assert without_timing(metrics(run_dir)) == without_timing(metrics(workdir / "straight"))
-    for name, tensor in weights(workdir / "straight").items():
+    assert without_timing(metrics(run_dir)) == without_timing(metrics(straight))
+    for name, tensor in weights(straight).items():
         assert torch.equal(tensor, weights(run_dir)[name]), name
-
-
-# A small, stable LR: float noise from a different world size stays at float-noise size.
-TWO_EPOCHS = ["trainer.epochs=2", "optimizer=sgd", "optimizer.lr=0.01", "scheduler=constant"]
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +128,8 @@ def test_a_step_checkpoint_resumes_mid_epoch_exactly(workdir: Path, straight: Pa
     assert_same_run(workdir / "run", straight)
 
 
-def test_a_run_resumes_on_another_world_size(workdir: Path, straight: Path):
-    check(torchrun(2, [*TWO_EPOCHS, "trainer.max_steps=27", "hydra.run.dir=run"], workdir))
+def test_a_run_resumes_on_another_world_size(workdir: Path, straight: Path, two_ranks: LazyRuns):
+    copy_run(two_ranks("stopped at step 27"), workdir / "run")
     saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert saved["config"]["trainer"]["max_steps"] == 27 and saved["loop"]["step"] == 27
     check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir, env=TWO_THREADS))  # now one process
@@ -191,10 +204,9 @@ def test_a_process_killed_while_writing_leaves_the_previous_checkpoint(tmp_path:
     assert checkpoint.read(tmp_path / "last.pt").loop["epoch"] == 1
 
 
-def test_sigterm_to_torchrun_checkpoints_every_rank_at_the_same_step(workdir: Path):
+def test_sigterm_to_torchrun_checkpoints_every_rank_at_the_same_step(workdir: Path, two_ranks: LazyRuns):
     """SLURM and schedulers signal the launcher; torchrun forwards SIGTERM to its workers,
     which agree on one step, write one checkpoint and exit before torchrun's grace period ends."""
-    check(torchrun(2, [*TWO_EPOCHS, "hydra.run.dir=straight"], workdir))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN,
                *TWO_EPOCHS, "trainer.log_every_steps=2", "hydra.run.dir=run"]
     agent = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -207,4 +219,4 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_at_the_same_step(workdir: Pa
     assert saved["epoch"] == 1 and 22 < saved["step"] < 44 and saved["step"] % 2 == 0
     assert "stopped at step" in (workdir / "run" / "train.log").read_text()
     check(torchrun(2, [*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))
-    assert_same_run(workdir / "run", workdir / "straight")
+    assert_same_run(workdir / "run", two_ranks("straight"))

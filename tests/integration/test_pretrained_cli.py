@@ -105,23 +105,25 @@ def test_learning_rates_per_parameter_group_survive_a_resume_bitwise(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def segmentation_run(tmp_path_factory) -> Path:
+def segmentation_run(tmp_path_factory) -> tuple[Path, float, float]:
+    """The checkpoint of a 1-epoch segmentation run, and its val mIoU and pixel accuracy computed standalone."""
     workdir = tmp_path_factory.mktemp("segment")
     check(train(["experiment=segment_shapes", "dataset.num_train=64", "dataset.num_val=40", "dataset.num_test=24",
                  "dataset.batch_size=16", "trainer.epochs=1", "hydra.run.dir=run"], workdir))
-    return workdir
-
-
-@pytest.mark.parametrize("nproc", [1, 2, 3])
-def test_segmentation_miou_in_eval_is_the_standalone_miou_on_any_world_size(segmentation_run, nproc, tmp_path):
-    checkpoint = segmentation_run / "run" / "checkpoints" / "last.pt"
-    args = [f"checkpoint={checkpoint}", "split=val", "dataset.val_batch_size=6"]  # 40 masks: uneven shards
-    check(run([sys.executable, EVAL, *args], tmp_path) if nproc == 1 else torchrun(nproc, args, tmp_path, EVAL))
-    evaluated = metrics(next((tmp_path / "outputs" / "eval").glob("*/*")))
+    checkpoint = workdir / "run" / "checkpoints" / "last.pt"
     expected = subprocess.run([sys.executable, "-c", STANDALONE, str(checkpoint)], cwd=REPO, capture_output=True,
                               text=True, timeout=300)
     assert expected.returncode == 0, expected.stderr[-2000:]
     miou, pixel_acc = (float(x) for x in expected.stdout.split())
+    return checkpoint, miou, pixel_acc
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_segmentation_miou_in_eval_is_the_standalone_miou_on_any_world_size(segmentation_run, nproc, tmp_path):
+    checkpoint, miou, pixel_acc = segmentation_run
+    args = [f"checkpoint={checkpoint}", "split=val", "dataset.val_batch_size=6"]  # 40 masks: uneven shards
+    check(run([sys.executable, EVAL, *args], tmp_path) if nproc == 1 else torchrun(nproc, args, tmp_path, EVAL))
+    evaluated = metrics(next((tmp_path / "outputs" / "eval").glob("*/*")))
     assert evaluated["world_size"] == nproc
     assert evaluated["val/miou"] == pytest.approx(miou, abs=1e-6)
     assert evaluated["val/acc"] == pytest.approx(pixel_acc, abs=1e-6)

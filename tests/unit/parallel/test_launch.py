@@ -274,12 +274,6 @@ def test_sweep_summary_sorts_by_a_val_ema_metric_and_shows_it_after_val(tmp_path
     assert table.splitlines()[0].startswith("| job | status | val/acc | val_ema/acc | train/acc | epoch |")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["--cfg", "job"]])
-def test_no_run_dir_without_a_run(tmp_path: Path, argv):
-    subprocess.run([sys.executable, str(REPO / "train.py"), *argv], cwd=tmp_path, check=True, capture_output=True)
-    assert not (tmp_path / "outputs").exists()
-
-
 @pytest.mark.parametrize("environ,restarted", [
     ({}, False), ({"TORCHELASTIC_RESTART_COUNT": "0"}, False), ({"TORCHELASTIC_RESTART_COUNT": "2"}, True),
     ({"SLURM_RESTART_COUNT": "1"}, True), ({"SLURM_RESTART_COUNT": "0"}, False)])

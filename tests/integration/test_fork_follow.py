@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, check, run, torchrun, weights
+from conftest import REPO, run, weights
+from lazy_runs import LazyRuns
 from test_fork import readme_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.template]  # it copies this template's own tree and guide
@@ -142,20 +143,27 @@ RECIPES = {
 }
 
 
+BIASED = ["model=biased_net", "dataset=synthetic", "dataset.image_size=[8,8]", "trainer.epochs=1"]
+
+
+@pytest.fixture(scope="module")
+def runs(fork: Path) -> LazyRuns:
+    """Each recipe on 1 process and on 2 ranks, and the biased model on 2 ranks, trained by the fork's train.py
+    (LazyRuns: the runs on as many processes share a launch)."""
+    recipes = {f"{recipe} {processes}": (processes, [*args, *SGD]) for recipe, args in RECIPES.items()
+               for processes in (1, 2)}
+    return LazyRuns(fork / "runs", {**recipes, "biased": (2, BIASED)}, script=str(fork / "train.py"))
+
+
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_each_recipe_trains_the_same_weights_on_one_process_and_two_ranks(fork: Path, recipe: str):
-    args = [*RECIPES[recipe], *SGD]
-    check(run([sys.executable, str(fork / "train.py"), *args, f"hydra.run.dir=runs/{recipe}_1"], fork))
-    check(torchrun(2, [*args, f"hydra.run.dir=runs/{recipe}_2"], fork, script=str(fork / "train.py")))
-    one, two = weights(fork / "runs" / f"{recipe}_1"), weights(fork / "runs" / f"{recipe}_2")
+def test_each_recipe_trains_the_same_weights_on_one_process_and_two_ranks(runs: LazyRuns, recipe: str):
+    one, two = weights(runs(f"{recipe} 1")), weights(runs(f"{recipe} 2"))
     assert one.keys() == two.keys()
     for name, tensor in one.items():
         torch.testing.assert_close(two[name], tensor, rtol=0, atol=1e-5, msg=name)
-    assert "has a bias feeding the BatchNorm" not in (fork / "runs" / f"{recipe}_2" / "train.log").read_text()
+    assert "has a bias feeding the BatchNorm" not in (runs(f"{recipe} 2") / "train.log").read_text()
 
 
-def test_a_bias_feeding_batchnorm_is_warned_about_on_two_ranks(fork: Path):
-    check(torchrun(2, ["model=biased_net", "dataset=synthetic", "dataset.image_size=[8,8]", "trainer.epochs=1",
-                       "hydra.run.dir=runs/biased"], fork, script=str(fork / "train.py")))
-    log = (fork / "runs" / "biased" / "train.log").read_text()
+def test_a_bias_feeding_batchnorm_is_warned_about_on_two_ranks(runs: LazyRuns):
+    log = (runs("biased") / "train.log").read_text()
     assert "conv has a bias feeding the BatchNorm bn directly" in log

@@ -7,8 +7,8 @@ PY := $(VENV)/bin/python
 
 .PHONY: train test test-fast clean-venv
 
-# uv installs the packages pip would, downloading and unpacking in parallel (requirements-dev.txt in 75 s where
-# pip took 2:31 on 2 cores: docs/speed.md). --compile-bytecode, as pip does: no run compiles torch's sources again
+# uv installs the packages pip would, downloading and unpacking in parallel (requirements-dev.txt in 75-97 s where
+# pip took 151-162 s on 2 cores: docs/speed.md). --compile-bytecode, as pip does: no run compiles torch's sources again
 # (where PYTHONDONTWRITEBYTECODE is set, every run would). uv reads its own settings, not pip's: a package index
 # set for pip goes in UV_INDEX_URL / UV_EXTRA_INDEX_URL too.
 INSTALL := $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY)

@@ -176,8 +176,8 @@ def same_run(run_dir: Path, reference: Path) -> bool:
     import torch
 
     def load(directory: Path) -> tuple[dict, dict]:
-        weights = torch.load(directory / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["models"]["model"]
-        return weights, _without_timing(json.loads((directory / "metrics.json").read_text()))
+        saved = torch.load(directory / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+        return saved["models"]["model"], _without_timing(json.loads((directory / "metrics.json").read_text()))
 
     try:
         (weights, summary), (expected_weights, expected) = load(run_dir), load(reference)

@@ -124,9 +124,9 @@ def main() -> None:
               f"(180 samples) evaluated by `eval.py` in one process.\n\n"
               f"Measured {date.today().isoformat()} on {cpu_model()} ({torch.get_num_threads()} torch threads), "
               f"torch {torch.__version__}, Python {platform.python_version()}, CPU, gloo.\n\n"
-              f"| config | overrides | optimizer steps | max abs difference of the parameters | in | max abs difference "
-              f"of BatchNorm's running statistics | val acc, 1 process / 2 ranks | val acc difference "
-              f"| val loss difference |\n|---|---|---|---|---|---|---|---|---|\n"
+              f"| config | overrides | optimizer steps | max abs difference of the parameters | in "
+              f"| max abs difference of BatchNorm's running statistics | val acc, 1 process / 2 ranks "
+              f"| val acc difference | val loss difference |\n|---|---|---|---|---|---|---|---|---|\n"
               + "\n".join(rows) + "\n")
     args.output.write_text(report)
     print(report)

@@ -15,9 +15,9 @@ model's inputs and its target by name: image datasets give `(image, label)` item
 synthetic ones need no files, so they run anywhere; they split three ways (`val_size`, `test_size`), the synthetic
 ones draw a test split of their own. Datasets with an official test set (mnist, fashion_mnist, cifar10; an image
 folder with a test/ folder, an Arrow dataset with a test split) keep it as test and hold out `val_size` samples of
-the training set as val, the same share of each class, fixed by `split_seed`. The others read the standard on-disk formats and fail with a
-`DatasetNotFoundError` naming the folder and the files to put there. torchvision is imported inside
-the builders, and scikit-learn's bundled files are read without importing it, so that importing
+the training set as val, the same share of each class, fixed by `split_seed`. The others read the standard on-disk
+formats and fail with a `DatasetNotFoundError` naming the folder and the files to put there. torchvision is
+imported inside the builders, and scikit-learn's bundled files are read without importing it, so that importing
 this module (and `python train.py --help`) stays fast.
 """
 
@@ -163,7 +163,8 @@ def _standardised_split(
     return [((features[index] - mean) / std, targets[index]) for index in (train_index, *held)]
 
 
-def stratified_holdout(labels: torch.Tensor, size: int, split_seed: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def stratified_holdout(labels: torch.Tensor, size: int, split_seed: int,
+                       name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(kept, held out) sample indices, each sorted: `size` samples held out with each class in the share it has
     (largest remainders), chosen at random within each class from `split_seed` alone."""
     count = len(labels)
@@ -214,7 +215,8 @@ def two_input_synthetic(
                       fields=("rgb", "mask", "target"), target="target")
 
 
-def _colour_fields(count: int, height: int, width: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _colour_fields(count: int, height: int, width: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """`count` smooth random colour fields (4x upsampled noise) and a random rectangle mask for each."""
     coarse = torch.randn(count, 3, max(1, height // 4), max(1, width // 4), generator=generator)
     rgb = torch.nn.functional.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)
@@ -526,7 +528,8 @@ def _same_classes(root: str, classes: dict[str, list[str]]) -> list[str]:
     for name, found in classes.items():
         if found != first:
             raise ValueError(f"image_folder: class folders differ between {root}/train and {root}/{name}: only in "
-                             f"train {sorted(set(first) - set(found))}, only in {name} {sorted(set(found) - set(first))}")
+                             f"train {sorted(set(first) - set(found))}, "
+                             f"only in {name} {sorted(set(found) - set(first))}")
     return first
 
 

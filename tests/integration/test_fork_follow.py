@@ -94,7 +94,8 @@ def fork_files() -> dict[str, str]:
              "src/components/mine.py": guide["mine.py"]}
     for path in ("conf/task/tolerance.yaml", "conf/model/masked_net.yaml", "conf/dataset/masked_scenes.yaml"):
         files[path] = guide[path].replace("_target_: mine.", "_target_: src.components.mine.")
-    files["conf/model/long_net.yaml"] = ("# A long unrolled MLP (the fork's).\n_target_: src.components.long_net.LongNet\n"
+    files["conf/model/long_net.yaml"] = ("# A long unrolled MLP (the fork's).\n"
+                                         "_target_: src.components.long_net.LongNet\n"
                                          "in_features: ${data:num_features}  # from the dataset\n"
                                          "num_outputs: ${data:num_outputs}   # from the task\n"
                                          "width: 32                          # hidden width\n")

@@ -20,7 +20,6 @@ from src.config import schema  # noqa: F401 - registers the schema
 from src.data.loaders import build_splits
 from src.parallel import job  # noqa: F401 - registers ${run_timestamp:}, ${data:} ... as train.py does
 
-
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 
 

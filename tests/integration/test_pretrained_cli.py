@@ -150,14 +150,15 @@ print((inter[present] / union[present]).mean().item(), (confusion.diag().sum() /
 """
 
 
-def test_a_frozen_pretrained_backbone_stays_its_file_and_init_from_starts_a_run_from_the_fine_tuned_one(images, tmp_path):
+def test_a_frozen_pretrained_backbone_stays_its_file_and_init_from_starts_a_run_from_the_fine_tuned_one(images,
+                                                                                                        tmp_path):
     torch.manual_seed(0)
     reference = timm.create_model(TIMM).state_dict()
     save_file(reference, str(tmp_path / "weights.safetensors"))
     model = ["model=timm", f"model.name={TIMM}", "dataset=image_folder", f"dataset.root={images}",
              "dataset.batch_size=4", "dataset.num_workers=0", "trainer.epochs=1"]
-    check(train([*model, f"model.pretrained={tmp_path / 'weights.safetensors'}", "trainer.freeze=[conv_stem,bn1,blocks]",
-                 "hydra.run.dir=probe"], tmp_path))
+    check(train([*model, f"model.pretrained={tmp_path / 'weights.safetensors'}",
+                 "trainer.freeze=[conv_stem,bn1,blocks]", "hydra.run.dir=probe"], tmp_path))
     probed = weights(tmp_path / "probe")
     for name, tensor in parameters(reference, "classifier.").items():
         if not name.startswith(("conv_head", "bn2")):  # the layers after the frozen blocks train
@@ -175,9 +176,9 @@ def test_the_fine_tuning_recipe_trains_a_pretrained_timm_model_from_its_file(ima
     torch.manual_seed(0)
     reference = timm.create_model("test_resnet.r160_in1k").state_dict()
     save_file(reference, str(tmp_path / "weights.safetensors"))
-    check(train(["experiment=finetune_timm", f"dataset.root={images}", f"model.pretrained={tmp_path / 'weights.safetensors'}",
-                 "model.name=test_resnet.r160_in1k", "dataset.batch_size=4", "dataset.num_workers=0",
-                 "trainer.epochs=2", "hydra.run.dir=run"], tmp_path))
+    check(train(["experiment=finetune_timm", f"dataset.root={images}",
+                 f"model.pretrained={tmp_path / 'weights.safetensors'}", "model.name=test_resnet.r160_in1k",
+                 "dataset.batch_size=4", "dataset.num_workers=0", "trainer.epochs=2", "hydra.run.dir=run"], tmp_path))
     log, summary = train_log(tmp_path / "run"), metrics(tmp_path / "run")
     assert "images resized to 160x160, normalised with mean [0.5, 0.5, 0.5] and std [0.5, 0.5, 0.5]" in log
     assert "tensors under *: lr x0.1" in log and "tensors under fc: lr x1.0" in log and ", no weight decay" in log

@@ -21,7 +21,6 @@ from omegaconf import OmegaConf
 from src.config import schema  # noqa: F401 - registers the schema
 from src.parallel import job  # noqa: F401 - registers ${run_timestamp:}, ${data:} ... as train.py does
 
-
 # The README and the pages of docs/ it links: every command in them is listed below.
 GUIDE = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -47,8 +46,10 @@ EXERCISED_BY = {
     "python train.py callbacks.ema.decay=0.999 trainer.monitor=val_ema/acc":
         "test_ema_cli.py::test_val_ema_is_reported_every_epoch_and_picks_best",
     "python train.py": "test_train_cli.py::test_single_process_run_dir_contract",
-    "python train.py --cfg job": "test_train_cli.py::test_help_lists_groups_and_cfg_job_prints_the_config_without_a_run_dir",
-    "python train.py --help": "test_train_cli.py::test_help_lists_groups_and_cfg_job_prints_the_config_without_a_run_dir",
+    "python train.py --cfg job":
+        "test_train_cli.py::test_help_lists_groups_and_cfg_job_prints_the_config_without_a_run_dir",
+    "python train.py --help":
+        "test_train_cli.py::test_help_lists_groups_and_cfg_job_prints_the_config_without_a_run_dir",
     "python train.py -m dist.nproc_per_node=2 optimizer=sgd,adam":
         "test_launch_cli.py::test_sweep_of_ddp_groups",
     "python train.py -m optimizer.lr=0.1,0.01":
@@ -287,7 +288,8 @@ def test_the_fsdp_benchmarks_write_their_tables(tmp_path: Path):
     shapes = tmp_path / "shapes.md"  # the frozen MLP's host memory by layer shape, two small shapes
     check(run([sys.executable, str(REPO / "benchmarks" / "fsdp_memory.py"), "--shapes", "2x256", "1x512",
                "--output", str(shapes)], tmp_path))
-    rows = [line.split("|")[1:-1] for line in shapes.read_text().splitlines() if line.startswith(("| 2x256", "| 1x512"))]
+    rows = [line.split("|")[1:-1] for line in shapes.read_text().splitlines()
+            if line.startswith(("| 2x256", "| 1x512"))]
     assert [row[0].strip() for row in rows] == ["2x256", "1x512"]
     assert [row[1].strip() for row in rows] == ["0.1M", "0.3M"]  # the digits MLP: 64 inputs, 10 outputs
     for row in rows:  # a peak per rank, with and without the allocator setting

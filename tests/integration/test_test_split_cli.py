@@ -66,8 +66,8 @@ def fork(tmp_path: Path) -> tuple[Path, dict[str, str], list[str]]:
     (tmp_path / "conf" / "dataset").mkdir(parents=True)
     (tmp_path / "conf" / "dataset" / "recorded.yaml").write_text(YAML)
     (tmp_path / "reads").mkdir()
-    args = ["dataset=recorded", f"dataset.log_dir={tmp_path / 'reads'}", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
-            "trainer.progress=false"]
+    args = ["dataset=recorded", f"dataset.log_dir={tmp_path / 'reads'}",
+            f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "trainer.progress=false"]
     return tmp_path, {"PYTHONPATH": str(tmp_path)}, args
 
 
@@ -102,8 +102,9 @@ def test_the_final_test_reads_every_test_sample_once_on_any_world_size(fork, pro
     assert "best.pt" in tested["weights"]  # chosen on val
     for path in (workdir / "reads").glob("*.txt"):
         path.unlink()
-    eval_args = [f"checkpoint={workdir / 'run' / 'checkpoints' / 'best.pt'}", f"hydra.searchpath=[file://{workdir / 'conf'}]",
-                 f"dataset.log_dir={workdir / 'reads'}", "hydra.run.dir=eval"]
+    eval_args = [f"checkpoint={workdir / 'run' / 'checkpoints' / 'best.pt'}",
+                 f"hydra.searchpath=[file://{workdir / 'conf'}]", f"dataset.log_dir={workdir / 'reads'}",
+                 "hydra.run.dir=eval"]
     check(run([sys.executable, EVAL, *eval_args], workdir, env=env) if processes == 1
           else torchrun(processes, eval_args, workdir, script=EVAL, env=env))
     assert reads(workdir) == list(range(TEST_SIZE))

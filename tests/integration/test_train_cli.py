@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, check, metrics, run, torchrun, train, weights
+from conftest import REPO, TINY, check, metrics, torchrun, train, weights
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 

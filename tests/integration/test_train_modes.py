@@ -41,7 +41,8 @@ def test_mixed_precision_trains(workdir: Path, precision: str):
     summary = metrics(workdir / "run")
     assert summary["val/acc"] > 0.85 and summary["train/loss"] < 1.5
     saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
-    assert all(t.dtype in (torch.float32, torch.int64) for t in saved["models"]["model"].values())  # master weights stay fp32
+    # the master weights stay fp32
+    assert all(t.dtype in (torch.float32, torch.int64) for t in saved["models"]["model"].values())
     assert saved["scaler"]["scale"] > 0 if precision == "16" else saved["scaler"] == {}
 
 

@@ -50,7 +50,8 @@ def test_the_fork_surface_is_named_by_the_configs_targets():
     targets = {line.split("_target_:")[1].strip() for p in (REPO / "conf").rglob("*.yaml")
                for line in p.read_text().splitlines() if "_target_: src.components." in line}
     modules = {target.rsplit(".", 1)[0] for target in targets}
-    components = {f"src.components.{p.stem}" for p in (REPO / "src" / "components").glob("*.py") if p.stem != "__init__"}
+    components = {f"src.components.{p.stem}" for p in (REPO / "src" / "components").glob("*.py")
+                  if p.stem != "__init__"}
     assert {"src.components.models", "src.components.datasets", "src.components.tasks"} <= modules == components
 
 

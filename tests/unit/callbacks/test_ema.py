@@ -32,7 +32,6 @@ from src.parallel import job  # noqa: F401 - registers ${data:} ... as train.py 
 from src.parallel.distributed import DistEnv, Runtime
 from src.reports.reporting import Reporter
 
-
 CONF = Path(__file__).resolve().parents[3] / "conf"
 
 
@@ -271,10 +270,11 @@ TASK = OmegaConf.create({"_target_": "src.components.tasks.Classification"})
 
 def test_val_ema_may_be_monitored_only_with_ema_weights():
     on, off = Callbacks({"ema": EMA(0.9, 0)}), Callbacks({"ema": EMA(None, 0)})
-    check_task(instantiate(TASK), SPLITS, {"task": "classification"}, "val_ema/acc", on.metric_splits, on.enable_hints())
+    info = {"task": "classification"}
+    check_task(instantiate(TASK), SPLITS, info, "val_ema/acc", on.metric_splits, on.enable_hints())
     with pytest.raises(UsageError) as error:
-        check_task(instantiate(TASK), SPLITS, {"task": "classification"}, "val_ema/acc", off.metric_splits, off.enable_hints())
+        check_task(instantiate(TASK), SPLITS, info, "val_ema/acc", off.metric_splits, off.enable_hints())
     assert str(error.value) == ("trainer.monitor=val_ema/acc needs EMA weights: set callbacks.ema.decay (e.g. 0.999), "
                                 "or monitor val/acc")
     with pytest.raises(UsageError, match="choose one of val/loss, val/acc, val_ema/loss, val_ema/acc, train/loss"):
-        check_task(instantiate(TASK), SPLITS, {"task": "classification"}, "val_ema/f1", on.metric_splits, on.enable_hints())
+        check_task(instantiate(TASK), SPLITS, info, "val_ema/f1", on.metric_splits, on.enable_hints())

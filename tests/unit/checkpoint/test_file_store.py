@@ -10,8 +10,8 @@ import torch
 
 from src import checkpoint
 from src.checkpoint import layout, writing
-from src.checkpoint.states import ModelState, Named
 from src.checkpoint.file_store import FileStore
+from src.checkpoint.states import ModelState, Named
 from src.checkpoint.store import FORMAT
 from src.common import files
 from src.common.errors import UsageError

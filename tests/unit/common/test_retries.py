@@ -1,5 +1,5 @@
-"""src/common/retries.py (and where a job starts, errors.exit_on_usage_error): a usage error under a restarting launcher is
-recorded, and that launcher's restarts exit at once with the same line; nothing else is affected."""
+"""src/common/retries.py (and where a job starts, errors.exit_on_usage_error): a usage error under a restarting
+launcher is recorded, and that launcher's restarts exit at once with the same line; nothing else is affected."""
 
 from __future__ import annotations
 

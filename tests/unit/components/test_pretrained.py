@@ -90,7 +90,8 @@ def test_a_torchvision_model_loads_the_file_placed_in_torch_home_without_a_netwo
         model = pretrained.torchvision_model("resnet18", 4, weights="IMAGENET1K_V1")
     backbone_equal(model, reference, "fc.")
     assert model.fc.out_features == 4
-    assert "model: torchvision resnet18 with weights IMAGENET1K_V1" in caplog.text and "new head fc (Linear(" in caplog.text
+    assert "model: torchvision resnet18 with weights IMAGENET1K_V1" in caplog.text
+    assert "new head fc (Linear(" in caplog.text
     config = OmegaConf.create({"name": "resnet18", "weights": "IMAGENET1K_V1"})
     assert pretrained.torchvision_model.preprocessing(config) == IMAGENET
 

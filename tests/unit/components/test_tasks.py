@@ -12,8 +12,8 @@ from sklearn import metrics as skm
 
 from src.common.errors import UsageError
 from src.components.tasks import Binary, CausalLM, Classification, Regression, Segmentation
-from src.loop.trainer import metrics_of
 from src.loop.step import MetricSums
+from src.loop.trainer import metrics_of
 
 
 def summed(task, info, outputs, targets, chunks=(0, 5, 6, 17, None)):

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from src.common.errors import UsageError
 from src.components.tasks import Classification
 from src.loop import step
-from src.loop.trainer import metrics_of
 from src.loop.step import MetricSums
+from src.loop.trainer import metrics_of
 
 TASK = Classification()
 INFO = {"num_classes": 3}

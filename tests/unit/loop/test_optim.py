@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from src.loop import optim
 from src.common.errors import UsageError
+from src.loop import optim
 
 
 def lrs(factory, steps, **options):

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import platform
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO
 from torch import nn
 
 from src.components.models import SimpleCNN

@@ -115,7 +115,8 @@ def test_run_start_logs_the_resolved_config_then_one_summary_line(tmp_path: Path
     line = summary_record.getMessage()
     for part in ("world size 2", "device cpu", "backend gloo", "task Binary (best.pt by val/f1, max)",
                  "Linear (10 parameters, 10 trainable)",
-                 "1437 train / 180 val / 180 test samples", "global batch 64 = 2 ranks x 16 per rank x 2 accum", "22 steps/epoch"):
+                 "1437 train / 180 val / 180 test samples", "global batch 64 = 2 ranks x 16 per rank x 2 accum",
+                 "22 steps/epoch"):
         assert part in line, line
     data.splits = SimpleNamespace(train=range(1437), val=range(360))  # a fork's dataset without a test split
     with caplog.at_level(logging.INFO, logger="train"):

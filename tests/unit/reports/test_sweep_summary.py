@@ -13,9 +13,9 @@ def test_columns_are_the_tasks_metrics_then_epoch_and_throughput_in_its_unit():
 
 
 def test_the_test_metric_stands_beside_the_ranked_val_one_and_ranks_nothing():
-    from pathlib import Path
     import json
     import tempfile
+    from pathlib import Path
 
     from src.reports.sweep_summary import collect
 

@@ -1,13 +1,15 @@
 """The shared-launch helper of the CLI tests (tests/fixtures/lazy_runs.py): a job of its multirun composes the
-config its overrides compose on the command line, also with a group that only a fork's conf/ has."""
+config its overrides compose on the command line, also with a group that only a fork's conf/ has; a launch that
+failed fails each test that asks for one of its runs with its error, and is not launched again."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 from hydra import compose, initialize_config_dir
-from lazy_runs import job_config
+from lazy_runs import LazyRuns, job_config
 from omegaconf import OmegaConf
 
 from src.config import schema  # noqa: F401  (registers train_schema, which conf/config.yaml names)
@@ -42,3 +44,24 @@ def test_a_group_only_a_forks_conf_has_is_chosen_as_a_group(tmp_path: Path):
     overrides = ["teacher=large", "lr=0.5"]
     job = as_a_job(fork, overrides, tmp_path / "runs")
     assert job == composed(fork, overrides) == {"teacher": {"width": 64}, "lr": 0.5}
+
+
+def test_a_failed_launch_fails_each_run_of_it_with_its_error_and_is_not_launched_again(tmp_path: Path):
+    script = tmp_path / "train.py"  # a train.py that records each launch and fails: a real interpreter, no torch
+    script.write_text("import sys\nwith open(sys.argv[0] + '.launches', 'a') as f:\n    f.write('launch\\n')\n"
+                      "sys.exit('boom: the run failed')\n")
+    runs = LazyRuns(tmp_path / "root", {"a": (1, ["optimizer.lr=0.1"]), "b": (1, ["optimizer.lr=0.2"]),
+                                        "c": (1, ["optimizer.lr=0.3"])}, alone=("c",), script=str(script))
+    (tmp_path / "root").mkdir()
+    with pytest.raises(AssertionError, match="boom: the run failed") as first:
+        runs("a")
+    with pytest.raises(AssertionError) as second:  # the other job of the same multirun
+        runs("b")
+    assert str(second.value).startswith("b: its launch failed (for an earlier test)\n")
+    assert str(first.value) in str(second.value)
+    assert (tmp_path / "train.py.launches").read_text() == "launch\n"
+    with pytest.raises(AssertionError, match="boom"):  # a run launched alone is a launch of its own
+        runs("c")
+    with pytest.raises(AssertionError, match="c: its launch failed"):
+        runs("c")
+    assert (tmp_path / "train.py.launches").read_text() == "launch\nlaunch\n"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, check, metrics, run, torchrun, weights
-from lazy_runs import LazyRuns
+from lazy_runs import LazyRuns, slug
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_equivalence import assert_all_close, max_abs_diffs
 
@@ -47,7 +47,7 @@ class TokenRuns(LazyRuns):
     def __call__(self, name: str) -> Path:
         if name in self.runs or name in self.done:
             return super().__call__(name)
-        run_dir = self.root / name.replace(" ", "_")
+        run_dir = self.root / slug(name)
         if name == "2 ranks local count":
             check(torchrun(2, [*LM, f"hydra.run.dir={run_dir}"], self.root, script=LOCAL_COUNT_WORKER))
         else:  # "eval N": eval.py on N processes

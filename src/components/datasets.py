@@ -17,8 +17,8 @@ ones draw a test split of their own. Datasets with an official test set (mnist, 
 folder with a test/ folder, an Arrow dataset with a test split) keep it as test and hold out `val_size` samples of
 the training set as val, the same share of each class, fixed by `split_seed`. The others read the standard on-disk
 formats and fail with a `DatasetNotFoundError` naming the folder and the files to put there. torchvision is
-imported inside the builders, and scikit-learn's bundled files are read without importing it, so that importing
-this module (and `python train.py --help`) stays fast.
+imported by the builders that use it, and scikit-learn's bundled files are read without importing scikit-learn:
+a run loads a library when its dataset needs it (a dataset of yours can import its own libraries the same way).
 """
 
 from __future__ import annotations

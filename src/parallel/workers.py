@@ -12,11 +12,13 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -57,12 +59,13 @@ def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Seque
     overrides = [o for o in task_overrides if not o.startswith("dist.nproc_per_node=")]
     worker_args = [script, *composing, *overrides, f"hydra.run.dir={quote_override(str(run_dir))}",
                    "hydra.output_subdir=null"]
-    try:
-        elastic_launch(_standalone_config(nproc, master_port), entrypoint=sys.executable)(*worker_args)
-    except ChildFailedError as error:
-        if stopped_on_a_usage_error([failure.exitcode for failure in error.failures.values()]):
-            raise WorkersReportedUsageError("the workers stopped on the error above") from None
-        raise
+    with tempfile.TemporaryDirectory(prefix="torchelastic_") as log_dir:  # torch's default would stay in /tmp
+        try:
+            elastic_launch(_standalone_config(nproc, master_port, log_dir), entrypoint=sys.executable)(*worker_args)
+        except ChildFailedError as error:
+            if stopped_on_a_usage_error([failure.exitcode for failure in error.failures.values()]):
+                raise WorkersReportedUsageError("the workers stopped on the error above") from None
+            raise
 
 
 def stopped_on_a_usage_error(exit_codes: Sequence[int]) -> bool:
@@ -70,13 +73,13 @@ def stopped_on_a_usage_error(exit_codes: Sequence[int]) -> bool:
     return USAGE_ERROR_EXIT_CODE in exit_codes and all(code == USAGE_ERROR_EXIT_CODE or code < 0 for code in exit_codes)
 
 
-def _standalone_config(nproc: int, master_port: int | None) -> LaunchConfig:
+def _standalone_config(nproc: int, master_port: int | None, log_dir: str) -> LaunchConfig:
     """`torchrun --standalone --nproc_per_node=nproc`: one node, no restarts, a c10d rendezvous on `master_port`."""
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does: no thread oversubscription
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                         rdzv_backend="c10d", rdzv_endpoint=f"localhost:{master_port or 0}", max_restarts=0,
-                        monitor_interval=0.5)
+                        monitor_interval=0.5, logs_specs=DefaultLogsSpecs(log_dir=log_dir))
 
 
 def port_is_free(port: int) -> bool:

@@ -80,7 +80,10 @@ def test_self_launched_workers_stopped_before_the_first_validation_end_cleanly(w
 
 def test_sweep_of_ddp_groups(workdir: Path):
     args = ["-m", "dist.nproc_per_node=2", "optimizer=sgd,adam", "trainer.epochs=1", "hydra.sweep.dir=sweep"]
-    result = check(train(args, workdir, timeout=600))
+    (workdir / "tmp").mkdir()
+    result = check(train(args, workdir, timeout=600, env={"TMPDIR": str(workdir / "tmp")}))
+    # No launcher's dir left behind, one per job (torch's own cache, torchinductor_USER, may be there).
+    assert list((workdir / "tmp").glob("torchelastic_*")) == []
     jobs = job_dirs(workdir / "sweep")
     assert [p.name for p in jobs] == ["0", "1"]
     for job in jobs:
@@ -111,8 +114,9 @@ def test_torchrun_runs_a_sweep(workdir: Path):
 def test_a_failing_job_is_reported_and_the_sweep_goes_on(workdir: Path):
     # 63 does not divide over 2 ranks: job 0 stops on a usage error, job 1 trains.
     args = ["-m", "dist.nproc_per_node=2", "dataset.batch_size=63,64", "trainer.epochs=1", "hydra.sweep.dir=sweep"]
-    result = train(args, workdir)
-    assert result.returncode != 0
+    (workdir / "tmp").mkdir()
+    result = train(args, workdir, env={"TMPDIR": str(workdir / "tmp")})
+    assert result.returncode != 0 and list((workdir / "tmp").glob("torchelastic_*")) == []
     assert "error: dataset.batch_size=63 is the global batch and must be divisible" in result.stderr
     rows = {r["job"]: r for r in summary_rows(workdir / "sweep")}
     assert rows["0"]["status"] == "failed" and rows["1"]["status"] == "completed"

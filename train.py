@@ -88,7 +88,7 @@ def run(cfg: DictConfig, context: RunContext, runtime: Runtime) -> float:
     reporting.log_run_start(context.run_dir, runtime, modules, data, trainer_cfg.grad_accum, saved_config,
                             context.overrides, cfg.print_config, task.unit)
     reason = loop.fit(state, resumed)  # epochs, then the final test of the chosen weights
-    return loop.report(state, reason, context.overrides, context.choices)
+    return loop.report(state, reason, context)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -30,8 +30,9 @@ from src.loop.performance import autocast_dtype
 from src.loop.step import MetricSums, StepContext
 from src.loop.task import Task
 from src.parallel import fsdp
+from src.parallel.job import RunContext
 from src.parallel.preemption import Preemption
-from src.reports.hparams import run_hparams
+from src.reports.hparams import changed_settings, run_hparams
 from src.reports.images import image_grid
 from src.reports.reporting import model_summary
 
@@ -79,6 +80,8 @@ class Trainer:
         checkpoint.restore({name: part for name, part in self.stateful(state).items() if name != "callbacks"})
         log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", checkpoint.path, state.epoch,
                  state.step, state.step_in_epoch, state.epoch + 1)
+        if changed := changed_settings(checkpoint.config or {}, self.parts.saved_config):
+            log.warning("resumed with settings its run did not have: %s", "; ".join(changed))
 
     def fit(self, state: TrainState, checkpoint: Checkpoint | None = None) -> Outcome:
         """Train from `state` (in place; restored from `checkpoint`) to `config.epochs`, then test; how it ended."""
@@ -156,18 +159,17 @@ class Trainer:
             summary.update(state.test["metrics"], tested_weights=state.test["weights"])
         return summary
 
-    def report(self, state: TrainState, outcome: Outcome, overrides: Sequence[str] = (),
-               choices: Mapping[str, Any] | None = None) -> float:
+    def report(self, state: TrainState, outcome: Outcome, context: RunContext) -> float:
         """Close the run's reports; returns the monitored metric's last value (NaN without one)."""
         reporter, monitor = self.parts.reporter, self.config.monitor
-        if not outcome.is_final:
-            log.info("stopped at step %d with a checkpoint; continue with: resume=auto hydra.run.dir=%s",
-                     state.step, reporter.run_dir)
+        if not outcome.is_final:  # with the run's own arguments (a higher max_steps, if any, is the user's choice)
+            again = context.resume_args(*["trainer.max_steps="] if outcome is Outcome.MAX_STEPS else [])
+            log.info("stopped at step %d with a checkpoint; continue with: %s", state.step, again)
             reporter.close()  # the trackers' runs KILLED until the run continues
             return state.history[-1].get(monitor, float("nan")) if state.history and monitor else float("nan")
         summary = self.summary(state, self.parts.data.num_val_samples)
         final = {k: v for k, v in summary.items() if "/" in k and "/num_" not in k}
-        reporter.hparams(run_hparams(self.parts.saved_config, overrides, choices or {},
+        reporter.hparams(run_hparams(self.parts.saved_config, context.overrides, context.choices,
                                      self.parts.data.train_sampler.global_batch_size), final)
         reporter.close()
         log.info("final: %s", "  ".join(f"{k}={v:.4f}" for k, v in final.items()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass
@@ -41,12 +42,22 @@ class RunContext:
     # What a worker must be given besides `overrides` to compose the same config: --config-dir & co, hydra.searchpath.
     composing: tuple[str, ...] = ()
 
+    def resume_args(self, *dropped: str) -> str:
+        """The arguments that continue this run, for a shell: `composing`, the overrides but `dropped`, the run dir."""
+        kept = [o for o in self.overrides if not o.startswith(("resume=", *dropped))]
+        return shlex.join([*self.composing, *kept, "resume=auto", f"hydra.run.dir={self.run_dir}"])
+
     @classmethod
     def of(cls, hydra_cfg: Any, argv: Sequence[str] = sys.argv) -> "RunContext":
         run_dir = Path(hydra_cfg.runtime.output_dir)
-        searchpath = tuple(o for o in hydra_cfg.overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath")
         return cls(run_dir, holds_only_hydras_files(run_dir), hydra_cfg.mode == RunMode.MULTIRUN,
-                   tuple(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices), config_flags(argv) + searchpath)
+                   tuple(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices), composing_args(hydra_cfg, argv))
+
+
+def composing_args(hydra_cfg: Any, argv: Sequence[str] = sys.argv) -> tuple[str, ...]:
+    """What composes the config besides its overrides: Hydra's config-folder flags in `argv`, hydra.searchpath."""
+    searchpath = tuple(o for o in hydra_cfg.overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath")
+    return config_flags(argv) + searchpath
 
 
 def run(main: Callable[[], Any], config_name: str) -> None:

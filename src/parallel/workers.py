@@ -56,8 +56,7 @@ def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Seque
     last_worker = DistEnv(rank=nproc - 1, local_rank=nproc - 1, world_size=nproc)
     distributed.select_backend(backend, distributed.select_device(device, last_worker))
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers inherit it (die_with_launcher)
-    overrides = [o for o in task_overrides if not o.startswith("dist.nproc_per_node=")]
-    worker_args = [script, *composing, *overrides, f"hydra.run.dir={quote_override(str(run_dir))}",
+    worker_args = [script, *composing, *task_overrides, f"hydra.run.dir={quote_override(str(run_dir))}",
                    "hydra.output_subdir=null"]
     with tempfile.TemporaryDirectory(prefix="torchelastic_") as log_dir:  # torch's default would stay in /tmp
         try:

@@ -32,6 +32,13 @@ def run_hparams(config: Mapping[str, Any], overrides: Sequence[str], choices: Ma
     return recorded
 
 
+def changed_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """`key=value (was value)` for each setting `current` gives other than `saved` (`resume` itself left out)."""
+    was, now = flatten(saved), flatten(current)
+    return [f"{key}={now.get(key, 'unset')} (was {was.get(key, 'unset')})" for key in sorted(was.keys() | now.keys())
+            if key != "resume" and was.get(key, "unset") != now.get(key, "unset")]
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """`{"a": {"b": 1}}` -> `{"a.b": 1}`; lists and null become strings (TensorBoard's HParams take scalars)."""
     flat: dict[str, Any] = {}

@@ -7,7 +7,7 @@ import csv
 import io
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
@@ -15,6 +15,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src.common.files import write_text_atomically
+from src.parallel.job import composing_args
 from src.parallel.ranks import is_main_process
 from src.sweeps import jobs
 
@@ -76,12 +77,12 @@ class SweepSummary(Callback):
     def __init__(self, metric: str, mode: str) -> None:
         self.metric, self.mode = metric, mode
 
-    def write(self, sweep_dir: Path) -> str:
+    def write(self, sweep_dir: Path, composing: Sequence[str] = ()) -> str:  # composing: job.composing_args
         rows = collect(sweep_dir, self.metric, self.mode)
         columns = metric_columns(rows, self.metric)
         table = to_markdown(rows, columns)
         if rows and rows[0]["status"] == "completed":  # the best job (rows are best first), trained again
-            best = " ".join(["python train.py", *map(shlex.quote, jobs.saved_overrides(Path(rows[0]["job_dir"])))])
+            best = "python train.py " + shlex.join([*composing, *jobs.saved_overrides(Path(rows[0]["job_dir"]))])
             table += f"\nBest job ({rows[0]['job']}), trained again by:\n\n    {best}\n"
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=["job", "status", "overrides", *columns, "job_dir"], restval="")
@@ -98,11 +99,11 @@ class SweepSummary(Callback):
         if job_return.status == JobStatus.FAILED:
             error = job_return._return_value
             (job_dir / jobs.FAILED_MARKER).write_text(f"{type(error).__name__}: {error}\n")
-        self.write(Path(config.hydra.sweep.dir))
+        self.write(Path(config.hydra.sweep.dir), composing_args(config.hydra))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not is_main_process():
             return
         sweep_dir = Path(config.hydra.sweep.dir)
-        table = self.write(sweep_dir)
+        table = self.write(sweep_dir, composing_args(config.hydra))
         print(f"\nSweep summary (sorted by {self.metric}, {self.mode}): {sweep_dir / 'summary.md'}\n{table}")

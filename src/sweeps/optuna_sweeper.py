@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.common.errors import UsageError
 from src.parallel import ranks
+from src.parallel.job import composing_args
 from src.sweeps import jobs, search_space
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ class OptunaSweeper(Sweeper):
             log.warning("no trial of study %s completed", self.study_name)
             return
         best = study.best_trial
-        command = " ".join(["python train.py", *map(shlex.quote, best.user_attrs["overrides"])])
+        command = "python train.py " + shlex.join([*composing_args(self.config.hydra), *best.user_attrs["overrides"]])
         log.info("best trial %d (job %d): %s=%s\n  %s", best.number, best.user_attrs["job"],
                  self.config.trainer.monitor, best.value, command)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -71,11 +72,17 @@ def test_self_launch_matches_torchrun(workdir: Path):
 
 def test_self_launched_workers_stopped_before_the_first_validation_end_cleanly(workdir: Path):
     """max_steps ends the workers before any metrics.json: the launcher exits 0 (its result is NaN, as a
-    one-process run's), and the run resumes from the checkpoint."""
-    result = check(train(["dist.nproc_per_node=2", "trainer.max_steps=2", "hydra.run.dir=run"], workdir))
-    assert "stopped at step 2 with a checkpoint; continue with: resume=auto" in result.stdout
+    one-process run's), and the command it prints continues the run: the same settings and launch, to the end."""
+    result = check(train(["dist.nproc_per_node=2", "trainer.epochs=1", "trainer.max_steps=2", "hydra.run.dir=run"],
+                         workdir))
     assert "Traceback" not in result.stderr and not (workdir / "run" / "metrics.json").exists()
     assert (workdir / "run" / "checkpoints" / "last.pt").exists()
+    hint = result.stdout.split("stopped at step 2 with a checkpoint; continue with: ")[1].splitlines()[0]
+    assert shlex.split(hint) == ["dist.nproc_per_node=2", "trainer.epochs=1", "resume=auto",
+                                 f"hydra.run.dir={workdir / 'run'}"]  # all but the max_steps it stopped at
+    resumed = check(train(shlex.split(hint), workdir))
+    assert "resumed with settings its run did not have: trainer.max_steps=None (was 2)\n" in resumed.stdout
+    assert metrics(workdir / "run")["world_size"] == 2 and metrics(workdir / "run")["step"] == 22
 
 
 def test_sweep_of_ddp_groups(workdir: Path):

@@ -77,6 +77,8 @@ def test_a_damaged_last_checkpoint_resumes_from_the_newest_that_loads_exactly(tm
     assert f"resume: skipping a damaged checkpoint: checkpoint {checkpoints / 'step_000000027.pt'} cannot" in log
     assert f"continuing from {checkpoints / 'step_000000025.pt'}, the newest checkpoint that loads" in log
     assert "after epoch 1, step 25 (3 steps into epoch 2)" in result.stdout
+    assert ("resumed with settings its run did not have: trainer.checkpoint_every_steps=None (was 5); "
+            "trainer.max_steps=None (was 27)\n") in log
     assert_bitwise_equal(tmp_path / "run", runs("straight"))
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +36,9 @@ DDP_STUDY = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4", "hydra.sw
              "dist.nproc_per_node=2", *SHORT, "hydra.sweep.dir=sweep"]
 
 
+FORK_CONF = "hydra.searchpath=[file://fork_conf]"  # relative to the sweep's working dir
+
+
 def load_study(sweep_dir: Path) -> optuna.Study:
     return optuna.load_study(study_name="sweep", storage=f"sqlite:///{sweep_dir / 'optuna.db'}")
 
@@ -53,9 +58,13 @@ def digests(folder: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def ddp_study(tmp_path_factory) -> tuple[Path, str]:
-    """The sweep dir of an Optuna study of 4 two-rank trials with a median pruner, and the sweep's stdout."""
+    """The sweep dir of an Optuna study of 4 two-rank trials with a median pruner, and the sweep's stdout; as a
+    fork's, its optimizer config is in a config folder of its own."""
     workdir = tmp_path_factory.mktemp("ddp_study")
-    result = check(train(DDP_STUDY, workdir, timeout=600))
+    (workdir / "fork_conf" / "optimizer").mkdir(parents=True)
+    shutil.copy(REPO / "conf" / "optimizer" / "sgd.yaml", workdir / "fork_conf" / "optimizer" / "fork_sgd.yaml")
+    args = ["optimizer=fork_sgd" if arg == "optimizer=sgd" else arg for arg in DDP_STUDY]
+    result = check(train([*args, FORK_CONF], workdir, timeout=600))
     return workdir / "sweep", result.stdout
 
 
@@ -109,10 +118,12 @@ def test_the_summary_shows_states_pruned_epochs_and_the_best_command(ddp_study):
         epoch = metrics(sweep_dir / row["job"]).get("stopped_at_epoch")
         assert row["pruned_epoch"] == ("" if trial.state.name == "COMPLETE" else str(epoch))
     best = study.best_trial
-    command = "python train.py " + " ".join(best.user_attrs["overrides"])
+    command = "python train.py " + shlex.join([FORK_CONF, *best.user_attrs["overrides"]])
     assert f"Best job ({best.user_attrs['job']}), trained again by:\n\n    {command}\n" in (
         sweep_dir / "summary.md").read_text()
     assert command in stdout
+    again = check(train([*shlex.split(command)[2:], "--cfg", "job"], sweep_dir.parent))  # it finds the fork's config
+    assert yaml.safe_load(again.stdout)["optimizer"]["lr"] == best.params["optimizer.lr"]
 
 
 def test_optuna_trials_run_by_the_submitit_launcher_are_groups_of_two_tasks_with_the_same_values(tmp_path: Path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -145,6 +146,17 @@ def test_a_run_dir_holding_only_hydras_files_was_made_for_this_run(tmp_path: Pat
     assert not job.holds_only_hydras_files(tmp_path / "run")
 
 
+def test_the_resume_command_composes_the_runs_config_again_and_quotes_for_the_shell(tmp_path: Path):
+    overrides = ("model=mlp", "model.hidden_sizes=[32,32]", "trainer.max_steps=5", "resume=auto")
+    context = job.RunContext(tmp_path / "my run", created=True, in_sweep=False, overrides=overrides, choices={},
+                             composing=("--config-dir", "my conf", "hydra.searchpath=[file://x]"))
+    args = ["--config-dir", "my conf", "hydra.searchpath=[file://x]", "model=mlp", "model.hidden_sizes=[32,32]"]
+    assert shlex.split(context.resume_args()) == [*args, "trainer.max_steps=5", "resume=auto",
+                                                  f"hydra.run.dir={tmp_path / 'my run'}"]
+    assert shlex.split(context.resume_args("trainer.max_steps=")) == [*args, "resume=auto",
+                                                                       f"hydra.run.dir={tmp_path / 'my run'}"]
+
+
 def test_srun_tasks_export_the_torchrun_contract():
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
              "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]"}
@@ -251,6 +263,8 @@ def test_sweep_summary_shows_pruned_jobs_and_the_command_of_the_best(tmp_path: P
     assert table.splitlines()[4].startswith("| 1 | pruned | 0.2000 | 1 | 1 |")
     command = "python train.py optimizer.lr=0.01 'dataset.root=my data'"
     assert table.endswith(f"Best job (2), trained again by:\n\n    {command}\n")
+    table = sweep_summary.SweepSummary("val/acc", "max").write(tmp_path, ("--config-dir", "my conf"))
+    assert table.endswith("\n    python train.py --config-dir 'my conf' optimizer.lr=0.01 'dataset.root=my data'\n")
 
 
 def test_sweep_summary_columns_are_the_tasks_metrics(tmp_path: Path):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from src.reports.hparams import flatten, run_hparams
+from src.reports.hparams import changed_settings, flatten, run_hparams
 
 CONFIG = {
     "task": {"_target_": "src.components.tasks.Classification"},
@@ -49,3 +49,15 @@ def test_where_the_run_reports_is_no_hyperparameter():
     overrides = ["logger=[tensorboard,csv]", "logger.csv.filename=scalars.csv", "model.dropout=0.1"]
     assert run_hparams(config, overrides, {**CHOICES, "logger": "[tensorboard,csv]"}, 128) == {
         **ALWAYS, "model.dropout": 0.1}
+
+
+def test_the_settings_a_resume_changes_are_named_with_their_old_values():
+    saved = {"resume": None, "seed": 0, "optimizer": {"lr": 0.1, "betas": [0.9, 0.99]}, "trainer": {"max_steps": 27},
+             "callbacks": {"ema": {"decay": 0.9}}}
+    current = {"resume": "auto", "seed": 0, "optimizer": {"lr": 0.01, "betas": [0.9, 0.99]},
+               "trainer": {"max_steps": None}, "callbacks": {}}
+    assert changed_settings(saved, current) == [
+        "callbacks.ema.decay=unset (was 0.9)", "optimizer.lr=0.01 (was 0.1)", "trainer.max_steps=None (was 27)"]
+    assert changed_settings(saved, {**saved, "resume": "auto"}) == []  # `resume` is how the run goes on, not what
+    assert changed_settings(saved, {**saved, "optimizer": {"lr": 0.1, "betas": [0.9, 0.999]}}) == [
+        "optimizer.betas=[0.9, 0.999] (was [0.9, 0.99])"]

@@ -39,8 +39,7 @@ class RunContext:
     in_sweep: bool  # a job of a multirun (-m)
     overrides: tuple[str, ...]  # the command line's overrides of the config (not Hydra's own)
     choices: Mapping[str, Any]  # the option Hydra chose in each config group
-    # What a worker must be given besides `overrides` to compose the same config: --config-dir & co, hydra.searchpath.
-    composing: tuple[str, ...] = ()
+    composing: tuple[str, ...] = ()  # what composes the config besides `overrides` (composing_args)
 
     def resume_args(self, *dropped: str) -> str:
         """The arguments that continue this run, for a shell: `composing`, the overrides but `dropped`, the run dir."""

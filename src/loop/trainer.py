@@ -109,6 +109,8 @@ class Trainer:
         return outcome
 
     def _epochs(self, run: Run) -> Outcome:
+        if self.config.max_steps is not None and run.state.step >= self.config.max_steps:
+            return Outcome.MAX_STEPS  # resumed at the limit: not one step past it
         for epoch in range(run.state.epoch, self.config.epochs):
             started = time.perf_counter()
             train = self.train_one_epoch(epoch, run)

@@ -6,6 +6,7 @@ runs exactly when DDP reduces, so counting its calls shows which micro-steps syn
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from src.components.tasks import Classification
 from src.config.schema import TrainerConfig
 from src.data.loaders import Data, GlobalBatchSampler, TensorBatchLoader
 from src.data.splits import DataSplits
-from src.loop.callback import Run
+from src.loop.callback import Outcome, Run
 from src.loop.trainer import Trainer, TrainState
 from src.parallel.distributed import DistEnv, Runtime
 from src.reports.reporting import Reporter
@@ -132,3 +133,16 @@ def test_a_loop_state_loads_the_fields_it_knows_and_keeps_defaults_for_the_other
     state.load_state_dict(old)
     assert (state.epoch, state.step, state.step_in_epoch, state.best) == (1, 25, 3, 0.5)
     assert "stopped_early" not in vars(state) and state.ended is None
+
+
+def test_a_run_at_its_max_steps_takes_no_further_step(tmp_path: Path):
+    """As a resume with the `trainer.max_steps` the run stopped at (a requeued job's same command, a preset's
+    value): it stops again at once, with the same weights."""
+    trainer = one_process_trainer(tmp_path, Classification())
+    trainer.config = dataclasses.replace(trainer.config, max_steps=2)
+    state = TrainState()
+    assert trainer.fit(state) is Outcome.MAX_STEPS and state.step == 2
+    model = trainer.parts.modules["model"]
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    assert trainer.fit(state) is Outcome.MAX_STEPS and state.step == 2
+    assert all(torch.equal(tensor, model.state_dict()[name]) for name, tensor in weights.items())

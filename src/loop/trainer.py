@@ -80,7 +80,8 @@ class Trainer:
         checkpoint.restore({name: part for name, part in self.stateful(state).items() if name != "callbacks"})
         log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", checkpoint.path, state.epoch,
                  state.step, state.step_in_epoch, state.epoch + 1)
-        if changed := changed_settings(checkpoint.config or {}, self.parts.saved_config):
+        changed = changed_settings(checkpoint.config or {}, self.parts.saved_config)
+        if changed and self.parts.runtime.is_main_process:  # the same on every rank: said once
             log.warning("resumed with settings its run did not have: %s", "; ".join(changed))
 
     def fit(self, state: TrainState, checkpoint: Checkpoint | None = None) -> Outcome:
@@ -165,7 +166,7 @@ class Trainer:
         """Close the run's reports; returns the monitored metric's last value (NaN without one)."""
         reporter, monitor = self.parts.reporter, self.config.monitor
         if not outcome.is_final:  # with the run's own arguments (a higher max_steps, if any, is the user's choice)
-            again = context.resume_args(*["trainer.max_steps="] if outcome is Outcome.MAX_STEPS else [])
+            again = context.resume_args("trainer.max_steps=") if outcome is Outcome.MAX_STEPS else context.resume_args()
             log.info("stopped at step %d with a checkpoint; continue with: %s", state.step, again)
             reporter.close()  # the trackers' runs KILLED until the run continues
             return state.history[-1].get(monitor, float("nan")) if state.history and monitor else float("nan")

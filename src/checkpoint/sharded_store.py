@@ -95,14 +95,6 @@ def _key(value: Any) -> str | None:
     return value[len(_TENSOR):] if isinstance(value, str) and value.startswith(_TENSOR) else None
 
 
-def _tensor_keys(skeleton: Any) -> list[str]:
-    return [key for key in map(_key, tree_leaves(skeleton)) if key is not None]
-
-
-def _with_tensors(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    return tree_map(lambda value: value if _key(value) is None else tensors[_key(value)], skeleton)
-
-
 def _at(state: Any, key: str) -> Any:
     """The value at `key`'s place (after its part's name) in a part's live state, or None."""
     for name in key.split("/")[1:]:
@@ -177,14 +169,14 @@ class ShardedCheckpoint(Checkpoint):
         """`skeleton` with its tensors read: into those at their places in `live` where the shapes agree, else whole."""
         saved = read_metadata(self.directory).state_dict_metadata
         targets = {}
-        for key in _tensor_keys(skeleton):
+        for key in filter(None, map(_key, tree_leaves(skeleton))):  # the keys of the tensors it stands in for
             found = _at(live, key)
             fits = isinstance(found, torch.Tensor) and tuple(found.shape) == tuple(saved[key].size)
             targets[key] = found if fits else torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
         if targets:
             with _alone_is_fine():
                 dcp.load(targets, storage_reader=SafeReader(self.directory), **where)
-        return _with_tensors(skeleton, targets)
+        return tree_map(lambda value: value if _key(value) is None else targets[_key(value)], skeleton)
 
 
 @contextlib.contextmanager

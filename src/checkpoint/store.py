@@ -144,9 +144,6 @@ class Store:
     def best(self) -> Path | None:
         return layout.best(self.directory)
 
-    def newest_first(self) -> list[Path]:
-        return layout.newest_first(self.directory)
-
 
 class _Writer:
     """`work` in a thread of its own, its collectives on `group`; `join` raises what it raised."""

@@ -4,8 +4,7 @@ and read by index.
     DIR/dataset_dict.json                   {"splits": ["train", "validation"]}
     DIR/<split>/data-00000-of-00003.arrow   Arrow IPC streams holding the split's rows, in order
     DIR/<split>/state.json                  the shard files, in order ("_data_files")
-    DIR/<split>/dataset_info.json           the columns' features: Image, ClassLabel (its class names), Value
-"""
+    DIR/<split>/dataset_info.json           the columns' features: Image, ClassLabel (its class names), Value"""
 
 from __future__ import annotations
 

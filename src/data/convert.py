@@ -2,8 +2,7 @@
 
     python -m src.data.convert image-folder SRC OUT   # SRC/train/<class>/*.png|jpg|... and SRC/val/<class>/...
     python -m src.data.convert parquet TRAIN VAL OUT  # TRAIN, VAL: a Parquet file or a folder of them each
-    python -m src.data.convert check-images ROOT      # decode every image under ROOT; list the damaged ones
-"""
+    python -m src.data.convert check-images ROOT      # decode every image under ROOT; list the damaged ones"""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Randomness per sample: every draw that shapes sample i of epoch e comes from (seed, epoch, i) alone, not from
 the rank, worker, batch or resume step. DataLoader datasets (`SeededSamples`) get torch's CPU, Python's and NumPy's
 global generators seeded from it; uint8 images on the device hash it there (`sample_key`, `draw`). Val samples
-draw from (seed, VAL_EPOCH, i).
-"""
+draw from (seed, VAL_EPOCH, i)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What every dataset builder returns: the train, val and (optional) test splits, what the data provides, and what
-its samples hold."""
+"""What every dataset builder returns: its train, val and (optional) test splits, what they provide and hold."""
 
 from __future__ import annotations
 

@@ -21,8 +21,7 @@ the config's order:
                                        after `on_run_start` when a run resumes
 
 Only the callbacks that override a hook are called for it, and a callback that sets `enabled = False` (in its
-constructor or `on_run_start`) is never called again and saves no state.
-"""
+constructor or `on_run_start`) is never called again and saves no state."""
 
 from __future__ import annotations
 

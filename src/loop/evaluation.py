@@ -12,8 +12,7 @@ the task computes its metrics from them. A method evaluates as it needs with the
     val.generated(count, batch) draws for `count` items the models make (a generator's samples), this rank's
                               share of them in batches: the same items on any world size
     val.gather(tensor)        every rank's rows of `tensor` (their counts may differ), in rank order
-    val.image(tag, images)    images (N, C, H, W) shown as a grid in TensorBoard (rank 0's)
-"""
+    val.image(tag, images)    images (N, C, H, W) shown as a grid in TensorBoard (rank 0's)"""
 
 from __future__ import annotations
 

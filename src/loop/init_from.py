@@ -2,8 +2,7 @@
 (each model from its namesake, a sharded one gathered whole), or into the output model from a `torch.save`d
 state_dict or a `.safetensors` file, wrappers' key prefixes stripped; what does not match is one log line per kind,
 or with `init_from_strict=true` one error line before any training. `trainer.freeze=[PREFIX, ...]` freezes the
-parameters whose names start with a prefix, before DDP and the optimizer see them.
-"""
+parameters whose names start with a prefix, before DDP and the optimizer see them."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ any world size. A model declares one hook, or none:
 
 A model with a hook is built on the meta device, given memory only for what this rank holds, and its hook runs on a
 whole-size CPU copy of one module at a time (or of the model), of which each rank keeps its slices (docs/fsdp.md).
-One that cannot be built on meta is built whole, then initialised alike. A tensor a hook leaves unset is one error.
-"""
+One that cannot be built on meta is built whole, then initialised alike. A tensor a hook leaves unset is one error."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The optimizer (its parameter groups: learning rates by name prefix, no weight decay on biases and normalisation
 weights), and learning-rate schedules counted in optimizer steps. Each schedule is a function
 `(optimizer, total_steps, steps_per_epoch, **options)` returning a scheduler the loop steps once per optimizer step;
-`conf/scheduler/*.yaml` names one with `_target_` and `_partial_: true`, so options can be given in epochs.
-"""
+`conf/scheduler/*.yaml` names one with `_target_` and `_partial_: true`, so options can be given in epochs."""
 
 from __future__ import annotations
 

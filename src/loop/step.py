@@ -18,8 +18,7 @@ must keep, whatever the world size, `grad_accum` and strategy:
     micro.randn(stream, *shape)  draws per sample, from (seed, step, the sample's place in the global batch, stream):
                                  the same on any world size and after a resume
 
-The trainer counts the step, steps every schedule, updates the fp16 scaler and tells the callbacks.
-"""
+The trainer counts the step, steps every schedule, updates the fp16 scaler and tells the callbacks."""
 
 from __future__ import annotations
 
@@ -241,8 +240,7 @@ class StepContext:
         self.sums.add(sums)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's `tensor` (same shape) along dim 0 in rank order (global-batch order), each row's gradient
-        summed back to its rank."""
+        """Every rank's same-shaped `tensor` along dim 0 in global-batch order; each row's gradient goes to its rank."""
         return _AllGather.apply(tensor) if is_initialized() and self.world_size > 1 else tensor
 
 

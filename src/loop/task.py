@@ -11,8 +11,7 @@ ask it:
 - `sums(outputs, target)`: the batch's metric sums by name, all-reduced in one collective;
 - `compute(sums)`: the metrics, from the sums over all ranks;
 - `check_output`, `check`, `num_outputs`: the model's output checked once, what it needs of a dataset, how wide the
-  output must be (`${data:num_outputs}`); `monitor` and `mode`: what decides best.pt by default.
-"""
+  output must be (`${data:num_outputs}`); `monitor` and `mode`: what decides best.pt by default."""
 
 from __future__ import annotations
 

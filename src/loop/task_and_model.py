@@ -1,8 +1,7 @@
 """The task and models of a run, built from their configs: the task, checked and bound to the dataset's fields; the
 trained models by name, checked against the task's inputs, built, frozen, initialised and prepared (DDP or FSDP,
 compiled), with their optimizers and schedules; the frozen auxiliary models (`aux`, e.g. a distillation's teacher: on
-the run's device in eval mode, never wrapped, never saved in the run's checkpoints).
-"""
+the run's device in eval mode, never wrapped, never saved in the run's checkpoints)."""
 
 from __future__ import annotations
 

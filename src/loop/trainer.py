@@ -1,8 +1,7 @@
 """The training loop: each epoch's steps (the task's `train_step` over `grad_accum` micro-batches), its evaluation,
 record, checkpoint and report; it stops with a checkpoint after `max_steps`, on preemption, or when a callback ends the
 run, telling its callbacks (src/loop/callback.py) what it does. Its records name rates and counts by the task's unit
-(`samples_per_s`, `val/num_tokens`).
-"""
+(`samples_per_s`, `val/num_tokens`)."""
 
 from __future__ import annotations
 

@@ -88,8 +88,7 @@ class CPUSyncBatchNorm(_BatchNorm):
 
 class _ThenItsChildren:
     """A sync-BN that runs its submodules after normalising, in their order, as timm's BatchNormAct2d runs its
-    dropout and activation (torch's convert_sync_batchnorm drops them: the converted model computes another
-    function)."""
+    dropout and activation (torch's convert_sync_batchnorm drops them: the model would compute another function)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         output = super().forward(input)  # type: ignore[misc]

@@ -1,6 +1,5 @@
 """`dist.nproc_per_node=N`: `python train.py` starts its own group of N local workers; and how a worker of any
-launcher runs its job: reporting its failure to the launcher, and ending with the launcher that started it.
-"""
+launcher runs its job: reporting its failure to the launcher, and ending with the launcher that started it."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from src import checkpoint
-from src.checkpoint import resume
+from src.checkpoint import layout, resume
 from src.checkpoint.file_store import FileStore
 from src.common.errors import UsageError
 
@@ -28,8 +28,8 @@ def test_auto_takes_the_newest_checkpoint_that_loads(tmp_path: Path):
     saver = FileStore(tmp_path, is_main_process=True, keep_last=3)
     for step in (5, 10, 15):
         save(saver, step)
-    assert [p.name for p in saver.newest_first()] == ["last.pt", "step_000000015.pt", "step_000000010.pt",
-                                                       "step_000000005.pt"]
+    assert [p.name for p in layout.newest_first(tmp_path)] == ["last.pt", "step_000000015.pt", "step_000000010.pt",
+                                                                "step_000000005.pt"]
     (tmp_path / "last.pt").write_bytes(b"")
     (tmp_path / "step_000000015.pt").write_bytes(b"PK\x03\x04 cut")
     chosen = load(saver, "auto")
@@ -39,7 +39,7 @@ def test_auto_takes_the_newest_checkpoint_that_loads(tmp_path: Path):
 def test_auto_with_every_checkpoint_damaged_is_one_error(tmp_path: Path):
     saver = FileStore(tmp_path, is_main_process=True)
     save(saver, 5)
-    for path in saver.newest_first():
+    for path in layout.newest_first(saver.directory):
         path.write_bytes(b"")
     with pytest.raises(UsageError, match=r"last.pt cannot be read .*; nor does any older one in"):
         load(saver, "auto")

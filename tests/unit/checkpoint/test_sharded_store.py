@@ -72,7 +72,7 @@ def test_resume_auto_takes_last_and_falls_back_past_an_incomplete_directory(save
     assert layout.resume_path(saved.directory, "auto") == saved.directory / "last"
     with pytest.raises(UsageError, match="already holds a run"):
         layout.resume_path(saved.directory, None)
-    assert saved.newest_first() == [saved.directory / "last", saved.directory / "step_000000005"]
+    assert layout.newest_first(saved.directory) == [saved.directory / "last", saved.directory / "step_000000005"]
     (saved.directory / "step_000000015" / ".metadata").unlink()  # as if killed before the index was renamed in
     with pytest.raises(UsageError, match=r"step_000000015 is incomplete \(no .metadata or state.pt"):
         checkpoint.read(saved.directory / "last")

@@ -92,7 +92,8 @@ def _diagnose(cause: BaseException | None, script: str, lines: list[str], config
     culprit, choices = (None, {}) if override else _without_one(overrides, dirs, config_name)
     if not key:  # no key refused: a group override the script's defaults list has no entry for?
         if culprit and culprit.type is OverrideType.CHANGE and culprit.key_or_group not in choices:
-            return f"{script} has no {culprit.key_or_group} option to choose ({script} --help lists its config groups)"
+            groups = ", ".join(sorted(f"{group}=OPTION" for group in choices if not group.startswith("hydra")))
+            return f"{script} has no {culprit.key_or_group} option to choose; it chooses {groups}"
         return None
     option = culprit.value() if culprit else None
     source = f"{key} (in {culprit.key_or_group}/{option}.yaml)" if isinstance(option, str) else key

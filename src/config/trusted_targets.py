@@ -67,5 +67,5 @@ def check_saved_config(saved: Any, path: Path, allowed: set[str]) -> None:
     named = ", ".join(f"{key}={target}" for key, target in unknown)
     listing = ",".join(sorted({str(target) for _, target in unknown}))
     raise UsageError(f"checkpoint {path} names {named}, which no option of conf/ ({', '.join(GROUPS)}) names; "
-                     f"nothing was built. If you trust this file, allow it with trusted_targets=[{listing}] (or "
-                     "list it under trusted_targets in the config)")
+                     "nothing was built. If you trust this file, pass the config folder of its run "
+                     f"(hydra.searchpath=[file://DIR]) or allow it with trusted_targets=[{listing}]")

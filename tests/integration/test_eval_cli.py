@@ -84,6 +84,7 @@ def test_help_lists_eval_s_options(tmp_path: Path):
     result = check(run([sys.executable, EVAL, "--help"], tmp_path))
     assert "eval.py: evaluate a checkpoint" in result.stdout
     assert "dataset: arrow, breast_cancer, checkpoint, cifar10" in result.stdout
+    assert "eval.py chooses only dataset (the model comes from the checkpoint)" in result.stdout
 
 
 def bad_checkpoint(kind: str, folder: Path, trained: Path) -> Path:

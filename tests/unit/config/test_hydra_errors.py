@@ -105,8 +105,7 @@ def test_train_command_line(overrides, message):
      f"{options('dataset', 'checkpoint')}"),
     (["checkpoint=x.pt", "trainer.devic=cpu"], "trainer.devic is not a config key (did you mean trainer.device?); "
                                                "to add a new key, use +trainer.devic=cpu"),
-    (["checkpoint=x.pt", "model=mlp"], "eval.py has no model option to choose "
-                                       "(eval.py --help lists its config groups)"),
+    (["checkpoint=x.pt", "model=mlp"], "eval.py has no model option to choose; it chooses dataset=OPTION"),
     (["dataset.root=/data", "dataset.anything=1"], None),  # eval's dataset node is open: no error
 ], ids=["eval-unknown-option", "eval-typo-in-key", "eval-no-model", "eval-open-dataset"])
 def test_eval_command_line(eval_dataset_option, overrides, message):

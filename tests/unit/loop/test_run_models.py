@@ -102,7 +102,9 @@ def test_an_auxiliary_model_is_frozen_in_eval_mode_from_a_checkpoint_s_own_confi
     FileStore(tmp_path / "untrusted", is_main_process=True).save(
         {"models": Named({"model": ModelState(torch.nn.Identity())}, "model"),
          "config": {"model": {"_target_": "torch.nn.Identity"}}}, step=1, is_best=False)
-    with pytest.raises(UsageError, match="names model._target_=torch.nn.Identity, which no option of conf/"):
+    untrusted = (r"names model._target_=torch.nn.Identity, which no option of conf/ .*pass the config folder of its "
+                 r"run \(hydra.searchpath=\[file://DIR\]\)")
+    with pytest.raises(UsageError, match=untrusted):
         models.build_aux(OmegaConf.create({"teacher": {"path": str(tmp_path / "untrusted" / "last.pt")}}), Student(),
                          torch.device("cpu"), trusted=set())
     with pytest.raises(UsageError, match="^task=Student needs the auxiliary model teacher: set aux.teacher.path="):

@@ -55,8 +55,10 @@ def kill_tree(pid: int) -> None:
 
 
 def launch_env(env: dict | None = None) -> dict[str, str]:
-    """The environment of a launched command: this one, unbuffered, with no distributed variables."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    """The environment of a launched command: this one, unbuffered, with no distributed variables and nothing a run
+    agreed on (its start time, its dirs: src/parallel/job.py) but what `env` sets."""
+    inherited = {key: value for key, value in os.environ.items() if not key.startswith("DDP_TEMPLATE_")}
+    full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(key, None)
     return full_env

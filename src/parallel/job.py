@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import os
 import shlex
 import shutil
@@ -24,9 +25,8 @@ from omegaconf import OmegaConf
 from src.common.errors import exit_on_usage_error, find_usage_error
 from src.config import data_fields, hydra_errors
 from src.parallel import distributed
-from src.parallel.ranks import adopt_cluster_env, is_main_process, is_worker, read_env
+from src.parallel.ranks import adopt_cluster_env, in_multi_task_job, is_main_process, is_worker, read_env
 
-_STORE_KEY = "ddp_template/run_started_at"
 STARTED_AT = "DDP_TEMPLATE_RUN_STARTED_AT"  # the run's start time: set once per process, inherited by its children
 
 
@@ -94,22 +94,48 @@ def config_flags(argv: Sequence[str]) -> tuple[str, ...]:
     return tuple(flags)
 
 
+def _agreed(variable: str, decide: Callable[[], str], environ: MutableMapping[str, str] = os.environ) -> str:
+    """`decide()` as rank 0 made it, on every rank: agreed once through the launcher's store (a restarted rank 0 finds
+    its first value there), then kept in `variable` of the environment the processes it starts inherit."""
+    if variable not in environ:
+        env = read_env(environ)
+        store, key = distributed.rendezvous_store(env) if env.is_distributed else None, f"ddp_template/{variable}"
+        if store is None or env.is_main_process and not store.check([key]):
+            environ[variable] = decide()
+            if store is not None:
+                store.set(key, environ[variable])
+        else:
+            environ[variable] = store.get(key).decode()
+    return environ[variable]
+
+
 def run_started_at(environ: MutableMapping[str, str] = os.environ) -> datetime.datetime:
-    """The run's start time (rank 0's), agreed once and kept in the environment the processes it starts inherit."""
-    if STARTED_AT not in environ:
-        started, env = datetime.datetime.now().isoformat(), read_env()
-        if env.is_distributed:
-            store = distributed.rendezvous_store(env)
-            if env.is_main_process:  # compare_set keeps the first value: a rank 0 restarted in the store keeps the dir
-                store.compare_set(_STORE_KEY, "", started)
-            started = store.get(_STORE_KEY).decode()
-        environ[STARTED_AT] = started
-    return datetime.datetime.fromisoformat(environ[STARTED_AT])
+    """The run's start time (rank 0's), the same in every process of the run."""
+    return datetime.datetime.fromisoformat(_agreed(STARTED_AT, lambda: datetime.datetime.now().isoformat(), environ))
+
+
+def fresh_dir(path: str, environ: MutableMapping[str, str] = os.environ) -> str:
+    """`path`, or the first of `path-2`, `path-3`, ... that no other run has made (rank 0 makes it here), the same in
+    every process of the run: runs started in the same second never share a dir. Tasks of an `srun` job keep `path`."""
+    variable = f"DDP_TEMPLATE_DIR_{hashlib.sha1(path.encode()).hexdigest()[:12]}"
+    if variable not in environ and in_multi_task_job(environ) and not is_worker(environ):  # not adopted yet
+        return path
+    return _agreed(variable, lambda: _made(path), environ)
+
+
+def _made(path: str, number: int = 1) -> str:
+    candidate = path if number == 1 else f"{path}-{number}"
+    try:
+        Path(candidate).mkdir(parents=True)  # atomic: of runs racing for a dir, one makes it
+    except FileExistsError:
+        return _made(path, number + 1)
+    return candidate
 
 
 def register_resolvers() -> None:
-    """The config's `${run_timestamp:FORMAT}`, `${main_rank_only:VALUE}` and `${data:FIELD}`."""
+    """The config's `${run_timestamp:FORMAT}`, `${fresh_dir:PATH}`, `${main_rank_only:VALUE}` and `${data:FIELD}`."""
     OmegaConf.register_new_resolver("run_timestamp", lambda fmt: run_started_at().strftime(fmt), replace=True)
+    OmegaConf.register_new_resolver("fresh_dir", fresh_dir, replace=True)
     # Hydra writes `.hydra/` before our code runs, in every process: `hydra.output_subdir` is null on the other ranks.
     OmegaConf.register_new_resolver("main_rank_only", lambda value: value if is_main_process() else None, replace=True)
     data_fields.register_resolver()  # ${data:FIELD} in model YAMLs

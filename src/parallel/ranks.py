@@ -45,7 +45,7 @@ def is_main_process(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this process is rank 0, whatever launched it (a task not yet adopted: its job's rank)."""
     if "RANK" in environ:
         return int(environ["RANK"]) == 0
-    if not _in_multi_task_job(environ):
+    if not in_multi_task_job(environ):
         return True
     key = "SUBMITIT_LOCAL_GLOBALID" if environ.get("SUBMITIT_EXECUTOR") == "local" else "SLURM_PROCID"
     return int(environ.get(key, "0")) == 0
@@ -56,14 +56,14 @@ def is_worker(environ: Mapping[str, str] = os.environ) -> bool:
     return "WORLD_SIZE" in environ
 
 
-def _in_multi_task_job(environ: Mapping[str, str]) -> bool:
+def in_multi_task_job(environ: Mapping[str, str]) -> bool:
     """A task of submitit's executors, or one of several tasks of `srun python train.py`."""
     return "SUBMITIT_EXECUTOR" in environ or (int(environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in environ)
 
 
 def adopt_cluster_env(environ: MutableMapping[str, str] = os.environ) -> None:
     """Under submitit or `srun`, export RANK & co from the job's environment. Called once, where a job starts."""
-    if is_worker(environ) or not _in_multi_task_job(environ):
+    if is_worker(environ) or not in_multi_task_job(environ):
         return
     environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # a task of `srun python train.py`
     import submitit  # an optional package: the launcher presets' dependency

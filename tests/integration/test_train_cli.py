@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import REPO, TINY, check, metrics, torchrun, train, weights
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
@@ -109,6 +111,27 @@ def test_torchrun_two_workers_share_one_run_dir(workdir: Path):
     assert summary["step"] == 1437 // 64
     assert "world size 2" in result.stdout and "backend gloo" in result.stdout
     SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10).load_state_dict(weights(run_dir))
+
+
+def test_runs_started_in_the_same_second_write_a_run_dir_each(workdir: Path):
+    """`for seed in 1 2; do python train.py seed=$seed & done`: both runs resolve outputs/DATE/HH-MM-SS alike (here
+    forced: the same start time); the second to make it takes HH-MM-SS-2."""
+    started = {"DDP_TEMPLATE_RUN_STARTED_AT": "2030-01-02T03:04:05"}
+    args = ["trainer.epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1"]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda seed: train([*args, f"seed={seed}"], workdir, env=started), (1, 2)))
+    day = workdir / "outputs" / "2030-01-02"
+    assert sorted(path.name for path in day.iterdir()) == ["03-04-05", "03-04-05-2"]
+    seeds = []
+    for run_dir in day.iterdir():
+        seed = int(yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())[-1].split("=")[1])
+        saved = torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+        assert saved["config"]["seed"] == seed and metrics(run_dir)["step"] == 2  # the run's own files only
+        assert len(list((run_dir / "tb").iterdir())) == 1 and (run_dir / "train.log").read_text().count("final:") == 1
+        assert any(f"run dir: {run_dir.resolve()}" in check(result).stdout and f"seed={seed}" in result.stdout
+                   for result in results)
+        seeds.append(seed)
+    assert sorted(seeds) == [1, 2]
 
 
 def test_multirun_writes_one_dir_per_job(workdir: Path):

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, free_port
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import src.config.schema  # noqa: F401 - registers train_schema and eval_schema
 from src.common.errors import UsageError
 from src.parallel import job, ranks, workers
 from src.reports import sweep_summary
@@ -28,7 +30,7 @@ sys.path.insert(0, {repo!r})
 if os.environ["RANK"] == "1":
     time.sleep(1.5)  # rank 1 reaches Hydra late, as on a busy node
 from src.parallel import distributed, job
-print(job.run_started_at().isoformat())
+print(job.run_started_at().isoformat(), job.fresh_dir({run_dir!r}))
 store = distributed.rendezvous_store(distributed.read_env())
 if os.environ["RANK"] == "1":
     store.set("seen", "1")
@@ -37,7 +39,8 @@ else:
 """
 
 
-def test_ranks_agree_on_rank_zeros_start_time():
+def test_ranks_agree_on_rank_zeros_start_time_and_run_dir(tmp_path: Path):
+    (tmp_path / "03-04-05").mkdir()  # another run's: rank 0 makes 03-04-05-2, which rank 1 takes too
     port = str(free_port())
     processes = []
     for rank in ("0", "1"):
@@ -45,11 +48,12 @@ def test_ranks_agree_on_rank_zeros_start_time():
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         env.pop("DDP_TEMPLATE_RUN_STARTED_AT", None)
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        code = AGREE.format(repo=str(REPO))
+        code = AGREE.format(repo=str(REPO), run_dir=str(tmp_path / "03-04-05"))
         processes.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True))
     stamps = [p.communicate(timeout=60)[0].strip() for p in processes]
     assert [p.returncode for p in processes] == [0, 0]
-    assert stamps[0] == stamps[1] and stamps[0]
+    assert stamps[0] == stamps[1] and stamps[0].endswith(f" {tmp_path / '03-04-05-2'}")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["03-04-05", "03-04-05-2"]
 
 
 def test_a_submitit_jobs_ranks_meet_on_the_port_rank_zero_publishes_not_a_busy_or_stale_one(tmp_path: Path):
@@ -64,7 +68,8 @@ def test_a_submitit_jobs_ranks_meet_on_the_port_rank_zero_publishes_not_a_busy_o
                "MASTER_PORT": str(foreign.port), ranks.PORT_FILE: str(port_file)}
         env.pop("DDP_TEMPLATE_RUN_STARTED_AT", None)
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        processes.append(subprocess.Popen([sys.executable, "-c", AGREE.format(repo=str(REPO))], env=env,
+        code = AGREE.format(repo=str(REPO), run_dir=str(tmp_path / "run"))
+        processes.append(subprocess.Popen([sys.executable, "-c", code], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         time.sleep(1.0)
     outputs = [p.communicate(timeout=60) for p in processes]
@@ -99,6 +104,36 @@ def test_start_time_is_inherited_by_child_processes(monkeypatch):
     stamp = job.run_started_at()
     assert os.environ["DDP_TEMPLATE_RUN_STARTED_AT"] == stamp.isoformat()
     assert job.run_started_at() == stamp  # agreed once: every later resolution reads it
+
+
+def test_runs_started_in_the_same_second_take_a_dir_each(tmp_path: Path):
+    path = str(tmp_path / "outputs" / "03-04-05")
+    first, second, third = {}, {}, {}  # three runs' environments
+    assert job.fresh_dir(path, first) == path and job.fresh_dir(path, second) == f"{path}-2"
+    assert job.fresh_dir(path, first) == path  # asked again (Hydra resolves the dir more than once)
+    assert job.fresh_dir(path, dict(second)) == f"{path}-2"  # by a process the run started
+    assert job.fresh_dir(path, third) == f"{path}-3"
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["03-04-05", "03-04-05-2", "03-04-05-3"]
+    srun_task = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1"}  # the tasks of `srun python train.py` share `path`
+    assert job.fresh_dir(path, srun_task) == path and not (tmp_path / "outputs" / "03-04-05-4").exists()
+
+
+def test_the_configs_run_and_sweep_dirs_are_fresh(tmp_path: Path, monkeypatch):
+    """conf/'s default dirs, train.py's and eval.py's: a second run started in the same second gets DIR-2."""
+    timestamped = [line for path in (REPO / "conf").rglob("*.yaml") for line in path.read_text().splitlines()
+                   if line.strip().startswith("dir:") and "run_timestamp" in line]  # the presets' too (debug=fast)
+    assert len(timestamped) == 7 and all(line.strip().startswith("dir: ${fresh_dir:") for line in timestamped)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DDP_TEMPLATE_RUN_STARTED_AT", "2030-01-02T03:04:05")
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for config_name, overrides in (("config", []), ("eval", ["checkpoint=x.pt", "dataset=digits"])):
+            hydra = compose(config_name, overrides, return_hydra_config=True).hydra
+            for key in ("run", "sweep"):
+                first = hydra[key].dir
+                for variable in [name for name in os.environ if name.startswith("DDP_TEMPLATE_DIR_")]:
+                    monkeypatch.delenv(variable)  # as in another process
+                assert first.endswith("2030-01-02/03-04-05") and hydra[key].dir == f"{first}-2"
+                assert (tmp_path / first).is_dir() and (tmp_path / f"{first}-2").is_dir()
 
 
 def test_only_rank_zero_writes_hydra_files(monkeypatch):

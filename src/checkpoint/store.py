@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-import src.checkpoint.layout as layout
 from src.common.errors import UsageError
 from src.parallel import distributed
 
@@ -137,12 +136,6 @@ class Store:
 
     def write(self, snapshot: Any, step: int, is_best: bool, mid_epoch: bool) -> None:
         raise NotImplementedError
-
-    def latest(self) -> Path | None:
-        return layout.latest(self.directory)
-
-    def best(self) -> Path | None:
-        return layout.best(self.directory)
 
 
 class _Writer:

@@ -62,7 +62,8 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
     except Exception as error:
         usage_error = find_usage_error(error)
         if usage_error is None or in_sweep:
-            out_of_memory = _out_of_memory(error)
+            out_of_memory = next((e for e in _chain(error) if isinstance(e, MemoryError) or (
+                isinstance(e, RuntimeError) and any(words in str(e) for words in _NO_MEMORY))), None)
             if out_of_memory is None:
                 raise
             out_of_memory.add_note(_out_of_memory_hint(out_of_memory))
@@ -85,11 +86,6 @@ def _out_of_memory_hint(error: BaseException) -> str:
             "state does not fit one process: under dist=ddp use dist=fsdp, which keeps 1/W of the parameters, "
             "gradients and optimizer state on each of W ranks; under dist=fsdp use more ranks "
             "(torchrun --nproc_per_node=N) or a smaller per-rank batch")
-
-
-def _out_of_memory(error: BaseException) -> BaseException | None:
-    return next((e for e in _chain(error) if isinstance(e, MemoryError) or (
-        isinstance(e, RuntimeError) and any(words in str(e) for words in _NO_MEMORY))), None)
 
 
 def memory_limit() -> str:

@@ -32,14 +32,6 @@ def targets_in(node: Any) -> Iterator[tuple[str, Any]]:
     return ((dotted, value) for dotted, key, value in _entries(node) if key == "_target_")
 
 
-def config_dirs() -> list[Path]:
-    """The folders this run composes its config from: conf/ and `hydra.searchpath`'s `file://` ones."""
-    if not HydraConfig.initialized():
-        return [DEFAULT_CONF]
-    sources = HydraConfig.get().runtime.config_sources
-    return [Path(source.path) for source in sources if source.schema == "file" and source.provider != "hydra"]
-
-
 def targets_of_config_groups(dirs: Iterable[Path]) -> set[str]:
     return {str(target) for directory in dirs for group in GROUPS
             for option in sorted((directory / group).glob("**/*.yaml"))
@@ -47,9 +39,12 @@ def targets_of_config_groups(dirs: Iterable[Path]) -> set[str]:
 
 
 def trusted(listed: Iterable[str], own_config: Any = None) -> set[str]:
-    """The targets a saved config may name: the config groups', those `listed`, and those of `own_config`."""
+    """The targets a saved config may name: the config groups' (of the folders this run composes its config from:
+    conf/ and `hydra.searchpath`'s `file://` ones), those `listed`, and those of `own_config`."""
+    sources = HydraConfig.get().runtime.config_sources if HydraConfig.initialized() else []
+    dirs = [Path(source.path) for source in sources if source.schema == "file" and source.provider != "hydra"]
     own = {str(target) for _, target in targets_in(own_config)}
-    return targets_of_config_groups(config_dirs()) | set(map(str, listed)) | own
+    return targets_of_config_groups(dirs or [DEFAULT_CONF]) | set(map(str, listed)) | own
 
 
 def check_saved_config(saved: Any, path: Path, allowed: set[str]) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from src.checkpoint import layout
 from src.checkpoint import read as checkpoint_read
 from src.checkpoint.states import ModelState, Named, OptimizerState
 from src.checkpoint.store import Checkpoint
@@ -197,7 +198,7 @@ class Trainer:
         state.test = {"step": state.step, "weights": weights,
                       "metrics": {**scores, f"test/num_{parts.task.unit}": test["count"]}}
         if chosen is not None:  # the last weights back, before they are saved again
-            checkpoint_read(parts.store.latest()).restore(weights_parts)
+            checkpoint_read(layout.latest(parts.store.directory)).restore(weights_parts)
         splits = dict.fromkeys(key.split("/")[0] for key in scores)
         log.info("%s (%d %s; weights: %s)", "  ".join(format_metrics(scores, split) for split in splits),
                  test["count"], parts.task.unit, weights)
@@ -211,7 +212,7 @@ class Trainer:
 
     def _chosen_weights(self, state: TrainState) -> tuple[Checkpoint | None, str]:
         """The checkpoint of the weights to test (None: the last, which the model holds), and what they are."""
-        best = self.parts.store.best()
+        best = layout.best(self.parts.store.directory)
         if self.config.monitor is None or best is None:
             return None, f"the last, of step {state.step}"
         chosen = checkpoint_read(best)

@@ -18,7 +18,6 @@ from torch.utils.tensorboard.summary import hparams as hparams_summary
 from tqdm import tqdm
 
 from src.common.files import write_text_atomically
-from src.reports.progress import progress_bar, shows_progress, track
 
 _FORMAT = "[%(asctime)s][%(levelname)s] %(message)s"
 T = TypeVar("T")
@@ -112,17 +111,22 @@ class Reporter:
         self._tensorboard = is_main_process and tensorboard
         self._trackers = trackers if is_main_process else None
         self._writer: Any = None
-        self._console = sys.stdout if shows_progress(progress, is_main_process, sys.stdout) else None
+        # Bars on the main process's terminal only: in a log file, tqdm's carriage-return redraws are noise.
+        self._console = sys.stdout if progress and is_main_process and sys.stdout.isatty() else None
         self._bar = tqdm(disable=True)  # no bar before progress() makes one
 
     def progress(self, desc: str, total: int, done: int = 0) -> tqdm:
-        """A bar of `total` steps, `done` of them already (disabled without a console); it shows `train/loss`."""
-        self._bar = progress_bar(desc, total, done, self._console)
+        """A bar of `total` steps, `done` of them already (disabled without a console), gone when closed; it shows
+        `train/loss`."""
+        self._bar = tqdm(total=total, initial=done, desc=desc, unit="step", file=self._console, leave=False,
+                         dynamic_ncols=True, disable=self._console is None)
         return self._bar
 
     def track(self, iterable: Iterable[T], desc: str) -> Iterable[T]:
         """`iterable` counted by a bar as it is consumed; `iterable` itself when no bar is drawn."""
-        return iterable if self._console is None else track(iterable, desc, self._console)
+        if self._console is None:
+            return iterable
+        return tqdm(iterable, desc=desc, unit="batch", file=self._console, leave=False, dynamic_ncols=True)
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         if "train/loss" in values:

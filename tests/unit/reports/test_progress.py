@@ -1,9 +1,8 @@
-"""src/reports/progress.py and the Reporter's bars: drawn on the main process's terminal only, and
+"""The Reporter's progress bars (src/reports/reporting.py): drawn on the main process's terminal only, and
 counting the steps of an epoch (a resumed one included)."""
 
 from __future__ import annotations
 
-import functools
 import io
 import logging
 import re
@@ -24,8 +23,7 @@ from src.data.splits import DataSplits
 from src.loop.callback import Run
 from src.loop.trainer import Trainer, TrainState
 from src.parallel.distributed import DistEnv, Runtime
-from src.reports import progress
-from src.reports.progress import shows_progress
+from src.reports import reporting
 from src.reports.reporting import Reporter, setup_logging
 
 
@@ -40,7 +38,11 @@ class FakeTerminal(io.StringIO):
 def terminal(monkeypatch: pytest.MonkeyPatch) -> FakeTerminal:
     """A terminal to put in place of stdout inside the test (pytest's capture resets sys.stdout after
     fixtures), on which tqdm draws every update (it skips those within 0.1 s of the last drawing)."""
-    monkeypatch.setattr(progress, "tqdm", functools.partial(progress.tqdm, mininterval=0, miniters=1))
+    class EveryUpdate(reporting.tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, mininterval=0, miniters=1, **kwargs)
+
+    monkeypatch.setattr(reporting, "tqdm", EveryUpdate)
     return FakeTerminal()
 
 
@@ -59,8 +61,11 @@ def bar_states(output: str, desc: str) -> list[str]:
         (False, True, FakeTerminal(), False),  # trainer.progress=false
     ],
 )
-def test_bars_only_for_the_main_process_at_a_terminal(enabled, is_main_process, stream, expected):
-    assert shows_progress(enabled, is_main_process, stream) is expected
+def test_bars_only_for_the_main_process_at_a_terminal(monkeypatch, tmp_path: Path, enabled, is_main_process, stream,
+                                                     expected):
+    monkeypatch.setattr(sys, "stdout", stream)
+    reporter = Reporter(tmp_path, is_main_process, tensorboard=False, progress=enabled)
+    assert (not reporter.progress("train", total=2).disable) is expected
 
 
 @pytest.mark.parametrize("is_main_process,show", [(False, True), (True, False)])

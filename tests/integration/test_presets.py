@@ -140,6 +140,7 @@ def test_seed_presets_carry_the_seed_hyperparameters():
     assert (lenet.dataset.batch_size, lenet.trainer.epochs, lenet.dataset.augment) == (64, 10, False)
 
 
+@pytest.mark.template  # the template's own default run (a fork makes its own the default)
 def test_digits_experiment_is_the_default_run():
     assert composed(["experiment=digits_cnn"]) == composed([])
 

@@ -75,8 +75,8 @@ def options(group: str, *registered: str) -> str:
     (["trainer.epochs=[1"], "cannot parse the override 'trainer.epochs=[1' (no viable alternative at input '[1'); "
      "quote values holding special characters, e.g. key='a value' "
      "(https://hydra.cc/docs/advanced/override_grammar/basic/)"),
-    (["model.hiden=3"], "model.hiden is not a config key (did you mean model.hidden?); src.components.models.SimpleCNN "
-                        "takes in_channels, image_size, num_outputs, channels, hidden, dropout"),
+    (["model=cnn", "model.hiden=3"], "model.hiden is not a config key (did you mean model.hidden?); "
+     "src.components.models.SimpleCNN takes in_channels, image_size, num_outputs, channels, hidden, dropout"),
     (["callbacks.ema.decy=0.9"], "callbacks.ema.decy is not a config key (did you mean callbacks.ema.decay?); "
                                  "src.callbacks.ema.EMA takes decay, warmup_steps, model"),
     (["dist.cpu_offload=true"], "dist.cpu_offload is not a config key (did you mean dist.fsdp.cpu_offload?); "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from hydra.errors import InstantiationException
@@ -37,16 +37,18 @@ def check_arguments(**checked: tuple[Any, Rule]) -> None:
 
 
 @contextlib.contextmanager
-def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[str] = ()) -> Iterator[None]:
+def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[str] = (),
+                 called_with: Sequence[str] = ()) -> Iterator[None]:
     """Build `node` (the config at `key`) inside the block: an argument its target does not take or misses, or a
-    value it refuses, is one line naming `key`; `passed_elsewhere`: the node's keys that are not arguments."""
+    value it refuses, is one line naming `key`; `passed_elsewhere`: the node's keys that are not arguments;
+    `called_with`: the arguments the block gives a partial's target (a scheduler's optimizer, total_steps, ...)."""
     try:
         yield
-    except InstantiationException as error:
-        cause = error.__cause__
+    except (InstantiationException, TypeError) as error:  # a partial's TypeError comes from its call, unwrapped
+        cause = error.__cause__ if isinstance(error, InstantiationException) else error
         if isinstance(cause, SettingError):
             raise UsageError(cause.named(key)) from None
-        mismatch = argument_mismatch(key, node, passed_elsewhere) if isinstance(cause, TypeError) else None
+        mismatch = argument_mismatch(key, node, passed_elsewhere, called_with) if isinstance(cause, TypeError) else None
         if mismatch is None:
             raise
         raise UsageError(mismatch) from None
@@ -71,13 +73,18 @@ def takes(target: str) -> str:
     return f"{target} takes {names}"
 
 
-def argument_mismatch(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[str] = ()) -> str | None:
-    """One line if `node`'s keys do not fit its target's signature; None if they fit or it cannot be read."""
+def argument_mismatch(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[str] = (),
+                      called_with: Sequence[str] = ()) -> str | None:
+    """One line if `node`'s keys (and the arguments it is `called_with`) do not fit its target's signature; None if
+    they fit or it cannot be read."""
     target = str(node.get("_target_"))
     found = argument_names(target)
     if found is None:
         return None
     names, any_keyword = found
+    if not any_keyword and not set(called_with) <= set(names):
+        return (f"{key}: {takes(target)}, but the run calls it with {', '.join(called_with)}: give a callable that "
+                "takes them (docs/forking.md)")
     given = [str(name) for name in node if name not in _HYDRA_KEYS and name not in set(passed_elsewhere)]
     unexpected = [] if any_keyword else [name for name in given if name not in names]
     if unexpected:
@@ -85,8 +92,8 @@ def argument_mismatch(key: str, node: Mapping[str, Any], passed_elsewhere: Itera
                 f"this run with ~{key}.{unexpected[0]}")
     parameters = inspect.signature(get_object(target)).parameters
     missing = [name for name in names if parameters[name].default is inspect.Parameter.empty
-               and parameters[name].kind != inspect.Parameter.POSITIONAL_ONLY and name not in given]
-    if missing and "_args_" not in node and not node.get("_partial_"):
+               and parameters[name].kind != inspect.Parameter.POSITIONAL_ONLY and name not in (*given, *called_with)]
+    if missing and "_args_" not in node and (called_with or not node.get("_partial_")):
         return f"{key} needs {', '.join(missing)}: {takes(target)}; add +{key}.{missing[0]}=VALUE"
     return None
 

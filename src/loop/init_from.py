@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from src import checkpoint
 from src.checkpoint.layout import is_directory_checkpoint
@@ -117,7 +118,8 @@ def load_initial_weights(modules: dict[str, nn.Module], output: str, path: Path,
             raise UsageError(f"{label} does not fit the model ({_problems(found)}); pass init_from_strict=false "
                              "to load the weights that match and keep the rest freshly initialised (e.g. a new head)")
         if fsdp.is_sharded(module):
-            fsdp.load_full_model_state(module, found.loadable, strict=False)
+            whole = StateDictOptions(full_state_dict=True, strict=False)  # on every rank: each keeps its shards
+            set_model_state_dict(module, dict(found.loadable), options=whole)
         else:
             module.load_state_dict(found.loadable, strict=False)
         several = len(modules) > 1

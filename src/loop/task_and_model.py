@@ -177,8 +177,10 @@ def build_optimizers(cfg: DictConfig, modules: dict[str, nn.Module], steps_per_e
     for name, module in modules.items():
         trainable = [(key, p) for key, p in module.named_parameters() if p.requires_grad]
         optimizers[name] = optim.build_optimizer(optimizer_cfgs[name], trainable, sharded=fsdp.is_sharded(module))
-        schedulers[name] = instantiate(scheduler_cfgs[name])(optimizers[name], total_steps=steps_per_epoch * epochs,
-                                                             steps_per_epoch=steps_per_epoch)
+        schedule = scheduler_cfgs[name]  # a partial, given the optimizer and the run's length
+        with building.errors_named("scheduler", schedule, (), ("optimizer", "total_steps", "steps_per_epoch")):
+            schedulers[name] = instantiate(schedule)(optimizers[name], total_steps=steps_per_epoch * epochs,
+                                                     steps_per_epoch=steps_per_epoch)
     return optimizers, schedulers
 
 

@@ -7,11 +7,10 @@ each unit costs its own collectives: a small model is one unit."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -104,11 +103,6 @@ def no_gradient_sync(model: Any) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def load_full_model_state(module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-    """A whole state_dict (on every rank) into the sharded `module`, each rank keeping its shards."""
-    set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how to compute a step, not its state

@@ -4,11 +4,13 @@ value it refuses, is one line naming the config key; any other error of the targ
 from __future__ import annotations
 
 import pytest
+import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from src.common.errors import UsageError
 from src.config import building
+from src.loop import task_and_model
 
 CNN = {"_target_": "src.components.models.SimpleCNN", "in_channels": 1, "image_size": [8, 8], "num_outputs": 10}
 TAKES = "src.components.models.SimpleCNN takes in_channels, image_size, num_outputs, channels, hidden, dropout"
@@ -50,3 +52,29 @@ def test_other_errors_of_the_target_keep_their_report():
     with pytest.raises(Exception, match="Error in call to target") as error:
         built("model", {**CNN, "hidden": "abc"})  # a TypeError inside the model, not an argument mismatch
     assert not isinstance(error.value, UsageError)
+
+
+ONE_CYCLE = {"_target_": "torch.optim.lr_scheduler.OneCycleLR", "_partial_": True}
+ONE_CYCLE_TAKES = "torch.optim.lr_scheduler.OneCycleLR takes optimizer, max_lr, total_steps, epochs, steps_per_epoch"
+
+
+@pytest.mark.parametrize("node, message", [
+    ({**ONE_CYCLE, "max_lr": 0.1, "warmup_epochs": 1.0},
+     f"scheduler.warmup_epochs is not an argument of scheduler: {ONE_CYCLE_TAKES}, "),
+    (ONE_CYCLE, f"scheduler needs max_lr: {ONE_CYCLE_TAKES}, "),
+    ({"_target_": "torch.optim.lr_scheduler.StepLR", "_partial_": True, "step_size": 2},
+     "scheduler: torch.optim.lr_scheduler.StepLR takes optimizer, step_size, gamma, last_epoch, but the run calls it "
+     "with optimizer, total_steps, steps_per_epoch: give a callable that takes them (docs/forking.md)"),
+])
+def test_a_schedule_that_does_not_fit_its_keys_or_its_call_is_one_line(node, message):
+    """torch's schedulers as `scheduler._target_`: the run calls the partial with (optimizer, total_steps=...,
+    steps_per_epoch=...), whose TypeError is not wrapped by Hydra."""
+    model = torch.nn.Linear(2, 1)
+    config = OmegaConf.create({"optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1},
+                               "scheduler": node})
+    with pytest.raises(UsageError) as error:
+        task_and_model.build_optimizers(config, {"model": model}, steps_per_epoch=4, epochs=2)
+    assert str(error.value).startswith(message), str(error.value)
+    config.scheduler = {**ONE_CYCLE, "max_lr": 0.1}  # what it takes: built
+    _, schedulers = task_and_model.build_optimizers(config, {"model": model}, steps_per_epoch=4, epochs=2)
+    assert schedulers["model"].total_steps == 8

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from hydra.errors import InstantiationException
@@ -48,6 +50,10 @@ def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[s
         cause = error.__cause__ if isinstance(error, InstantiationException) else error
         if isinstance(cause, SettingError):
             raise UsageError(cause.named(key)) from None
+        if isinstance(cause, ValueError):  # a value the target refused by its own check (torch's, a builder's)
+            where = traceback.extract_tb(cause.__traceback__)[-1]
+            raise UsageError(f"{key}: {node.get('_target_')} refused its settings ({cause}; raised at "
+                             f"{Path(where.filename).name}:{where.lineno}): change the {key}.* keys") from None
         mismatch = argument_mismatch(key, node, passed_elsewhere, called_with) if isinstance(cause, TypeError) else None
         if mismatch is None:
             raise

@@ -35,7 +35,7 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[tuple[str, torch.nn
                               options.pop("lr_multipliers", None) or {}, options.pop("decay_norm_and_bias", False))
 
     def make(params: Iterable[Any], **overrides: Any) -> Optimizer:
-        return instantiate({**options, **overrides})(params=params)
+        return instantiate({**options, **overrides}, _convert_="all")(params=params)  # plain lists: torch's errors
 
     try:
         if sharded and options.get("fused") and not fsdp.fused_step_takes_shards(make, [p for _, p in named]):
@@ -43,7 +43,7 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[tuple[str, torch.nn
                      "parameters (dist=fsdp): foreach kernels instead")
             return make(groups, fused=None, foreach=True)
         return make(groups)
-    except ValueError as error:
+    except (ValueError, IndexError) as error:  # IndexError: betas=[0.9]
         message = f"{options['_target_']} refused its settings ({error}): change the optimizer.* keys"
         raise UsageError(message) from error
     except TypeError as error:  # a key the class does not take, e.g. `fused` copied to an RMSprop YAML

@@ -48,6 +48,15 @@ def test_a_value_a_callback_refuses_names_its_key():
                                 "callbacks.early_stopping.min_delta=-1.0 must be a number >= 0")
 
 
+def test_a_value_the_target_refuses_by_its_own_check_is_one_line_naming_where():
+    """A ValueError while building (torch's Dropout here; a dataset builder's val_size check): the key, the target,
+    torch's or the builder's words and where they were raised."""
+    with pytest.raises(UsageError) as error:
+        built("model", {**CNN, "dropout": 1.5})
+    assert str(error.value) == ("model: src.components.models.SimpleCNN refused its settings (dropout probability has "
+                                "to be between 0 and 1, but got 1.5; raised at dropout.py:25): change the model.* keys")
+
+
 def test_other_errors_of_the_target_keep_their_report():
     with pytest.raises(Exception, match="Error in call to target") as error:
         built("model", {**CNN, "hidden": "abc"})  # a TypeError inside the model, not an argument mismatch

@@ -70,6 +70,9 @@ def test_build_optimizer_completes_the_partial_and_reports_torchs_refusals():
     cfg.betas = [1.5, 0.99]
     with pytest.raises(UsageError, match=r"torch.optim.AdamW refused its settings \(Invalid beta parameter at index 0"):
         build_optimizer(cfg, params)
+    cfg.betas = [0.9]  # one beta: torch indexes the second (a plain list, not OmegaConf's, whose error spans lines)
+    with pytest.raises(UsageError, match=r"^torch.optim.AdamW refused its settings \(list index out of range\): "):
+        build_optimizer(cfg, params)
     cfg.betas = [0.9, 0.99]
     cfg._target_ = "torch.optim.RMSprop"  # a YAML copied from adamw.yaml keeps `fused`, which RMSprop lacks
     cfg.pop("betas")

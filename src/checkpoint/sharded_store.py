@@ -151,8 +151,8 @@ class ShardedCheckpoint(Checkpoint):
         if not directory.is_dir():
             raise UsageError(f"checkpoint {path} names {directory}, which does not exist")
         if not ((directory / METADATA).is_file() and (directory / STATE).is_file()):
-            raise UsageError(f"checkpoint {directory} is incomplete (no {METADATA} or {STATE}: its save did not "
-                             "finish)")
+            raise UsageError(f"checkpoint {directory} is incomplete (no {METADATA} or {STATE}): its save did not "
+                             "finish, or it is no checkpoint (a run dir's are in its checkpoints/)")
         state = read_payload(directory / STATE)
         read_metadata(directory)  # refuse a crafted index before anything reads through it
         return cls(path, state, directory)

@@ -1,6 +1,8 @@
 # `make train` and `make test` set up .venv on first use, then run.
 # Extra arguments: make train ARGS="model=mlp optimizer=sgd"   make test ARGS="-k sampler"
-# make test-fast: the inner loop (unit tests and quick CLI checks; no test marked slow).
+# make test-fast: the inner loop (unit tests and quick CLI checks; no test marked slow). Other marks: MARKS="...",
+# e.g. a fork whose README is its own: make test-fast MARKS="not slow and not template" (ARGS='-m ...' would replace
+# the marks, not add to them: pytest keeps the last -m).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -32,8 +34,9 @@ train: $(VENV)/.runtime
 test: $(VENV)/.dev
 	$(PY) -m pytest $(ARGS)
 
+MARKS ?= not slow
 test-fast: $(VENV)/.dev
-	$(PY) -m pytest -m "not slow" $(ARGS)
+	$(PY) -m pytest -m "$(MARKS)" $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -36,6 +36,8 @@ EXERCISED_BY = {
     # deselects the template's own checks: both are `make test` with other pytest arguments.
     "make test-fast": "test_train_cli.py::test_help_lists_groups_and_cfg_job_prints_the_config_without_a_run_dir",
     "make test ARGS='-m \"not template\"'": ".ci/run",
+    'make test-fast MARKS="not slow and not template"':  # what the fork's suite runs
+        "test_fork_follow.py::test_the_fork_facing_suite_passes_in_the_fork",
     "python benchmarks/run.py": "test_readme.py::test_the_benchmark_script_writes_its_table",
     "python benchmarks/chaos.py --trials 20 --seed 0": "test_chaos.py::test_three_chaos_trials_end_bitwise_equal",
     "python eval.py checkpoint=outputs/DATE/TIME/checkpoints/best.pt":

@@ -133,7 +133,8 @@ def torchvision_model(name: str, num_outputs: int, weights: str | None = None, i
     replaced by one of `num_outputs`. Segmentation models return their dict ({"out": logits, ...})."""
     if in_channels != 3:
         raise UsageError(f"model=torchvision takes 3-channel images, and the dataset gives {in_channels}: set "
-                         "dataset.channels=3 (greyscale images are repeated into RGB)")
+                         "dataset.channels=3 where the dataset has it (image_folder, arrow: greyscale repeated into "
+                         f"RGB), or use model=timm, whose first convolution takes {in_channels}")
     if weights is None or _on_meta():
         return _torchvision(name, num_classes=num_outputs, **kwargs)
     member = _weights(name, weights)

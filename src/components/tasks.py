@@ -36,6 +36,7 @@ class Classification(Task):
         return F.cross_entropy(outputs.float(), target, reduction="sum", label_smoothing=self.label_smoothing)
 
     def check_output(self, outputs: torch.Tensor, target: torch.Tensor) -> None:
+        _one_tensor(outputs, "classification", "logits of shape (N, num_classes)")
         rows, classes = target.shape[0] if target.dim() else 0, self.output_width or "num_classes"
         if target.dim() != 1 or target.is_floating_point():
             raise UsageError(
@@ -104,6 +105,7 @@ class Binary(Task):
         return (per_sample * (1 + (self.pos_weight - 1) * labels)).sum()
 
     def check_output(self, outputs: torch.Tensor, target: torch.Tensor) -> None:
+        _one_tensor(outputs, "binary", "one logit per sample")
         rows = target.shape[0] if target.dim() else 0
         if target.dim() == 0 or target.numel() != rows:
             raise UsageError(f"task=binary takes one 0/1 label per sample (a target of shape (N,) or (N, 1)), but the "
@@ -163,6 +165,7 @@ class Regression(Task):
         return per_value.mean(dim=1).sum()
 
     def check_output(self, outputs: torch.Tensor, target: torch.Tensor) -> None:
+        _one_tensor(outputs, "regression", "predictions of shape (N, values)")
         if not target.is_floating_point():
             raise UsageError(f"task=regression learns real-valued targets, but the target holds "
                              f"{str(target.dtype).removeprefix('torch.')} (class labels?): use task=classification "
@@ -235,6 +238,7 @@ class CausalLM(Task):
                                reduction="sum")
 
     def check_output(self, outputs: torch.Tensor, target: torch.Tensor) -> None:
+        _one_tensor(outputs, "causal_lm", "logits of shape (N, T, vocab_size)")
         if target.dim() != 2 or target.is_floating_point():
             raise UsageError(f"task=causal_lm takes token ids (int64 targets of shape (N, T)), but the target holds "
                              f"{str(target.dtype).removeprefix('torch.')} of shape {shape(target)}: choose a "
@@ -286,7 +290,8 @@ class Segmentation(Task):
             raise UsageError(f"task=segmentation takes a class index per pixel (int64 masks of shape (N, H, W)), but "
                              f"the target holds {str(target.dtype).removeprefix('torch.')} of shape {shape(target)}: "
                              "choose a dataset of masks, or task=classification for one label per image")
-        logits, classes = _logits(outputs), self.output_width or "num_classes"
+        logits, classes = _one_tensor(_logits(outputs), "segmentation", "logits of shape (N, num_classes, H, W), or "
+                                      "a dict of them as out"), self.output_width or "num_classes"
         n, height, width = target.shape
         if logits.dim() != 4 or (logits.shape[0], *logits.shape[2:]) != (n, height, width) or \
                 logits.shape[1] != (self.output_width or logits.shape[1]):
@@ -325,6 +330,22 @@ def _class_counts(index: torch.Tensor, classes: int) -> torch.Tensor:
         0, flat, torch.ones_like(flat))[:classes]
 
 
+def _one_tensor(outputs: Any, task: str, holding: str) -> torch.Tensor:
+    """`outputs` if it is one tensor; a UsageError naming what the model returned if not (a tuple, a dict)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    name = type(outputs).__name__
+    returned = f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+    if isinstance(outputs, Mapping):
+        returned += f" of {', '.join(map(str, outputs))}"
+    elif isinstance(outputs, (tuple, list)):
+        parts = ", ".join(shape(part) if isinstance(part, torch.Tensor) else type(part).__name__ for part in outputs)
+        returned += f" of {len(outputs)} ({parts})"
+    raise UsageError(f"task={task} takes the model's output as one tensor ({holding}), but the model returns "
+                     f"{returned}: return that tensor alone, or write a task whose loss and sums take this output "
+                     "(docs/forking.md#add-a-task)")
+
+
 def _logits(outputs: Any) -> torch.Tensor:
     """A segmentation model's logits: the tensor it returns, or its dict's `out` (torchvision's models)."""
-    return outputs["out"] if isinstance(outputs, Mapping) else outputs
+    return outputs["out"] if isinstance(outputs, Mapping) and "out" in outputs else outputs

@@ -102,8 +102,11 @@ def test_torchvision_names_unknown_weights_models_and_channels_in_one_line():
         pretrained.torchvision_model("resnet18", 4, weights="IMAGENET9")
     with pytest.raises(UsageError, match=r"^model.name=resnet1000 is not a torchvision model; choose one of "):
         pretrained.torchvision_model("resnet1000", 4)
-    with pytest.raises(UsageError, match=r"^model=torchvision takes 3-channel images, and the dataset gives 1"):
+    with pytest.raises(UsageError) as error:  # what to do for digits and MNIST, which have no dataset.channels
         pretrained.torchvision_model("resnet18", 4, in_channels=1)
+    assert str(error.value) == ("model=torchvision takes 3-channel images, and the dataset gives 1: set "
+                                "dataset.channels=3 where the dataset has it (image_folder, arrow: greyscale repeated "
+                                "into RGB), or use model=timm, whose first convolution takes 1")
 
 
 def test_a_torchvision_segmentation_model_gets_new_heads_and_returns_its_dict(torch_home: Path):

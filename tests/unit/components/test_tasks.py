@@ -176,6 +176,25 @@ def test_causal_lm_takes_logits_in_batch_position_vocabulary_order():
     CausalLM().check_output(torch.zeros(2, 5, 7), tokens)
 
 
+def test_every_task_names_what_a_model_returned_that_is_not_one_tensor():
+    """A model returning (logits, extra), a dict or an object (a fork's model) is one line, not an AttributeError."""
+    labels, masks = torch.zeros(8, dtype=torch.int64), torch.zeros(8, 4, 4, dtype=torch.int64)
+    cases = [(Classification(), labels), (Binary(), labels), (Regression(), torch.zeros(8, 1)),
+             (CausalLM(), torch.zeros(8, 5, dtype=torch.int64)), (Segmentation(), masks)]
+    for task, target in cases:
+        for outputs, returned in (((torch.zeros(8, 10), torch.tensor(0.5)), "a tuple of 2 ((8, 10), ())"),
+                                  ([torch.zeros(8, 10), None], "a list of 2 ((8, 10), NoneType)"),
+                                  ({"logits": torch.zeros(8, 10), "aux": 1}, "a dict of logits, aux"),
+                                  (object(), "an object")):
+            with pytest.raises(UsageError) as error:
+                task.check_output(outputs, target)
+            message = str(error.value)
+            name = type(task).__name__.lower().replace("causallm", "causal_lm")
+            assert message.startswith(f"task={name} takes the model's output as one tensor (") and "\n" not in message
+            assert message.endswith(f"but the model returns {returned}: return that tensor alone, or write a task "
+                                    "whose loss and sums take this output (docs/forking.md#add-a-task)")
+
+
 # ---- segmentation: per-pixel cross-entropy over labelled pixels, exact IoU from whole-split sums ----------------
 
 

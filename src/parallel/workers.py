@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -64,6 +64,8 @@ def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Seque
             if stopped_on_a_usage_error([failure.exitcode for failure in error.failures.values()]):
                 raise WorkersReportedUsageError("the workers stopped on the error above") from None
             raise
+        except SignalException as error:  # SIGTERM: passed on to the workers, which stopped (with a checkpoint)
+            sys.exit(128 + error.sigval)  # as a process the signal ended, with no traceback of the launcher's
 
 
 def stopped_on_a_usage_error(exit_codes: Sequence[int]) -> bool:

@@ -1,17 +1,18 @@
-"""Preemption under torchrun: SIGTERM or SIGUSR2 leads to a step checkpoint within seconds even when log
-steps are far apart, every rank stops at the same step, and the resumed run ends bitwise equal to an
-uninterrupted one."""
+"""Preemption under torchrun and `dist.nproc_per_node`: SIGTERM or SIGUSR2 leads to a step checkpoint within
+seconds even when log steps are far apart, every rank stops at the same step, and the resumed run ends bitwise equal
+to an uninterrupted one."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import check, torchrun
+from conftest import TRAIN, check, torchrun
 from faults import descendants, torchrun_command, wait_until, with_env
 from test_fault_tolerance import assert_same_run, wait_for_epoch
 
@@ -35,15 +36,17 @@ def stop_steps(run_dir: Path) -> list[int]:
     return [int(m) for log in logs for m in re.findall(r"stopped at step (\d+) with a checkpoint", log.read_text())]
 
 
-@pytest.mark.parametrize("signum, target", [(signal.SIGTERM, "agent"), (signal.SIGUSR2, "rank 1")],
-                         ids=["SIGTERM-to-torchrun", "SIGUSR2-to-rank-1"])
+@pytest.mark.parametrize("signum, target", [(signal.SIGTERM, "agent"), (signal.SIGUSR2, "rank 1"),
+                                            (signal.SIGTERM, "self-launched")],
+                         ids=["SIGTERM-to-torchrun", "SIGUSR2-to-rank-1", "SIGTERM-to-dist.nproc_per_node=2"])
 def test_a_signal_checkpoints_within_seconds_and_the_run_resumes_exactly(
     signum: signal.Signals, target: str, workdir: Path, straight: Path, launched
 ):
-    agent = launched.start(torchrun_command(ARGS), workdir)
+    self_launched = [sys.executable, TRAIN, *ARGS, "dist.nproc_per_node=2"]  # `python train.py` starts the workers
+    agent = launched.start(self_launched if target == "self-launched" else torchrun_command(ARGS), workdir)
     run_dir = wait_for_epoch(workdir / "outputs", 1)  # epoch 2 is under way
     # SLURM signals the launcher (torchrun forwards SIGTERM to every worker); a USR2 may reach one task only.
-    victim = agent.pid if target == "agent" else with_env(descendants(agent.pid), "RANK", "1")[0]
+    victim = agent.pid if target != "rank 1" else with_env(descendants(agent.pid), "RANK", "1")[0]
     signalled = time.monotonic()
     os.kill(victim, signum)
     checkpoints = run_dir / "checkpoints"
@@ -51,6 +54,8 @@ def test_a_signal_checkpoints_within_seconds_and_the_run_resumes_exactly(
     print(f"{signum.name}: step checkpoint {seconds:.2f} s after the signal")
     agent.wait(timeout=60)
     assert time.monotonic() - signalled < 60
+    if target == "self-launched":  # it ends as the signal ends a process, its workers' stop logged, no traceback
+        assert agent.returncode == 128 + signum and "Traceback" not in (workdir / "launcher.err").read_text()
     steps = stop_steps(run_dir)
     assert len(steps) == 2 and steps[0] == steps[1], steps  # both ranks, the same step
     assert 22 < steps[0] < 6 * 22

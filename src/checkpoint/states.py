@@ -10,13 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint import state_dict as dcp
 
 from src.common.errors import UsageError
 from src.parallel import fsdp
@@ -34,14 +28,14 @@ class ModelState:
         self.source = source  # what errors name: `checkpoint PATH`, set by the reader
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return get_model_state_dict(self.module) if fsdp.is_sharded(self.module) else self.module.state_dict()
+        return dcp.get_model_state_dict(self.module) if fsdp.is_sharded(self.module) else self.module.state_dict()
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Whole or sharded tensors into a plain or a sharded module; keys or shapes that differ are one line."""
         try:
             if fsdp.is_sharded(self.module):
                 whole = not any(is_dtensor(tensor) for tensor in state.values())
-                set_model_state_dict(self.module, dict(state), options=StateDictOptions(full_state_dict=whole))
+                dcp.set_model_state_dict(self.module, dict(state), options=dcp.StateDictOptions(full_state_dict=whole))
             else:
                 self.module.load_state_dict(state)
         except (RuntimeError, KeyError, ValueError) as error:
@@ -78,7 +72,7 @@ class OptimizerState:
 
     def state_dict(self) -> dict[str, Any]:
         if self.sharded and self.optimizer.state:  # torch's helper would step an optimizer without state
-            return get_optimizer_state_dict(self.module, self.optimizer)
+            return dcp.get_optimizer_state_dict(self.module, self.optimizer)
         names = self._names()
         groups = [{**group, "params": [names[id(p)] for p in group["params"]]} for group in self.optimizer.param_groups]
         return {"state": {names[id(p)]: value for p, value in self.optimizer.state.items()}, "param_groups": groups}
@@ -86,7 +80,7 @@ class OptimizerState:
     def load_targets(self) -> dict[str, Any]:
         """What the sharded reader reads into: state tensors sharded like their parameters (torch's helper makes them
         by stepping an optimizer that has none; `load_state_dict` drops those the checkpoint lacks)."""
-        return get_optimizer_state_dict(self.module, self.optimizer) if self.sharded else self.state_dict()
+        return dcp.get_optimizer_state_dict(self.module, self.optimizer) if self.sharded else self.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         groups = fsdp.this_implementation(state["param_groups"], self.optimizer)
@@ -94,8 +88,8 @@ class OptimizerState:
         if self.sharded:
             whole = not any(is_dtensor(value) for values in state["state"].values() for value in values.values())
             saved_state = {"state": dict(state["state"]), "param_groups": groups}
-            set_optimizer_state_dict(self.module, self.optimizer, saved_state,
-                                     options=StateDictOptions(full_state_dict=whole))
+            dcp.set_optimizer_state_dict(self.module, self.optimizer, saved_state,
+                                         options=dcp.StateDictOptions(full_state_dict=whole))
             for parameter in [p for p in self.optimizer.state if by_id[id(p)] not in state["state"]]:
                 del self.optimizer.state[parameter]  # made up by torch's helper: this parameter had no state
             return

@@ -80,6 +80,11 @@ class Trainer:
         checkpoint.restore({name: part for name, part in self.stateful(state).items() if name != "callbacks"})
         log.info("resumed from %s after epoch %d, step %d (%d steps into epoch %d)", checkpoint.path, state.epoch,
                  state.step, state.step_in_epoch, state.epoch + 1)
+        saved, batch = (checkpoint.config or {}).get("dataset", {}).get("batch_size"), self.parts.data.train_sampler
+        if state.step_in_epoch and saved not in (None, batch.global_batch_size):  # the epoch's place counts its steps
+            raise UsageError(f"dataset.batch_size={batch.global_batch_size} cannot resume a run stopped "
+                             f"{state.step_in_epoch} steps into epoch {state.epoch + 1} at dataset.batch_size={saved} "
+                             f"(its place in the epoch is counted in steps): resume with dataset.batch_size={saved}")
         changed = changed_settings(checkpoint.config or {}, self.parts.saved_config)
         if changed and self.parts.runtime.is_main_process:  # the same on every rank: said once
             log.warning("resumed with settings its run did not have: %s", "; ".join(changed))

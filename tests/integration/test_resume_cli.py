@@ -82,6 +82,21 @@ def test_a_damaged_last_checkpoint_resumes_from_the_newest_that_loads_exactly(tm
     assert_bitwise_equal(tmp_path / "run", runs("straight"))
 
 
+@pytest.mark.slow
+def test_a_run_stopped_mid_epoch_refuses_another_batch_size_in_one_line(tmp_path: Path, runs: LazyRuns):
+    """Its place in the epoch is counted in steps: 5 steps of 32 samples would put it 160 samples short of where the 5
+    steps of 64 left it, and those samples would be trained on twice. Its checkpoints stay as they were."""
+    shutil.copytree(runs("stopped"), tmp_path / "run")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    saved = {path.name: hashlib.sha256(path.read_bytes()).digest() for path in checkpoints.iterdir()}
+    result = train([*TWO_EPOCHS, "dataset.batch_size=32", "resume=auto", "hydra.run.dir=run"], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        "error: dataset.batch_size=32 cannot resume a run stopped 5 steps into epoch 2 at dataset.batch_size=64 (its "
+        "place in the epoch is counted in steps): resume with dataset.batch_size=64"]
+    assert {path.name: hashlib.sha256(path.read_bytes()).digest() for path in checkpoints.iterdir()} == saved
+
+
 @pytest.fixture(scope="module")
 def straight_two_ranks(runs: LazyRuns) -> Path:
     return runs("straight on 2")

@@ -46,11 +46,11 @@ def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[s
     `called_with`: the arguments the block gives a partial's target (a scheduler's optimizer, total_steps, ...)."""
     try:
         yield
-    except (InstantiationException, TypeError) as error:  # a partial's TypeError comes from its call, unwrapped
+    except (InstantiationException, TypeError, ValueError) as error:  # a partial's come from its call, unwrapped
         cause = error.__cause__ if isinstance(error, InstantiationException) else error
         if isinstance(cause, SettingError):
             raise UsageError(cause.named(key)) from None
-        if isinstance(cause, ValueError):  # a value the target refused by its own check (torch's, a builder's)
+        if isinstance(cause, ValueError) and (cause is not error or called_with):  # the target's own check refused
             where = traceback.extract_tb(cause.__traceback__)[-1]
             raise UsageError(f"{key}: {node.get('_target_')} refused its settings ({cause}; raised at "
                              f"{Path(where.filename).name}:{where.lineno}): change the {key}.* keys") from None

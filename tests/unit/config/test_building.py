@@ -74,10 +74,13 @@ ONE_CYCLE_TAKES = "torch.optim.lr_scheduler.OneCycleLR takes optimizer, max_lr, 
     ({"_target_": "torch.optim.lr_scheduler.StepLR", "_partial_": True, "step_size": 2},
      "scheduler: torch.optim.lr_scheduler.StepLR takes optimizer, step_size, gamma, last_epoch, but the run calls it "
      "with optimizer, total_steps, steps_per_epoch: give a callable that takes them (docs/forking.md)"),
+    ({**ONE_CYCLE, "max_lr": 0.1, "pct_start": 2.0},  # the scheduler's own check, in the partial's call
+     "scheduler: torch.optim.lr_scheduler.OneCycleLR refused its settings (Expected float between 0 and 1 pct_start, "
+     "but got 2.0; raised at lr_scheduler.py:"),
 ])
 def test_a_schedule_that_does_not_fit_its_keys_or_its_call_is_one_line(node, message):
     """torch's schedulers as `scheduler._target_`: the run calls the partial with (optimizer, total_steps=...,
-    steps_per_epoch=...), whose TypeError is not wrapped by Hydra."""
+    steps_per_epoch=...), whose TypeError or ValueError is not wrapped by Hydra."""
     model = torch.nn.Linear(2, 1)
     config = OmegaConf.create({"optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1},
                                "scheduler": node})

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint import state_dict as dcp
 
 from src import checkpoint
 from src.checkpoint.layout import is_directory_checkpoint
@@ -118,8 +118,8 @@ def load_initial_weights(modules: dict[str, nn.Module], output: str, path: Path,
             raise UsageError(f"{label} does not fit the model ({_problems(found)}); pass init_from_strict=false "
                              "to load the weights that match and keep the rest freshly initialised (e.g. a new head)")
         if fsdp.is_sharded(module):
-            whole = StateDictOptions(full_state_dict=True, strict=False)  # on every rank: each keeps its shards
-            set_model_state_dict(module, dict(found.loadable), options=whole)
+            whole = dcp.StateDictOptions(full_state_dict=True, strict=False)  # on every rank: each keeps its shards
+            dcp.set_model_state_dict(module, dict(found.loadable), options=whole)
         else:
             module.load_state_dict(found.loadable, strict=False)
         several = len(modules) > 1

@@ -5,7 +5,10 @@ Gaussian noise), drawn per sample from (seed, step, the sample's place in the gl
 world size and after a resume. The model embeds both; NT-Xent (Chen et al. 2020) pulls a sample's two views
 together and pushes them from every other view of the GLOBAL batch: each rank's embeddings are gathered from every
 rank with gradients (`step.all_gather`), so 2 ranks of B samples train what 1 process of 2B trains. The loss is
-summed over the step's views and divided by its global count of samples, as every step's.
+summed over the step's views and divided by its global count of samples, as every step's. With
+`trainer.grad_accum=k` the negatives are still the whole global batch, not a micro-batch's (gradient caching, Gao
+et al. 2021): every micro-batch is embedded once without gradients, the loss's gradient with respect to those
+embeddings is taken over the global batch, and each micro-batch is embedded again to back-propagate its share.
 
 Evaluation, exact on any world size: the val images' kNN accuracy over the embeddings of the train split (no
 augmentation; every rank embeds its share, the bank is gathered in sample order), each val image voting with its
@@ -47,16 +50,45 @@ class SimCLR(Task):
         model = step.models[self.output_model]
         images = [self.split(batch).args[0] for batch in step.batches]
         divisor = step.divisor([batch.shape[0] for batch in images])
+        cached = self.embedding_gradients(step, model, images) if len(images) > 1 else None
         for micro, batch in step.accumulate(images):
-            with step.autocast():
-                first, second = self.embed(model, torch.cat([self.view(batch, micro, "a"),
-                                                             self.view(batch, micro, "b")])).chunk(2)
+            first, second = self.embed_views(step, model, batch, micro)
+            if cached is not None:  # this micro-batch's share of the global batch's loss, through its embeddings
+                step.backward((first * cached[0][micro.index]).sum() + (second * cached[1][micro.index]).sum(),
+                              divisor)
+                continue
             # This rank's rows of the global batch's views start at rank x its micro-batch size.
             loss_sum = self.nt_xent(first, second, step.all_gather(first), step.all_gather(second),
                                     step.rank * batch.shape[0])
             step.backward(loss_sum, divisor)
             step.add_sums({"loss": loss_sum.detach(), "count": batch.shape[0]})
         step.optimizer_step(self.output_model)
+
+    def embedding_gradients(self, step: StepContext, model: torch.nn.Module,
+                            images: list[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """The gradient of the step's NT-Xent sum with respect to each micro-batch's embeddings of its two views,
+        from every micro-batch embedded without gradients. The model's buffers (BatchNorm's running statistics)
+        and the random state (dropout) are left as they were, so the pass with gradients embeds alike."""
+        with torch.no_grad(), torch.random.fork_rng(devices=[step.device] if step.device.type == "cuda" else []):
+            buffers = [buffer.clone() for buffer in model.buffers()]
+            views = [self.embed_views(step, model, batch, Samples(step.seed, step.number, step.positions(index)))
+                     for index, batch in enumerate(images)]
+            for buffer, saved in zip(model.buffers(), buffers):
+                buffer.copy_(saved)
+        first, second = (torch.cat(embedded).requires_grad_() for embedded in zip(*views))
+        loss_sum = self.nt_xent(first, second, step.all_gather(first), step.all_gather(second),
+                                step.rank * first.shape[0])  # this rank's micro-batches, in order, then the next's
+        loss_sum.backward()
+        step.add_sums({"loss": loss_sum.detach(), "count": first.shape[0]})
+        sizes = [batch.shape[0] for batch in images]
+        return first.grad.split(sizes), second.grad.split(sizes)
+
+    def embed_views(self, step: StepContext, model: torch.nn.Module, images: torch.Tensor,
+                    samples: Samples) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embeddings of the two augmented views of `images`."""
+        with step.autocast():
+            return self.embed(model, torch.cat([self.view(images, samples, "a"),
+                                                self.view(images, samples, "b")])).chunk(2)
 
     def embed(self, model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
         return F.normalize(model(images).float(), dim=1)

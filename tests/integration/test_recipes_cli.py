@@ -7,7 +7,8 @@ held to the guarantees of the built-in supervised step:
 - distill_digits (a frozen auxiliary teacher, a loss that sees the whole batch): the checkpoint holds no teacher
   tensor, and a stopped run resumes bitwise;
 - simclr_digits (two views per sample, NT-Xent over the global batch gathered with gradients, a kNN evaluation):
-  2 ranks x B train what 1 process x 2B trains (within 1e-5), a stopped run resumes bitwise, and eval.py gives
+  2 ranks x B train what 1 process x 2B trains (within 1e-5), and so do 2 ranks accumulating 2 micro-batches of
+  B/2 (the negatives are the global batch's, not a micro-batch's); a stopped run resumes bitwise; eval.py gives
   the same kNN accuracy on 1, 2 and 3 ranks.
 """
 
@@ -39,7 +40,7 @@ DISTILL = ["experiment=distill_digits", "trainer.epochs=2", *QUIET]
 # turns rounding into lr-sized steps: FACTS.md).
 SIMCLR = ["experiment=simclr_digits", "trainer.epochs=2", *QUIET]
 SIMCLR_SGD = ["experiment=simclr_digits", "trainer.max_steps=5", "optimizer=sgd", "optimizer.lr=0.05",
-              "scheduler=constant", *QUIET]
+              "scheduler=constant", "trainer.log_every_steps=5", *QUIET]
 
 RUNS: dict[str, tuple[int, list[str]]] = {
     "gan steps on 1": (1, GAN_STEPS),
@@ -51,6 +52,7 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "simclr": (1, SIMCLR),
     "simclr sgd on 1": (1, SIMCLR_SGD),
     "simclr sgd on 2": (2, SIMCLR_SGD),
+    "simclr sgd accumulated on 2": (2, [*SIMCLR_SGD, "trainer.grad_accum=2"]),
 }
 
 
@@ -188,6 +190,19 @@ def test_simclr_on_two_ranks_trains_what_one_process_trains_over_the_global_batc
     difference = max_diff(models(runs("simclr sgd on 1")), models(runs("simclr sgd on 2")))
     print(f"simclr_digits after 5 steps, 2 ranks x 64 vs 1 process x 128: max |difference| {difference:.3g}")
     assert difference < 1e-5
+
+
+def test_simclr_accumulating_micro_batches_trains_what_one_step_of_the_global_batch_trains(runs: LazyRuns):
+    """2 ranks x 2 micro-batches of 32 against 1 process x 128: each micro-batch's views are contrasted with every
+    view of the global batch (gradient caching), so the weights and the logged train loss agree; contrasted with its
+    own micro-batch only, the loss is lower (fewer negatives) and the weights move elsewhere."""
+    one, accumulated = runs("simclr sgd on 1"), runs("simclr sgd accumulated on 2")
+    difference = max_diff(models(one), models(accumulated))
+    print(f"simclr_digits after 5 steps, 2 ranks x 2 x 32 vs 1 process x 128: max |difference| {difference:.3g}")
+    assert difference < 1e-5
+    losses = [EventAccumulator(str(run_dir / "tb")).Reload().Scalars("train/loss") for run_dir in (one, accumulated)]
+    assert [event.step for event in losses[0]] == [event.step for event in losses[1]] == [5]
+    assert losses[1][0].value == pytest.approx(losses[0][0].value, rel=1e-6)
 
 
 def test_simclr_stopped_mid_epoch_resumes_bitwise(runs: LazyRuns, tmp_path: Path):

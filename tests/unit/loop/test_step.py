@@ -18,6 +18,7 @@ from src.components.tasks import Classification
 from src.loop.callback import Callback, Callbacks, Update
 from src.loop.step import MetricSums, Samples, StepContext
 from src.loop.task import Task
+from src.recipes.simclr import SimCLR
 
 
 def context(models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], rank: int = 0,
@@ -148,3 +149,36 @@ def test_a_step_that_updates_no_model_is_one_line(tmp_path: Path):
 def test_the_built_in_step_is_written_with_the_same_primitives():
     """Classification's step is Task.train_step itself: one path for the built-in tasks and a fork's."""
     assert Classification.train_step is Task.train_step and Classification().feeds_batches
+
+
+# -- a recipe's step built on them --------------------------------------------------------------------------------
+
+
+def test_simclr_accumulating_micro_batches_steps_on_the_global_loss_of_the_embeddings_it_back_propagates():
+    """src/recipes/simclr.py under trainer.grad_accum=2: embedded first without gradients, then again with them, each
+    micro-batch takes the update of NT-Xent over both micro-batches' views, made by the same dropout masks, and
+    BatchNorm counts each micro-batch once, as one pass with gradients over each does."""
+    def encoder() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Flatten(), nn.Linear(16, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Dropout(0.5),
+                             nn.Linear(12, 6))
+
+    task, images = SimCLR(embedding_size=6), torch.randn(8, 1, 4, 4)
+    micro_batches = [(images[:4], torch.zeros(4)), (images[4:], torch.zeros(4))]
+    expected = encoder()
+    torch.manual_seed(1)  # the dropout masks: drawn in the same order by both
+    views = [task.embed_views(context({}, {}), expected, batch, Samples(7, 1, torch.arange(4) + 4 * index))
+             for index, (batch, _) in enumerate(micro_batches)]
+    first, second = (torch.cat(embedded) for embedded in zip(*views))
+    (task.nt_xent(first, second, first, second, 0) / 8).backward()
+
+    model = encoder()
+    step = context({"model": model}, {"model": torch.optim.SGD(model.parameters(), lr=1.0)})
+    torch.manual_seed(1)
+    step.begin(micro_batches, number=1)
+    before = {name: value.detach().clone() for name, value in model.named_parameters()}
+    task.train_step(step)
+    for name, value in model.named_parameters():
+        torch.testing.assert_close(before[name] - value.detach(), dict(expected.named_parameters())[name].grad)
+    assert model[2].num_batches_tracked.item() == expected[2].num_batches_tracked.item() == 2
+    torch.testing.assert_close(model[2].running_var, expected[2].running_var)

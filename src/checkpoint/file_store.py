@@ -40,7 +40,9 @@ class FileCheckpoint(Checkpoint):
     @classmethod
     def read(cls, path: Path) -> "FileCheckpoint":
         if not path.is_file():
-            raise UsageError(f"checkpoint {path} does not exist")
+            other = path.with_suffix("") if path.suffix == ".pt" else path.with_name(f"{path.name}.pt")
+            hint = f"; {other} does (dist=ddp runs write .pt files, dist=fsdp runs folders without .pt)"
+            raise UsageError(f"checkpoint {path} does not exist{hint if other.exists() else ''}")
         return cls(path, read_payload(path))
 
     def whole(self, *keys: str) -> Any:

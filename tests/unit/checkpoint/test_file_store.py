@@ -91,8 +91,18 @@ def test_loading_never_runs_code_from_the_file(tmp_path: Path):
 
 
 def test_missing_checkpoint_names_the_path(tmp_path: Path):
-    with pytest.raises(UsageError, match="does not exist"):
+    with pytest.raises(UsageError) as error:
         checkpoint.read(tmp_path / "nope.pt")
+    assert str(error.value) == f"checkpoint {tmp_path / 'nope.pt'} does not exist"
+
+
+def test_a_ddp_checkpoint_named_without_pt_is_named_with_it(tmp_path: Path):
+    saver = FileStore(tmp_path / "checkpoints", is_main_process=True)
+    save(saver, 1.0, is_best=True)
+    with pytest.raises(UsageError) as error:
+        checkpoint.read(saver.directory / "best")
+    assert str(error.value) == (f"checkpoint {saver.directory / 'best'} does not exist; {saver.directory / 'best.pt'} "
+                                "does (dist=ddp runs write .pt files, dist=fsdp runs folders without .pt)")
 
 
 def test_model_mismatch_names_the_file(tmp_path: Path):

@@ -68,6 +68,14 @@ def test_a_save_is_a_directory_named_by_step_and_last_and_best_name_directories(
     assert set(state["optimizers"]["model"]) == {"state", "param_groups"}
 
 
+def test_a_sharded_checkpoint_named_with_pt_is_named_without_it(saved: ShardedStore):
+    """`best.pt` where a dist=fsdp run wrote `best` (a recipe's `aux.teacher.path=.../best.pt` after an fsdp run)."""
+    with pytest.raises(UsageError) as error:
+        checkpoint.read(saved.directory / "best.pt")
+    assert str(error.value) == (f"checkpoint {saved.directory / 'best.pt'} does not exist; {saved.directory / 'best'} "
+                                "does (dist=ddp runs write .pt files, dist=fsdp runs folders without .pt)")
+
+
 def test_resume_auto_takes_last_and_falls_back_past_an_incomplete_directory(saved: ShardedStore):
     assert layout.resume_path(saved.directory, "auto") == saved.directory / "last"
     with pytest.raises(UsageError, match="already holds a run"):

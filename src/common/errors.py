@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Iterator
 
+from omegaconf.errors import InterpolationKeyError
+
 from src.common import retries
 
 USAGE_ERROR_EXIT_CODE = 2
@@ -41,7 +43,11 @@ def _chain(error: BaseException | None) -> Iterator[BaseException]:
 
 
 def find_usage_error(error: BaseException) -> UsageError | None:
-    return next((e for e in _chain(error) if isinstance(e, UsageError)), None)
+    found = next((e for e in _chain(error) if isinstance(e, (UsageError, InterpolationKeyError))), None)
+    if isinstance(found, InterpolationKeyError):  # a ${KEY} naming no key of the config: a typo, a YAML without it
+        return UsageError(f"{found.full_key or 'the config'}: {str(found).splitlines()[0]}: set that key in its "
+                          "YAML or with +KEY=VALUE")
+    return found
 
 
 def no_room_error(error: BaseException) -> OSError | None:
@@ -69,8 +75,7 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
             out_of_memory.add_note(_out_of_memory_hint(out_of_memory))
             raise out_of_memory from None  # torch's error, where it happened (not the wrapper Hydra put around it)
         if (is_main_process or usage_error.local) and not usage_error.reported:
-            sys.stderr.write(f"error: {usage_error}\n")
-            sys.stderr.flush()
+            print(f"error: {usage_error}", file=sys.stderr, flush=True)
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Exiting at once would let torchrun's agent SIGTERM rank 0 before it has printed the line.
             time.sleep(NON_MAIN_RANK_GRACE_S)

@@ -77,12 +77,7 @@ def adopt_cluster_env(environ: MutableMapping[str, str] = os.environ) -> None:
             environ[PORT_FILE] = str(job.paths.folder / f"{job.job_id}_master_port")
 
 
-def restarted_by_launcher(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether this run is a restart (torchrun's `--max-restarts`, a requeued SLURM job)."""
-    return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or int(environ.get("SLURM_RESTART_COUNT", "0")) > 0
-
-
 def resume_setting(resume: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
-    """What `resume=` means for this process: None is `auto` in a restart, and in a sweep's job run again."""
-    resumes = restarted_by_launcher(environ) or environ.get(SWEEP_JOB_RESUMES) == "1"
-    return "auto" if resume is None and resumes else resume
+    """What `resume=` means here: None is `auto` in a restart (torchrun's, a requeued SLURM job) or a sweep's rerun."""
+    restarts = (int(environ.get(name, "0")) for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    return "auto" if resume is None and (any(restarts) or environ.get(SWEEP_JOB_RESUMES) == "1") else resume

@@ -53,6 +53,12 @@ ROWS = [
     row(TRAIN, ["trainer.epochs=0", "trainer.keep_last=0"], "trainer.epochs=0 must be at least 1; "
         "trainer.keep_last=0 must be at least 1", "zero-epochs-and-keep-last"),
     row(TRAIN, ["dataset=image_folder"], "dataset.root is required: add dataset.root=VALUE", "required-key"),
+    # A ${KEY} naming no key: a typo, resolved by the check above; or a fork's task YAML without the monitor that
+    # trainer.monitor interpolates, resolved earlier, by Hydra's callbacks (the sweep summary names trainer.monitor).
+    row(TRAIN, ["model.hidden=${{nope}}"], "model.hidden: Interpolation key 'nope' not found: set that key in its "
+        "YAML or with +KEY=VALUE", "interpolation-of-no-key"),
+    row(TRAIN, ["~task.monitor"], "the config: Interpolation key 'task.monitor' not found: set that key in its YAML "
+        "or with +KEY=VALUE", "task-yaml-without-monitor"),
     # Callbacks' settings (conf/callbacks/), refused by the callback (src/config/building.py names the key); each
     # callback's other values in process: tests/unit/callbacks/test_ema.py, tests/unit/config/test_building.py.
     row(TRAIN, ["callbacks.ema.decay=1.5"], "callbacks.ema.decay=1.5 must be in (0, 1) (or null)",

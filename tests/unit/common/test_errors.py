@@ -1,5 +1,6 @@
 """An allocation the process has no memory for keeps its traceback and gains a note naming the rank, the size, the
-process's limit and what shrinks a rank's share (src/common/errors.py)."""
+process's limit and what shrinks a rank's share; a ${KEY} naming no key of the config is a usage error
+(src/common/errors.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationKeyError
 
 from src.common import errors
 
@@ -85,3 +88,20 @@ def test_an_out_of_memory_a_model_constructor_raised_inside_hydra_s_instantiate_
     with pytest.raises(InstantiationException) as raised, errors.exit_on_usage_error(True):
         raise InstantiationException("Error in call to target 'src.components.models.MLP': TypeError(...)")
     assert not hasattr(raised.value, "__notes__")
+
+
+def test_an_interpolation_naming_no_key_is_a_usage_error_naming_the_key_it_resolved():
+    """`${nope}` in model.hidden (OmegaConf names the key it resolved), and one Hydra resolves on its own (no key)."""
+    config = OmegaConf.create({"model": {"hidden": "${nope}"}})
+    with pytest.raises(InterpolationKeyError) as raised:
+        OmegaConf.to_container(config, resolve=True)
+    try:
+        raise RuntimeError("Hydra's wrapper") from raised.value
+    except RuntimeError as wrapped:
+        found = errors.find_usage_error(wrapped)
+    assert str(found) == "model.hidden: Interpolation key 'nope' not found: set that key in its YAML or with +KEY=VALUE"
+    bare = errors.find_usage_error(InterpolationKeyError("Interpolation key 'task.monitor' not found"))
+    assert str(bare) == ("the config: Interpolation key 'task.monitor' not found: set that key in its YAML or with "
+                         "+KEY=VALUE")
+    usage = errors.UsageError("a line")
+    assert errors.find_usage_error(RuntimeError()) is None and errors.find_usage_error(usage) is usage

@@ -327,7 +327,8 @@ def test_sweep_summary_sorts_by_a_val_ema_metric_and_shows_it_after_val(tmp_path
     ({}, False), ({"TORCHELASTIC_RESTART_COUNT": "0"}, False), ({"TORCHELASTIC_RESTART_COUNT": "2"}, True),
     ({"SLURM_RESTART_COUNT": "1"}, True), ({"SLURM_RESTART_COUNT": "0"}, False)])
 def test_restarts_and_requeues_are_recognised(environ, restarted):
-    assert ranks.restarted_by_launcher(environ) is restarted
+    assert ranks.resume_setting(None, environ) == ("auto" if restarted else None)
+    assert ranks.resume_setting("ckpt.pt", environ) == "ckpt.pt"  # a path named is resumed from, restart or not
 
 
 def test_a_wrapped_usage_error_stays_findable_through_the_torchrun_wrapper(monkeypatch):

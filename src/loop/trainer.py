@@ -189,8 +189,8 @@ class Trainer:
         parts, state = self.parts, run.state
         if not self.config.test or parts.data.splits.test is None:
             if self.config.test and state.test is None:
-                log.info("the dataset has no test split: the run ends without a test (a builder's DataSplits(test=...) "
-                         "gives one)")
+                log.info("the dataset has no test split: the run ends without a test (a test/ folder beside train/ "
+                         "gives one to dataset=image_folder, DataSplits(test=...) to a builder of yours)")
             return
         if state.test is not None and state.test["step"] == state.step:
             return  # tested already: a resumed run that had nothing more to train

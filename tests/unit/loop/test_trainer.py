@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,17 @@ def test_an_added_metric_is_reported_for_train_and_val(tmp_path: Path):
     assert record["val/acc"] <= record["val/top2"] <= 1 and state.best == record["val/top2"]
     summary = json.loads((tmp_path / "metrics.json").read_text())
     assert summary["val/top2"] == record["val/top2"]
+
+
+def test_a_dataset_without_a_test_split_ends_the_run_untested_and_says_how_to_get_one(tmp_path: Path, caplog):
+    trainer = one_process_trainer(tmp_path, Classification())
+    state = TrainState()
+    with caplog.at_level(logging.INFO, logger="src.loop.trainer"):
+        assert trainer.fit(state) is Outcome.COMPLETED
+    assert state.test is None and not [key for key in json.loads((tmp_path / "metrics.json").read_text())
+                                       if key.startswith("test")]
+    assert ("the dataset has no test split: the run ends without a test (a test/ folder beside train/ gives one to "
+            "dataset=image_folder, DataSplits(test=...) to a builder of yours)") in caplog.messages
 
 
 def test_a_loop_state_loads_the_fields_it_knows_and_keeps_defaults_for_the_others():

@@ -147,6 +147,9 @@ class TrainSchema:
 
 OPEN_GROUP_RULES: dict[str, Rule] = {
     "optimizer.lr": number_or_null(zero_allowed=True),  # lr=0 freezes the weights; absent: the optimizer has none
+    "scheduler.warmup_epochs": number_or_null(zero_allowed=True),  # absent (null): the schedule has none
+    "scheduler.step_epochs": number_or_null(zero_allowed=False),  # 0 would decay the LR at every step
+    "scheduler.gamma": number_or_null(zero_allowed=False),  # 0 would stop training at the first decay
 }
 
 

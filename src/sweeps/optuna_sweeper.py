@@ -152,7 +152,7 @@ class OptunaSweeper(Sweeper):
         """Ask, launch as one Hydra job, tell. Returns False if the job stopped before its end."""
         trial = study.ask(space)
         job = trial.user_attrs.get("job", next_job_number(study))
-        overrides = search_space.trial_overrides({key: trial.params[key] for key in space}, fixed)
+        overrides = [*(f"{key}={search_space.override_value(trial.params[key])}" for key in space), *fixed]
         job_dir = jobs.job_dir(self.hydra_context.config_loader, self.config, overrides, job)
         jobs.check_same_job(job_dir, overrides)
         for key, value in {"job": job, "job_dir": str(job_dir), "overrides": overrides}.items():

@@ -42,11 +42,7 @@ def distribution(override: Override) -> Any:
     raise UsageError(f"{override.input_line}: {key} names no distribution Optuna can sample; write {GRAMMAR}")
 
 
-def trial_overrides(params: dict[str, Any], fixed: list[str]) -> list[str]:
-    return [*(f"{key}={_format(value)}" for key, value in params.items()), *fixed]
-
-
-def _format(value: Any) -> str:
+def override_value(value: Any) -> str:
     """A sampled value as Hydra's grammar reads it back (a float keeps every digit)."""
     if isinstance(value, float):
         return repr(value)

@@ -82,6 +82,9 @@ def test_every_problem_is_named_at_once_in_declaration_order():
 @pytest.mark.parametrize("overrides, message", [  # moved from tests/integration/test_bad_input.py's rows
     (["optimizer.lr=-0.1"], "optimizer.lr=-0.1 must be a number >= 0"),
     (["optimizer=sgd", "optimizer.lr=abc"], "optimizer.lr=abc must be a number >= 0"),
+    (["scheduler.warmup_epochs=-1"], "scheduler.warmup_epochs=-1 must be a number >= 0"),
+    (["scheduler=step", "scheduler.step_epochs=0"], "scheduler.step_epochs=0 must be a positive number"),
+    (["scheduler=step", "scheduler.gamma=0"], "scheduler.gamma=0 must be a positive number"),
     (["trainer.log_every_steps=0"], "trainer.log_every_steps=0 must be at least 1"),
     (["trainer.monitor_mode=maximum"], "trainer.monitor_mode=maximum is not one of max, min"),
     (["trainer.limit_train_batches=-1"], "trainer.limit_train_batches=-1 must be at least 1 (or null)"),

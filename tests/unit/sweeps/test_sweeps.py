@@ -45,10 +45,10 @@ def test_what_names_no_distribution_is_refused(line, message):
 
 
 def test_a_trials_overrides_read_back_to_the_sampled_values():
-    overrides = search_space.trial_overrides({"optimizer.lr": 0.1 / 3, "optimizer": "sgd", "name": "a b,c"},
-                                             ["trainer.epochs=3"])
+    sampled = {"optimizer.lr": 0.1 / 3, "optimizer": "sgd", "name": "a b,c", "trainer.monitor": None}
+    overrides = [f"{key}={search_space.override_value(value)}" for key, value in sampled.items()]
     parsed = {o.key_or_group: o.value() for o in OverridesParser.create().parse_overrides(overrides)}
-    assert parsed == {"optimizer.lr": 0.1 / 3, "optimizer": "sgd", "name": "a b,c", "trainer.epochs": 3}
+    assert parsed == sampled
 
 
 def make_job(job_dir: Path, overrides: list[str], epochs: int = 3, metrics: dict | None = None) -> Path:

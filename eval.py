@@ -84,7 +84,8 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
             task_and_model.check_inputs(modules[output], task)
         loader = functools.partial(loaders.make_eval_loader, global_batch_size=dataset_cfg.get("val_batch_size")
                                    or dataset_cfg.batch_size, rank=runtime.env.rank, world_size=runtime.world_size,
-                                   device=runtime.device, num_workers=dataset_cfg.num_workers, seed=saved.seed)
+                                   device=runtime.device, num_workers=int(dataset_cfg.get("num_workers") or 0),
+                                   seed=saved.seed)
         amp_dtype = performance.autocast_dtype(cfg.trainer.precision or saved.trainer.precision)
         metrics = trainer.evaluate(task, modules, lambda name: loader(getattr(splits, name)), splits.info,
                                       runtime.device, amp_dtype, saved.seed, split=split)

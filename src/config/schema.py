@@ -150,6 +150,8 @@ OPEN_GROUP_RULES: dict[str, Rule] = {
     "scheduler.warmup_epochs": number_or_null(zero_allowed=True),  # absent (null): the schedule has none
     "scheduler.step_epochs": number_or_null(zero_allowed=False),  # 0 would decay the LR at every step
     "scheduler.gamma": number_or_null(zero_allowed=False),  # 0 would stop training at the first decay
+    "dataset.num_workers": number_or_null(zero_allowed=True),  # absent (null): 0, the loading in the main process
+    "dataset.val_batch_size": number_or_null(zero_allowed=False),  # null: dataset.batch_size
 }
 
 
@@ -196,12 +198,14 @@ def check_train_config(cfg: DictConfig) -> None:
                         "pass only one (with resume=auto, init_from applies only when the run dir holds no "
                         "checkpoint yet)")
     rules = {**rules_of("trainer", TrainerConfig), **rules_of("dist", DistConfig), **OPEN_GROUP_RULES}
-    _refuse(problems + value_problems(cfg, rules, skip=missing))
+    if problems := problems + value_problems(cfg, rules, skip=missing):
+        raise UsageError("; ".join(problems))
 
 
 def check_eval_config(cfg: DictConfig) -> None:
     """eval.py's `check_train_config`, for the keys it shares (its `checkpoint` it checks itself)."""
-    _refuse(value_problems(cfg, rules_of("", EvalSchema)))  # trainer.*, dist.* and weights
+    if problems := value_problems(cfg, {**rules_of("", EvalSchema), **OPEN_GROUP_RULES}):  # and dataset.*
+        raise UsageError("; ".join(problems))
 
 
 def rules_of(prefix: str, settings: type) -> dict[str, Rule]:
@@ -220,11 +224,6 @@ def value_problems(cfg: DictConfig, rules: dict[str, Rule], skip: set[str] = fro
     """`KEY=VALUE what is wrong` for each key whose value breaks its rule (keys in `skip` are not read)."""
     values = {key: OmegaConf.select(cfg, key) for key in rules if key not in skip}
     return [f"{key}={value} {problem}" for key, value in values.items() if (problem := rules[key](value))]
-
-
-def _refuse(problems: list[str]) -> None:
-    if problems:
-        raise UsageError("; ".join(problems))
 
 
 class CheckBeforeWriting(Callback):

@@ -175,7 +175,7 @@ def build_data(dataset_cfg: DictConfig, rank: int, world_size: int, device: torc
         splits = dataclasses.replace(splits, train=fixed, val=fixed)
     train_sampler = GlobalBatchSampler(len(splits.train), global_batch_size, rank, world_size, trainer.grad_accum,
                                        seed=seed, max_steps_per_epoch=trainer.limit_train_batches)
-    num_workers = int(dataset_cfg.num_workers)
+    num_workers = int(dataset_cfg.get("num_workers") or 0)  # a fork's YAML may leave it out
     global_val_batch = int(dataset_cfg.get("val_batch_size") or global_batch_size)
     eval_loader = functools.partial(make_eval_loader, global_batch_size=global_val_batch, rank=rank,
                                     world_size=world_size, device=device, num_workers=num_workers, seed=seed,

@@ -66,6 +66,7 @@ def test_device_backend_and_precision_are_checked_once_at_run_start(override, me
     ("trainer.device=tpu", "not one of auto, cpu, cuda"),
     ("dist.backend=mpi", "not one of auto, nccl, gloo"),
     ("trainer.precision=8", "trainer.precision=8 is not one of 32, bf16, 16"),
+    ("dataset.num_workers=-2", "dataset.num_workers=-2 must be a number >= 0"),
 ])
 def test_eval_checks_the_same_values(override, message):
     with pytest.raises(UsageError, match=message):
@@ -85,6 +86,8 @@ def test_every_problem_is_named_at_once_in_declaration_order():
     (["scheduler.warmup_epochs=-1"], "scheduler.warmup_epochs=-1 must be a number >= 0"),
     (["scheduler=step", "scheduler.step_epochs=0"], "scheduler.step_epochs=0 must be a positive number"),
     (["scheduler=step", "scheduler.gamma=0"], "scheduler.gamma=0 must be a positive number"),
+    (["dataset.num_workers=-1"], "dataset.num_workers=-1 must be a number >= 0"),
+    (["dataset.val_batch_size=0"], "dataset.val_batch_size=0 must be a positive number"),
     (["trainer.log_every_steps=0"], "trainer.log_every_steps=0 must be at least 1"),
     (["trainer.monitor_mode=maximum"], "trainer.monitor_mode=maximum is not one of max, min"),
     (["trainer.limit_train_batches=-1"], "trainer.limit_train_batches=-1 must be at least 1 (or null)"),

@@ -179,3 +179,17 @@ def test_first_samples_keeps_image_tensor_datasets_normalised():
     head = first_samples(dataset, 3)
     assert isinstance(head, ImageTensorDataset) and len(head) == 3 and head.augments
     assert torch.equal(head[2][0], dataset[2][0]) and head[2][0].dtype == torch.float32
+
+
+def test_a_dataset_yaml_without_loader_keys_loads_in_the_main_process(tmp_path):
+    """A fork's dataset YAML may name only its builder and batch_size (Hydra's configs are structs: a key read that
+    is not there raises): no val_batch_size is the train batch, no num_workers is 0."""
+    from dataset_files import write_image_folder
+
+    write_image_folder(tmp_path, {"red": (255, 0, 0), "blue": (0, 0, 255)})
+    cfg = OmegaConf.create({"_target_": "src.components.datasets.image_folder", "root": str(tmp_path),
+                            "image_size": [8, 8], "batch_size": 2})
+    OmegaConf.set_struct(cfg, True)
+    data = build_data(cfg, 0, 1, torch.device("cpu"), seed=0)
+    assert data.train_loader.num_workers == data.val_loader.num_workers == 0
+    assert [len(labels) for _, labels in data.train_loader] == [2, 2] and data.num_val_samples == 4

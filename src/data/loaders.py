@@ -166,6 +166,8 @@ def build_data(dataset_cfg: DictConfig, rank: int, world_size: int, device: torc
                trainer: TrainerConfig | None = None) -> Data:
     """The dataset `dataset_cfg` names and this rank's loaders, cut as `trainer`'s limits say."""
     trainer = trainer or TrainerConfig()
+    if dataset_cfg.get("batch_size") is None:  # a fork's YAML without it
+        raise UsageError("dataset.batch_size is required: add batch_size: N (the global batch) to the dataset's YAML")
     global_batch_size = int(dataset_cfg.batch_size)
     per_rank_micro_batch_size(global_batch_size, world_size, trainer.grad_accum)  # refuse before a download
     splits = build_splits(dataset_cfg)

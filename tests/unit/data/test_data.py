@@ -193,3 +193,12 @@ def test_a_dataset_yaml_without_loader_keys_loads_in_the_main_process(tmp_path):
     data = build_data(cfg, 0, 1, torch.device("cpu"), seed=0)
     assert data.train_loader.num_workers == data.val_loader.num_workers == 0
     assert [len(labels) for _, labels in data.train_loader] == [2, 2] and data.num_val_samples == 4
+
+
+def test_a_dataset_yaml_without_batch_size_is_one_line():
+    cfg = OmegaConf.create({"_target_": "src.components.datasets.digits"})
+    OmegaConf.set_struct(cfg, True)
+    with pytest.raises(UsageError) as error:
+        build_data(cfg, 0, 1, torch.device("cpu"), seed=0)
+    assert str(error.value) == ("dataset.batch_size is required: add batch_size: N (the global batch) to the "
+                                "dataset's YAML")

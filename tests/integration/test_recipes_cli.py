@@ -8,8 +8,8 @@ held to the guarantees of the built-in supervised step:
   tensor, and a stopped run resumes bitwise;
 - simclr_digits (two views per sample, NT-Xent over the global batch gathered with gradients, a kNN evaluation):
   2 ranks x B train what 1 process x 2B trains (within 1e-5), and so do 2 ranks accumulating 2 micro-batches of
-  B/2 (the negatives are the global batch's, not a micro-batch's); a stopped run resumes bitwise; eval.py gives
-  the same kNN accuracy on 1, 2 and 3 ranks.
+  B/2 (the negatives are the global batch's, not a micro-batch's), and dist=fsdp bitwise as dist=ddp there; a
+  stopped run resumes bitwise, accumulating or not; eval.py gives the same kNN accuracy on 1, 2 and 3 ranks.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "simclr sgd on 1": (1, SIMCLR_SGD),
     "simclr sgd on 2": (2, SIMCLR_SGD),
     "simclr sgd accumulated on 2": (2, [*SIMCLR_SGD, "trainer.grad_accum=2"]),
+    "simclr sgd accumulated fsdp on 2": (2, [*SIMCLR_SGD, "trainer.grad_accum=2", "dist=fsdp"]),
+    "simclr accumulated": (1, [*SIMCLR, "trainer.grad_accum=2"]),
 }
 
 
@@ -203,12 +205,15 @@ def test_simclr_accumulating_micro_batches_trains_what_one_step_of_the_global_ba
     losses = [EventAccumulator(str(run_dir / "tb")).Reload().Scalars("train/loss") for run_dir in (one, accumulated)]
     assert [event.step for event in losses[0]] == [event.step for event in losses[1]] == [5]
     assert losses[1][0].value == pytest.approx(losses[0][0].value, rel=1e-6)
+    # dist=fsdp takes the same cached gradients through its sharded model: bitwise what dist=ddp trains.
+    assert max_diff(models(accumulated), models(runs("simclr sgd accumulated fsdp on 2"))) == 0
 
 
-def test_simclr_stopped_mid_epoch_resumes_bitwise(runs: LazyRuns, tmp_path: Path):
-    resumed = stopped_and_resumed(tmp_path, 1, SIMCLR, stop_at=15)
+@pytest.mark.parametrize("accumulation", [[], ["trainer.grad_accum=2"]], ids=["one step", "accumulated"])
+def test_simclr_stopped_mid_epoch_resumes_bitwise(runs: LazyRuns, tmp_path: Path, accumulation: list[str]):
+    resumed = stopped_and_resumed(tmp_path, 1, [*SIMCLR, *accumulation], stop_at=15)
     assert "after epoch 1, step 15 (4 steps into epoch 2)" in (resumed / "train.log").read_text()
-    assert_bitwise_equal(resumed, runs("simclr"))
+    assert_bitwise_equal(resumed, runs("simclr accumulated" if accumulation else "simclr"))
     assert 0.5 < metrics(resumed)["val/knn_acc"] <= 1
 
 

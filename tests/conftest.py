@@ -101,8 +101,10 @@ _PORTS = _named_ports()
 # depend on the machine's core count. A 1-process run's sums, though, differ with its thread count, and tests that
 # compare a run which was 1 process for a while with a 2-rank run within 1e-5 hold with 2 threads, the default on
 # the 2-core machine their tolerances were measured on: with 1 thread four of them differed by up to 2e-2, with 4 by
-# 1.2e-4 (2026-11-26). Those tests give their 1-process runs this environment.
-TWO_THREADS = {"OMP_NUM_THREADS": "2"}
+# 1.2e-4 (2026-11-26). Those tests give their 1-process runs this environment. Its idle threads sleep
+# (OMP_WAIT_POLICY) where OpenMP's default spins: the same sums, bit for bit, and no core burnt while the suite's other
+# test runs beside it (a 2000-step run of tiny batches took 31.4 CPU-seconds spinning, 16 sleeping, 9.2 on 1 thread).
+TWO_THREADS = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def train(args: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess:

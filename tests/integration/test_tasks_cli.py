@@ -31,7 +31,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     """Each system's run on 1 process and on 2 ranks (LazyRuns: the runs on as many processes share a launch)."""
     systems = {f"{name}_{processes}": (processes, overrides)
                for name, overrides in SYSTEMS.items() for processes in (1, 2)}
-    lazy = LazyRuns(tmp_path_factory.mktemp("tasks_cli"), systems)
+    # One thread: these runs are compared with no other, and the seeds' tiny batches leave a second thread waiting.
+    lazy = LazyRuns(tmp_path_factory.mktemp("tasks_cli"), systems, env={"OMP_NUM_THREADS": "1"})
     return lambda name, processes: lazy(f"{name}_{processes}")
 
 

@@ -49,9 +49,9 @@ ADAMW = ["model=cnn", "trainer.epochs=1", "dataset=synthetic", "dataset.num_clas
 # (step 30, past the epoch's end and its validation), while only rounding sets the difference: later, one step can
 # turn 1e-7 into far more, as rounding moves a value across a ReLU's kink, and which step does depends on the CPU's
 # kernels. Measured: resumed on 3 ranks, train/loss followed the straight run within 1e-7 for 3 steps, then one
-# step (31) turned that into 3.6e-5, ending 2.1e-3 apart (from an earlier
-# scheme's initial weights; AMD EPYC, 2026-11-25); test_ema_cli.py's runs (these,
-# with EMA) resumed on 1 process were 1.2e-7 apart at step 30 and 5.7e-4 at step 35 (Intel Xeon, 2026-11-27).
+# step (31) turned that into 3.6e-5, ending 2.1e-3 apart (from an earlier scheme's initial weights; AMD EPYC,
+# 2026-11-25); test_ema_cli.py's runs (these, with EMA) resumed on 1 process were 1.2e-7 apart at step 30 and
+# 5.7e-4 at step 35 (Intel Xeon, 2026-11-27).
 # Every parameter is decayed (decay_norm_and_bias=true), from the CNN's constructor weights (its init_module
 # replays them: src/components/models.py LayerDefaults): the trajectory those numbers were measured on.
 # The digits CNN (151k parameters) is one unit by default (dist.fsdp.min_unit_params): PER_UNIT shards its

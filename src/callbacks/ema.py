@@ -53,14 +53,16 @@ class EmaWeights:
                 torch._foreach_copy_(live, kept)
 
     def state_dict(self) -> dict[str, Any]:
-        # The model's state_dict keys, in its order, without building one (a sharded model's would gather).
-        names = [name for name, _ in self.model.named_parameters()]
-        for module_name, module in self.model.named_modules():
+        # The model's state_dict keys, a tied tensor's every name among them, without building one (a sharded
+        # model's would gather).
+        averages = dict(zip(map(id, self.model.parameters()), self.average.values()))
+        state = {name: averages[id(parameter)]
+                 for name, parameter in self.model.named_parameters(remove_duplicate=False)}
+        for module_name, module in self.model.named_modules(remove_duplicate=False):
             skipped = getattr(module, "_non_persistent_buffers_set", set())
-            names += [f"{module_name}.{name}" if module_name else name for name, buffer in module._buffers.items()
-                      if buffer is not None and name not in skipped]
-        buffers = dict(self.model.named_buffers())
-        return {name: self.average.get(name, buffers.get(name)) for name in names}
+            state.update({f"{module_name}.{name}" if module_name else name: buffer
+                          for name, buffer in module._buffers.items() if buffer is not None and name not in skipped})
+        return state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """The averaged parameters of `state` (whole or sharded, into whole or sharded ones)."""

@@ -93,7 +93,7 @@ def initialise(initial: Initial, module: nn.Module, seed: int) -> None:
                 for key, tensor in _own(owner):
                     fsdp.copy_into(tensor, getattr(full, key))
         else:  # init_weights: on the whole model, or a whole copy of one built on meta (then its slices kept)
-            whole = module if initial.meta is None else initial.meta.to_empty(device="cpu")
+            whole = module if initial.meta is None else fsdp.to_empty(initial.meta, "cpu")
             _unset(whole)
             whole.init_weights()
             _check_set(whole, f"{type(whole).__name__}.init_weights", "")

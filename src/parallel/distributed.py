@@ -132,7 +132,7 @@ def prepare_model(module: torch.nn.Module, runtime: Runtime, sync_bn: bool, find
             module.to_empty(device=runtime.device)
         initialise(module)
         return module, module
-    module = module.to_empty(device=runtime.device) if on_meta else module.to(runtime.device)
+    module = fsdp.to_empty(module, runtime.device) if on_meta else module.to(runtime.device)
     initialise(module)
     if not runtime.env.is_distributed:
         return module, module

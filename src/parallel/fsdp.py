@@ -1,12 +1,13 @@
 """Fully sharded data parallel (`dist.strategy=fsdp`, docs/fsdp.md) with PyTorch's FSDP2: each unit's parameters
 become DTensors sharded along their first dimension, all-gathered for its forward and backward, its gradients
 reduce-scattered. Units: the modules `dist.fsdp.wrap` names by class, else the root's children holding at least
-`dist.fsdp.min_unit_params` parameters, then the root. A unit's all-gather overlaps the previous unit's compute, but
-each unit costs its own collectives: a small model is one unit."""
+`dist.fsdp.min_unit_params` parameters and none tied to a parameter outside them, then the root. A unit's
+all-gather overlaps the previous unit's compute, but each unit costs its own collectives: a small model is one unit."""
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -26,12 +27,25 @@ def units(module: nn.Module, wrap: Sequence[str], min_unit_params: int = 0) -> l
         return []
     if wrap:
         found: list[nn.Module] = []
-        for child in module.modules():
+        for name, child in module.named_modules():
             if (child is not module and type(child).__name__ in wrap
                     and not any(child in list(parent.modules()) for parent in found)):
+                if tied := _tied_outside(child, module):
+                    raise UsageError(f"dist.fsdp.wrap={list(wrap)}: {tied} is tied across the unit {name} and the "
+                                     "rest of the model; FSDP2 shards a tied tensor in one unit: wrap a class "
+                                     "holding all its uses, or [root]")
                 found.append(child)
         return found
-    return [unit for unit in _candidates(module) if _size(unit) >= max(min_unit_params, 1)]
+    return [unit for unit in _candidates(module)
+            if _size(unit) >= max(min_unit_params, 1) and not _tied_outside(unit, module)]
+
+
+def _tied_outside(unit: nn.Module, model: nn.Module) -> str | None:
+    """The name of a parameter `unit` shares with the rest of `model` (tied weights), if any."""
+    inside = Counter(id(parameter) for _, parameter in unit.named_parameters(remove_duplicate=False))
+    uses = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
+    return next((name for name, parameter in model.named_parameters()
+                 if inside[id(parameter)] not in (0, uses[id(parameter)])), None)
 
 
 def _candidates(module: nn.Module) -> list[nn.Module]:
@@ -119,6 +133,19 @@ def reshard(model: nn.Module) -> None:
     for module in model.modules():
         if is_sharded(module):
             module.reshard()
+
+
+def to_empty(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """`module.to_empty(device=device)` with its tied tensors still tied (torch's gives each module its own copy)."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    ties = [(owner, key, *first.setdefault(id(tensor), (owner, key))) for owner in module.modules()
+            for table in (owner._parameters, owner._buffers) for key, tensor in table.items() if tensor is not None]
+    module.to_empty(device=device)
+    for owner, key, source, source_key in ties:
+        if owner is not source or key != source_key:
+            table = owner._parameters if key in owner._parameters else owner._buffers
+            table[key] = getattr(source, source_key)
+    return module
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,14 @@ class PerName(NanoStyle):
         nn.init.zeros_(module.bias)
 
 
+class Tied(PerName):
+    """A weight tied across two layers (a GPT's embedding and head): one parameter, on meta as built whole."""
+
+    def __init__(self, in_features, num_outputs, layers=2):
+        super().__init__(in_features, num_outputs, layers)
+        self.blocks[1]["c_fc"].weight = self.blocks[0]["c_fc"].weight
+
+
 class WholeInit(ZeroHead):
     """torchtitan's way: one init_weights() for the model."""
 
@@ -106,10 +114,10 @@ FIRST_STEP = ["optimizer=sgd", "optimizer.lr=0", "scheduler=constant", "trainer.
 FSDP = ["dist=fsdp", "dist.fsdp.min_unit_params=0"]  # every child that holds parameters sharded as a unit
 
 
-MODELS = ["ZeroHead", "NanoStyle", "PerName", "WholeInit"]
+MODELS = ["ZeroHead", "NanoStyle", "PerName", "WholeInit", "Tied"]
 CNN = ["model=cnn"]
 RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
-    **{f"{model}_one": (1, [f"model={model}"]) for model in ("PerName", "WholeInit")},
+    **{f"{model}_one": (1, [f"model={model}"]) for model in ("PerName", "WholeInit", "Tied")},
     **{f"{model}_ddp": (2, [f"model={model}"]) for model in MODELS},
     **{f"{model}_fsdp": (3, [f"model={model}", *FSDP]) for model in MODELS},
     "cnn_one": (1, CNN), "cnn_ddp": (2, CNN), "cnn_fsdp_2": (2, [*CNN, *FSDP]), "cnn_fsdp_3": (3, [*CNN, *FSDP]),
@@ -164,17 +172,21 @@ def test_a_model_without_a_hook_starts_from_its_constructor_s_weights_under_ddp_
             "init_module(module, name) or init_weights(); give it one to build it on the meta device") in log
 
 
-@pytest.mark.parametrize("model", ["PerName", "WholeInit"])
+@pytest.mark.parametrize("model", ["PerName", "WholeInit", "Tied"])
 def test_a_model_with_a_hook_is_built_on_meta_to_the_same_weights_on_any_world_size(runs: LazyRuns, model: str):
     one, ddp, fsdp = (started(runs, f"{model}_{kind}") for kind in ("one", "ddp", "fsdp"))
     assert_same(one, ddp)
     assert_same(fsdp, ddp)
-    if model == "PerName":
+    if model == "WholeInit":
+        assert ddp["head.weight"].abs().sum() == 0 and ddp["body.weight"].std().item() == pytest.approx(0.5, rel=0.1)
+    else:
         assert ddp["blocks.1.c_proj.weight"].std().item() == pytest.approx(0.01, rel=0.2)
         assert ddp["blocks.1.c_fc.weight"].std().item() == pytest.approx(0.02, rel=0.2)
-    else:
-        assert ddp["head.weight"].abs().sum() == 0 and ddp["body.weight"].std().item() == pytest.approx(0.5, rel=0.1)
-    hook = "init_module" if model == "PerName" else "init_weights"
+    if model == "Tied":  # one tensor on every strategy, even where dist.fsdp.min_unit_params=0 makes units of both
+        assert torch.equal(ddp["blocks.0.c_fc.weight"], ddp["blocks.1.c_fc.weight"])
+        for run in ("Tied_one", "Tied_ddp", "Tied_fsdp"):
+            assert f"Tied ({5_466 - 64 * 16:,} parameters" in (runs(run) / "train.log").read_text()
+    hook = "init_weights" if model == "WholeInit" else "init_module"
     for run in (f"{model}_ddp", f"{model}_fsdp"):
         assert f"the model is built on the meta device; its {hook} gives it its weights" in (
             runs(run) / "train.log").read_text()

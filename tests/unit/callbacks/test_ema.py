@@ -4,6 +4,7 @@ tests/integration/test_ema_cli.py."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -70,6 +71,22 @@ def test_the_update_averages_parameters_and_copies_buffers():
         assert torch.equal(ema_state[name], live_state[name]), name
     assert int(ema_state["1.num_batches_tracked"]) == 3
     assert not any(average.requires_grad for average in ema.average.values())
+
+
+def test_a_tied_weight_s_average_is_saved_under_each_of_its_names():
+    """What eval.py weights=ema loads: the model's tensors, then the EMA's over them (Checkpoint.model_weights); a
+    name of the tied weight left out would load the live weight over its average."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    model[2].weight = model[0].weight
+    ema = EmaWeights(model, decay=0.9)
+    train_a_step(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    ema.update(1)
+    ema_state, live_state = ema.state_dict(), model.state_dict()
+    assert ema_state.keys() == live_state.keys() and ema_state["2.weight"] is ema_state["0.weight"]
+    tied = copy.deepcopy(model)
+    tied.load_state_dict({**live_state, **ema_state})
+    assert torch.equal(tied[2].weight, ema.average["0.weight"])
+    assert not torch.equal(tied[2].weight, model[2].weight)
 
 
 def test_warmup_ramps_the_decay_linearly():

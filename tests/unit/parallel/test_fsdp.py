@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from src.common.errors import UsageError
@@ -62,3 +63,35 @@ def test_a_wrap_that_names_no_class_of_the_model_is_one_error_before_any_shardin
 def test_wrap_root_makes_the_whole_model_one_unit():
     model = SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10)
     assert fsdp.units(model, ["root"]) == []
+
+
+class TiedEnds(nn.Module):
+    """A GPT's layout: an embedding and a head that share one weight, blocks between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_auto_units_leave_modules_that_share_a_tied_weight_to_the_root():
+    model = TiedEnds()  # FSDP2 refuses a tied weight in two units, with a traceback at the first forward
+    assert fsdp.units(model, []) == list(model.blocks)
+
+
+def test_a_wrapped_class_whose_weight_is_tied_outside_its_unit_is_one_error():
+    expected = (r"^dist.fsdp.wrap=\['Linear'\]: embed.weight is tied across the unit head and the rest of the model; "
+                r".* wrap a class holding all its uses, or \[root\]$")
+    with pytest.raises(UsageError, match=expected):
+        fsdp.units(TiedEnds(), ["Linear"])
+
+
+def test_to_empty_keeps_a_tied_weight_one_tensor():
+    with torch.device("meta"):
+        model = TiedEnds()
+    fsdp.to_empty(model, "cpu")  # torch's own to_empty gives the head a tensor of its own
+    assert model.head.weight is model.embed.weight and not model.embed.weight.is_meta
+    assert [name for name, _ in model.named_parameters()] == [
+        "embed.weight", "blocks.0.weight", "blocks.0.bias", "blocks.1.weight", "blocks.1.bias"]

@@ -184,6 +184,7 @@ class StepContext:
         self.loss: torch.Tensor | None = None  # every loss back-propagated, summed (the NaN watch's)
         self.inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # the model inputs callbacks may look at
         self.updated: list[str] = []  # the optimizers stepped in this step
+        self.stepped: set[str] = set()  # and in any step of this process
 
     def begin(self, batches: list[Any], number: int) -> None:
         self.batches, self.number, self.loss, self.inputs, self.updated = batches, number, None, None, []
@@ -200,7 +201,7 @@ class StepContext:
     def accumulate(self, items: Sequence[T], models: Iterable[str] | None = None) -> Iterator[tuple[MicroStep, T]]:
         """`(micro, item)` for each micro-batch's item, the gradient sync of `models` (default: all; one left out syncs
         at every micro-step, as correct and costlier) held back until the last: DDP's `no_sync`, FSDP's."""
-        names = list(self.models) if models is None else list(models)
+        names = list(self.models) if models is None else self._known(models)
         for index, item in enumerate(items):
             last = index == len(items) - 1
             micro = MicroStep(self.seed, self.number, self.positions(index), index, last)
@@ -225,7 +226,7 @@ class StepContext:
 
     def optimizer_step(self, name: str = "model") -> None:
         """Update model `name` from its gradients, then zero them."""
-        optimizer = self.optimizers[name]
+        optimizer = self.optimizers[self._known([name])[0]]
         if self.scaler.is_enabled():
             self.scaler.unscale_(optimizer)
         self._before_optimizer_step(Update(self.number, name, self.modules[name], optimizer))
@@ -235,6 +236,15 @@ class StepContext:
         optimizer.zero_grad(set_to_none=True)
         fsdp.reshard(self.modules[name])  # parameters gathered by a forward without gradients are stale now
         self.updated.append(name)
+        self.stepped.add(name)
+
+    def _known(self, names: Iterable[str]) -> list[str]:
+        """`names`, each a model this run trains, or one error line."""
+        names = list(names)
+        if unknown := [name for name in names if name not in self.optimizers]:
+            raise UsageError(f"the step names model {unknown[0]!r}, which this run does not train; its models: "
+                             f"{', '.join(self.optimizers)}")
+        return names
 
     def add_sums(self, sums: Mapping[str, torch.Tensor | int]) -> None:
         self.sums.add(sums)

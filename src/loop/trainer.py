@@ -254,6 +254,11 @@ class Trainer:
         """Evaluate, record, ask the callbacks whether to stop (the checkpoint holds it), report, checkpoint."""
         state, parts = run.state, self.parts
         train_seconds = time.perf_counter() - started
+        for name in [name for name in parts.optimizers if name not in self.step.stepped]:  # said once
+            log.warning("model %s took no optimizer step in epoch %d: train_step never called "
+                        "step.optimizer_step(%r), so it does not train (its schedule steps all the same)",
+                        name, epoch + 1, name)
+            self.step.stepped.add(name)
         val = self.evaluate()
         self._val_count = val["count"]
         images = val.pop("images", {})  # a task's samples (a GAN's), shown as grids
@@ -292,6 +297,9 @@ class Trainer:
             if not step.updated:
                 raise UsageError(f"{type(parts.task).__name__}.train_step updated no model: call "
                                  "step.optimizer_step(NAME) for each model it trains")
+            if step.loss is None:  # loss.backward() called: no share of the global mean, no NaN watch
+                raise UsageError(f"{type(parts.task).__name__}.train_step back-propagated no loss through "
+                                 "step.backward(loss_sum, step.divisor(counts)): call it instead of loss.backward()")
             parts.runtime.first_step_taken()  # collectives wait dist.step_timeout_s from now on
         step.end()
         self.scaler.update()

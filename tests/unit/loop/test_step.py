@@ -5,6 +5,8 @@ recipes built on them through the CLI: tests/integration/test_recipes_cli.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 
 import pytest
@@ -144,6 +146,50 @@ def test_a_step_that_updates_no_model_is_one_line(tmp_path: Path):
     trainer = one_process_trainer(tmp_path, Idle())
     with pytest.raises(UsageError, match="^Idle.train_step updated no model: call step.optimizer_step"):
         trainer.fit(__import__("src.loop.trainer", fromlist=["TrainState"]).TrainState())
+
+
+class PlainBackward(Task):
+    """A step that calls loss.backward() itself: no share of the global mean, nothing for the NaN watch."""
+
+    def train_step(self, step: StepContext) -> None:
+        for _, batch in step.accumulate(step.batches):
+            step.models["model"](batch[0]).sum().backward()
+        step.optimizer_step("model")
+
+
+def test_a_step_that_back_propagates_around_step_backward_is_one_line(tmp_path: Path):
+    from test_trainer import one_process_trainer
+
+    trainer = one_process_trainer(tmp_path, PlainBackward())
+    with pytest.raises(UsageError, match=r"^PlainBackward.train_step back-propagated no loss through step.backward\("
+                                         r"loss_sum, step.divisor\(counts\)\): call it instead of loss.backward\(\)$"):
+        trainer.fit(__import__("src.loop.trainer", fromlist=["TrainState"]).TrainState())
+
+
+@pytest.mark.parametrize("call", ["optimizer_step", "accumulate"])
+def test_a_model_the_run_does_not_train_named_in_the_step_is_one_line(call: str):
+    """Also with one micro-batch, where accumulate holds back no sync: the name is checked all the same."""
+    model = nn.Linear(3, 2)
+    step = context({"model": model}, {"model": torch.optim.SGD(model.parameters(), lr=0.1)})
+    step.begin([], number=1)
+    with pytest.raises(UsageError, match="^the step names model 'modle', which this run does not train; its models: "
+                                         "model$"):
+        step.optimizer_step("modle") if call == "optimizer_step" else next(step.accumulate([None], ["modle"]))
+
+
+def test_a_model_whose_optimizer_never_steps_is_warned_about_once(tmp_path: Path, caplog):
+    """A second model the step forgets (only the first step's "updated no model" is an error: a schedule may update
+    a model every k steps)."""
+    from test_trainer import one_process_trainer
+
+    trainer = one_process_trainer(tmp_path, Classification())  # steps "model" alone
+    trainer.config = dataclasses.replace(trainer.config, epochs=2)
+    trainer.parts.optimizers["critic"] = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="src.loop.trainer"):
+        trainer.fit(__import__("src.loop.trainer", fromlist=["TrainState"]).TrainState())
+    assert [record.getMessage() for record in caplog.records if "optimizer step" in record.getMessage()] == [
+        "model critic took no optimizer step in epoch 1: train_step never called step.optimizer_step('critic'), so "
+        "it does not train (its schedule steps all the same)"]
 
 
 def test_the_built_in_step_is_written_with_the_same_primitives():

@@ -5,6 +5,8 @@ a value a component refuses by its own rule (`SettingError`) reads `KEY.ARGUMENT
 from __future__ import annotations
 
 import contextlib
+import difflib
+import importlib
 import inspect
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -48,6 +50,8 @@ def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[s
         yield
     except (InstantiationException, TypeError, ValueError) as error:  # a partial's come from its call, unwrapped
         cause = error.__cause__ if isinstance(error, InstantiationException) else error
+        if unlocated := not_located(key, node, error):
+            raise unlocated from None
         if isinstance(cause, SettingError):
             raise UsageError(cause.named(key)) from None
         if isinstance(cause, ValueError) and (cause is not error or called_with):  # the target's own check refused
@@ -60,6 +64,22 @@ def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[s
         raise UsageError(mismatch) from None
     except SettingError as error:  # built without instantiate
         raise UsageError(error.named(key)) from None
+
+
+def not_located(key: str, node: Mapping[str, Any], error: Exception) -> UsageError | None:
+    """One line for a `_target_` Hydra could not import (a misspelt class or module), else None."""
+    if not str(error).startswith("Error locating target"):
+        return None
+    target = str(node.get("_target_"))
+    module_name, _, name = target.rpartition(".")
+    try:
+        names = dir(importlib.import_module(module_name))
+    except Exception as cause:  # noqa: BLE001 - the module itself: not found, or failing as it is imported
+        return UsageError(f"{key}._target_={target}: module {module_name} cannot be imported ({type(cause).__name__}: "
+                          f"{str(cause).splitlines()[0]}); a module of your own needs PYTHONPATH=. (docs/forking.md)")
+    close = difflib.get_close_matches(name, names, n=1)
+    return UsageError(f"{key}._target_={target}: module {module_name} has no {name}"
+                      + (f"; did you mean {module_name}.{close[0]}?" if close else ""))
 
 
 def argument_names(target: str) -> tuple[list[str], bool] | None:
@@ -108,19 +128,25 @@ def named(node: Mapping[str, Any], key: str, default_name: str = "model") -> dic
     """The configs of a group that takes one (a node with a `_target_`, named `default_name`) or several by name."""
     if "_target_" in node:
         return {default_name: node}
-    if not node or not all(isinstance(value, Mapping) and "_target_" in value for value in node.values()):
-        raise UsageError(f"{key} names no _target_: give it one (a {key} YAML of conf/{key}/), or one per name, "
-                         f"e.g. {key}.generator._target_=...")
+    stray = [str(name) for name, value in node.items() if not (isinstance(value, Mapping) and "_target_" in value)]
+    if not node or stray:
+        raise UsageError(f"{key} names no _target_: give it one (a {key} YAML of conf/{key}/), or one per name, each "
+                         f"with its _target_ (docs/forking.md); {key}.{(stray or ['NAME'])[0]} is neither")
     return {str(name): value for name, value in node.items()}
 
 
 def per_model(node: Mapping[str, Any], key: str, models: Iterable[str]) -> dict[str, Any]:
     """For each model, its config of group `key`: the one config, or the model's own when `key` names one each."""
     models = list(models)
+    each = f"one {key} for each model by its name ({' '.join(f'+{key}@{key}.{name}=OPTION' for name in models)} " \
+           f"after ~{key}: docs/forking.md)"
     if "_target_" in node:
+        if both := [name for name in models if name in node]:
+            raise UsageError(f"{key} is one config for all models ({node['_target_']}), and names model {both[0]} "
+                             f"too: give {each}, or set {key}.KEY for all")
         return {name: node for name in models}
     configs = named(node, key)
     if set(configs) != set(models):
         raise UsageError(f"{key} names {', '.join(configs)}, but the run's models are {', '.join(models)}: give "
-                         f"one {key} for each model, by its name, or one {key} for all")
+                         f"{each}, or one {key} for all")
     return {name: configs[name] for name in models}

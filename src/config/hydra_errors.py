@@ -45,6 +45,11 @@ def one_line_config_errors(is_main_process: bool, config_name: str) -> Iterator[
             except (ConfigCompositionException, OverrideParseException) as error:
                 overrides = [a for a in sys.argv[1:] if not a.startswith("-") and ("=" in a or a.startswith("~"))]
                 raise UsageError(describe_config_error(error, Path(sys.argv[0]).name, overrides, config_name)) from None
+            except ValueError as error:  # the defaults list refusing an override, e.g. optimizer=null
+                if type(error) is not ValueError or not _full_error_set_here:  # OmegaConf's, or raised by the run
+                    raise
+                raise UsageError(f"the config does not compose ({error}); to leave a config group out of this run: "
+                                 "~GROUP, e.g. ~optimizer") from None
     finally:
         config_composed()
 

@@ -11,19 +11,21 @@ import re
 from typing import Any, Iterable, Mapping
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from src.common.errors import UsageError
+from src.config import building
 from src.parallel import fsdp
 
 log = logging.getLogger(__name__)
 
 
 def build_optimizer(optimizer_cfg: Any, parameters: Iterable[tuple[str, torch.nn.Parameter] | torch.nn.Parameter],
-                    sharded: bool = False) -> Optimizer:
+                    sharded: bool = False, key: str = "optimizer") -> Optimizer:
     """The optimizer `optimizer_cfg` names (`_target_`, `_partial_: true`) over `parameters` (named, or unnamed) in
     `parameter_groups`; a setting torch refuses is one `error:` line. `sharded` (FSDP2's DTensor shards) with
     `fused: true`: a fused kernel that does not take shards (SGD's) becomes the foreach kernels, not torch's
@@ -43,16 +45,17 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[tuple[str, torch.nn
                      "parameters (dist=fsdp): foreach kernels instead")
             return make(groups, fused=None, foreach=True)
         return make(groups)
+    except InstantiationException as error:
+        raise building.not_located(key, options, error) or error
     except (ValueError, IndexError) as error:  # IndexError: betas=[0.9]
-        message = f"{options['_target_']} refused its settings ({error}): change the optimizer.* keys"
+        message = f"{options['_target_']} refused its settings ({error}): change the {key}.* keys"
         raise UsageError(message) from error
     except TypeError as error:  # a key the class does not take, e.g. `fused` copied to an RMSprop YAML
         unknown = re.search(r"unexpected keyword argument '(\w+)'", str(error))
         if unknown is None:
             raise
-        key = unknown.group(1)
-        raise UsageError(f"{options['_target_']} does not take {key}: remove it from the optimizer's YAML, or drop "
-                         f"it for this run with ~optimizer.{key}") from error
+        raise UsageError(f"{options['_target_']} does not take {unknown.group(1)}: remove it from the optimizer's "
+                         f"YAML, or drop it for this run with ~{key}.{unknown.group(1)}") from error
 
 
 def parameter_groups(named: list[tuple[str, torch.nn.Parameter]], lr: float | None, weight_decay: float,

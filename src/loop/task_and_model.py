@@ -176,9 +176,11 @@ def build_optimizers(cfg: DictConfig, modules: dict[str, nn.Module], steps_per_e
     optimizers, schedulers = {}, {}
     for name, module in modules.items():
         trainable = [(key, p) for key, p in module.named_parameters() if p.requires_grad]
-        optimizers[name] = optim.build_optimizer(optimizer_cfgs[name], trainable, sharded=fsdp.is_sharded(module))
+        opt_key, scheduler_key = (group if "_target_" in cfg[group] else f"{group}.{name}"
+                                  for group in ("optimizer", "scheduler"))  # what its error lines name
+        optimizers[name] = optim.build_optimizer(optimizer_cfgs[name], trainable, fsdp.is_sharded(module), opt_key)
         schedule = scheduler_cfgs[name]  # a partial, given the optimizer and the run's length
-        with building.errors_named("scheduler", schedule, (), ("optimizer", "total_steps", "steps_per_epoch")):
+        with building.errors_named(scheduler_key, schedule, (), ("optimizer", "total_steps", "steps_per_epoch")):
             schedulers[name] = instantiate(schedule)(optimizers[name], total_steps=steps_per_epoch * epochs,
                                                      steps_per_epoch=steps_per_epoch)
     return optimizers, schedulers

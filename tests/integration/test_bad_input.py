@@ -47,6 +47,8 @@ ROWS = [
     row(TRAIN, ["trainer.epochs=[1"], "cannot parse the override 'trainer.epochs=[1'", "unparsable-override"),
     row(EVAL, ["checkpoint={checkpoint}", "dataset=nope"], "dataset=nope is not an option of dataset",
         "eval-unknown-option"),
+    row(TRAIN, ["optimizer=null"], "the config does not compose (Config group override must be a string or a list. "
+        "Got NoneType); to leave a config group out of this run: ~GROUP, e.g. ~optimizer", "group-set-to-null"),
     # Values the types let through, refused when the run starts (src/config/schema.py): two rows here, as they
     # share one path to the `error:` line; the wording of every value the schema refuses is checked in process
     # by tests/unit/config/test_schema.py.
@@ -66,6 +68,9 @@ ROWS = [
     # A key the class does not take: the compose-time hint says so, and adding it anyway is one line too.
     row(TRAIN, ["+model.foo=1"], "model.foo is not an argument of model: src.components.models.SimpleCNN takes "
         "in_channels, image_size, num_outputs, channels, hidden, dropout; remove it", "model-argument-unknown"),
+    row(TRAIN, ["model._target_=src.components.models.SimpleCNNN"], "model._target_=src.components.models.SimpleCNNN: "
+        "module src.components.models has no SimpleCNNN; did you mean src.components.models.SimpleCNN?",
+        "target-misspelt"),  # the other ways a target does not import: tests/unit/config/test_building.py
     row(TRAIN, ["+callbacks.mine._target_=src.callbacks.ema.EMA"], "callbacks.mine needs decay, warmup_steps: "
         "src.callbacks.ema.EMA takes decay, warmup_steps, model; add +callbacks.mine.decay=VALUE",
         "callback-argument-missing"),

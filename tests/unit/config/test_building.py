@@ -63,6 +63,38 @@ def test_other_errors_of_the_target_keep_their_report():
     assert not isinstance(error.value, UsageError)
 
 
+@pytest.mark.parametrize("target, message", [
+    ("src.components.models.SimpleCNNN", "module src.components.models has no SimpleCNNN; did you mean "
+                                         "src.components.models.SimpleCNN?"),
+    ("src.components.modelz.SimpleCNN", "module src.components.modelz cannot be imported (ModuleNotFoundError: No "
+                                        "module named 'src.components.modelz'); a module of your own needs "
+                                        "PYTHONPATH=. (docs/forking.md)"),
+    ("my_fork.models.Net", "module my_fork.models cannot be imported (ModuleNotFoundError: No module named 'my_fork'); "
+                           "a module of your own needs PYTHONPATH=. (docs/forking.md)"),
+])
+def test_a_target_that_cannot_be_imported_is_one_line_naming_its_key(target, message):
+    with pytest.raises(UsageError) as error:
+        built("model.encoder", {**CNN, "_target_": target})
+    assert str(error.value) == f"model.encoder._target_={target}: {message}"
+
+
+def test_an_optimizer_that_cannot_be_imported_or_takes_no_key_is_one_line_naming_the_model_s_own_key():
+    """Each model's own optimizer and schedule (optimizer.NAME, scheduler.NAME): their errors name those keys."""
+    config = OmegaConf.create({"optimizer": {"model": {"_target_": "torch.optim.Adamm", "_partial_": True}},
+                               "scheduler": {"model": {"_target_": "src.loop.optim.constant", "_partial_": True}}})
+    modules = {"model": torch.nn.Linear(2, 1)}
+    with pytest.raises(UsageError, match=r"^optimizer.model._target_=torch.optim.Adamm: module torch.optim has no "
+                                         r"Adamm; did you mean torch.optim.Adam\?$"):
+        task_and_model.build_optimizers(config, modules, steps_per_epoch=4, epochs=2)
+    config.optimizer.model = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "momentm": 0.9}
+    with pytest.raises(UsageError, match=r"~optimizer.model.momentm$"):
+        task_and_model.build_optimizers(config, modules, steps_per_epoch=4, epochs=2)
+    config.optimizer.model.pop("momentm")
+    config.scheduler.model.gama = 0.5
+    with pytest.raises(UsageError, match=r"^scheduler.model.gama is not an argument of scheduler.model: "):
+        task_and_model.build_optimizers(config, modules, steps_per_epoch=4, epochs=2)
+
+
 ONE_CYCLE = {"_target_": "torch.optim.lr_scheduler.OneCycleLR", "_partial_": True}
 ONE_CYCLE_TAKES = "torch.optim.lr_scheduler.OneCycleLR takes optimizer, max_lr, total_steps, epochs, steps_per_epoch"
 

@@ -4,10 +4,12 @@ refuses in one line. In one process; the CLI runs of several models: tests/integ
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from src.common.errors import UsageError
@@ -21,6 +23,7 @@ from src.recipes.gan import GAN
 MLP = {"_target_": "src.components.models.MLP", "in_features": 4, "num_outputs": 2, "hidden_sizes": [3]}
 SGD = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
 CONSTANT = {"_target_": "src.loop.optim.constant", "_partial_": True}
+CONF = Path(__file__).resolve().parents[3] / "conf"
 RUNTIME = Runtime(DistEnv(), torch.device("cpu"), backend=None)
 
 
@@ -36,6 +39,9 @@ def test_one_model_config_is_the_model_named_model_and_several_keep_their_names(
                                                                                                "discriminator"]
     with pytest.raises(UsageError, match="model names no _target_: give it one"):
         named(OmegaConf.create({"generator": {"lr": 1}}), "model")
+    with pytest.raises(UsageError, match=r"^optimizer names no _target_: .*, or one per name, each with its _target_ "
+                                         r"\(docs/forking.md\); optimizer.lr is neither$"):  # a key left beside them
+        named(OmegaConf.create({"lr": 0.1, "generator": SGD}), "optimizer")
 
 
 def test_each_model_gets_an_optimizer_and_schedule_of_its_own():
@@ -60,6 +66,34 @@ def test_optimizers_by_model_name_take_each_its_own_settings_and_must_name_every
         per_model(OmegaConf.create({"generator": SGD}), "optimizer", ["generator", "discriminator"])
 
 
+def test_one_optimizer_for_all_that_also_names_a_model_is_one_line_showing_the_per_model_form():
+    node = OmegaConf.create({**SGD, "generator": {"_target_": "torch.optim.Adam", "_partial_": True}})
+    with pytest.raises(UsageError) as error:
+        per_model(node, "optimizer", ["generator", "discriminator"])
+    assert str(error.value) == (
+        "optimizer is one config for all models (torch.optim.SGD), and names model generator too: give one optimizer "
+        "for each model by its name (+optimizer@optimizer.generator=OPTION +optimizer@optimizer.discriminator=OPTION "
+        "after ~optimizer: docs/forking.md), or set optimizer.KEY for all")
+
+
+def test_the_per_model_form_the_errors_show_composes_each_model_s_own_optimizer_and_schedule():
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", ["task=gan", "model=gan_mlp", "~optimizer", "+optimizer@optimizer.generator=adam",
+                                 "+optimizer@optimizer.discriminator=sgd", "optimizer.discriminator.lr=0.02",
+                                 "~scheduler", "+scheduler@scheduler.generator=cosine",
+                                 "+scheduler@scheduler.discriminator=constant"])
+    cfg = config({"generator": MLP, "discriminator": MLP}, optimizer=cfg.optimizer, scheduler=cfg.scheduler)
+    modules, _ = models.build_trained(cfg, TrainerConfig(), GAN(), RUNTIME)
+    optimizers, schedulers = models.build_optimizers(cfg, modules, steps_per_epoch=5, epochs=2)
+    assert type(optimizers["generator"]) is torch.optim.Adam and type(optimizers["discriminator"]) is torch.optim.SGD
+    assert optimizers["discriminator"].defaults["lr"] == 0.02
+    for _, name in itertools.product(range(10), optimizers):
+        optimizers[name].step()  # no gradients: no update
+        schedulers[name].step()
+    assert optimizers["discriminator"].param_groups[0]["lr"] == 0.02  # constant; the cosine one has decayed
+    assert optimizers["generator"].param_groups[0]["lr"] < optimizers["generator"].defaults["lr"] / 10
+
+
 def test_a_task_refuses_models_it_does_not_train():
     with pytest.raises(UsageError, match="task=GAN trains the models generator, discriminator, but the model config "
                                          "names model"):
@@ -77,6 +111,10 @@ def test_freeze_names_a_model_s_parameters_by_its_name_in_a_run_of_several():
     with pytest.raises(UsageError, match="no parameter name starts with net.1.; the model's parameter names start "
                                          "with discriminator.net, generator.net"):
         models.build_trained(cfg, TrainerConfig(freeze=["net.1."]), GAN(), RUNTIME)
+    with pytest.raises(UsageError, match=r"^trainer.freeze=\['discriminator.'\] freezes every parameter of model "
+                                         r"'discriminator', which would not train: a model used frozen is an aux model "
+                                         r"\(aux.discriminator.path\)$"):
+        models.build_trained(cfg, TrainerConfig(freeze=["discriminator."]), GAN(), RUNTIME)
 
 
 class Student(Task):

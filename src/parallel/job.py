@@ -71,7 +71,13 @@ def start() -> RunContext:
     """Where a job starts: a submitit or `srun` task becomes a torchrun-style worker; its context, read once."""
     hydra_errors.config_composed()
     adopt_cluster_env()
-    return RunContext.of(HydraConfig.get())
+    context = RunContext.of(HydraConfig.get())
+    for made in _made_here:  # a dir no run uses, made as OmegaConf merged a preset's run dir onto the default's
+        if made.resolve() not in (context.run_dir.resolve(), *context.run_dir.resolve().parents):
+            with contextlib.suppress(OSError):  # (it resolves what it merges onto); gone while it and its
+                made.rmdir()  # parent (the date) are empty
+                made.parent.rmdir()
+    return context
 
 
 @contextlib.contextmanager
@@ -123,12 +129,18 @@ def fresh_dir(path: str, environ: MutableMapping[str, str] = os.environ) -> str:
     return _agreed(variable, lambda: _made(path), environ)
 
 
+_made_here: list[Path] = []  # the dirs `fresh_dir` made in this process
+
+
 def _made(path: str, number: int = 1) -> str:
     candidate = path if number == 1 else f"{path}-{number}"
     try:
         Path(candidate).mkdir(parents=True)  # atomic: of runs racing for a dir, one makes it
     except FileExistsError:
         return _made(path, number + 1)
+    except FileNotFoundError:  # its parent made, then removed by another run as unused: again
+        return _made(path, number)
+    _made_here.append(Path(candidate))
     return candidate
 
 

@@ -36,6 +36,8 @@ def error_lines(stderr: str) -> list[str]:
 def test_debug_fast_is_a_two_step_smoke_run_kept_apart(workdir: Path):
     check(train(["debug=fast"], workdir))
     run_dir = only_run_dir(workdir, "outputs/debug")
+    # Nothing else: OmegaConf resolved the default run dir as it merged the preset's onto it, which made that dir.
+    assert [path.name for path in (workdir / "outputs").iterdir()] == ["debug"]
     result = metrics(run_dir)
     assert (result["epoch"], result["step"]) == (1, 2)
     assert result["val/num_samples"] == 2 * 64  # limit_val_batches=2 batches of the global 64 (1 rank)

@@ -74,7 +74,8 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
         task.aux = task_and_model.build_aux(saved.get("aux"), task, runtime.device,
                                             trusted_targets.trusted(cfg.trusted_targets, cfg))
         splits = loaders.build_splits(dataset_cfg)
-        split = check_data(saved_checkpoint, task, splits, cfg.split, f"dataset={dataset_choice}", dataset_cfg)
+        named = "the checkpoint's dataset" if dataset_choice == FROM_CHECKPOINT else f"dataset={dataset_choice}"
+        split = check_data(saved_checkpoint, task, splits, cfg.split, named, dataset_cfg)
         # The plain modules, not DDP: evaluation syncs no gradients, only the metric sums. A sharded checkpoint's
         # shards are read into the whole models on every rank; `weights=ema` puts the EMA weights into their model.
         output = saved_checkpoint.output_model

@@ -173,8 +173,9 @@ def freeze(modules: dict[str, nn.Module], prefixes: list[str]) -> int:
     frozen = [(model, parameter) for name, model, parameter in named if name.startswith(tuple(prefixes))]
     for model in modules:
         if frozen and sum(1 for m, _ in frozen if m == model) == sum(1 for _, m, _ in named if m == model):
-            what = "the model" if len(modules) == 1 else f"model {model!r}"
-            raise UsageError(f"trainer.freeze={list(prefixes)} freezes every parameter of {what}: nothing would train")
+            what = "the model: nothing would train" if len(modules) == 1 else \
+                f"model {model!r}, which would not train: a model used frozen is an aux model (aux.{model}.path)"
+            raise UsageError(f"trainer.freeze={list(prefixes)} freezes every parameter of {what}")
     for _, parameter in frozen:
         parameter.requires_grad_(False)
     return sum(parameter.numel() for _, parameter in frozen)

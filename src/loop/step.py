@@ -185,6 +185,7 @@ class StepContext:
         self.inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # the model inputs callbacks may look at
         self.updated: list[str] = []  # the optimizers stepped in this step
         self.stepped: set[str] = set()  # and in any step of this process
+        self.counted = False  # whether a step added the sum "count", which every metric divides by
 
     def begin(self, batches: list[Any], number: int) -> None:
         self.batches, self.number, self.loss, self.inputs, self.updated = batches, number, None, None, []
@@ -248,6 +249,7 @@ class StepContext:
 
     def add_sums(self, sums: Mapping[str, torch.Tensor | int]) -> None:
         self.sums.add(sums)
+        self.counted = self.counted or "count" in sums
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's same-shaped `tensor` along dim 0 in global-batch order; each row's gradient goes to its rank."""

@@ -300,6 +300,9 @@ class Trainer:
             if step.loss is None:  # loss.backward() called: no share of the global mean, no NaN watch
                 raise UsageError(f"{type(parts.task).__name__}.train_step back-propagated no loss through "
                                  "step.backward(loss_sum, step.divisor(counts)): call it instead of loss.backward()")
+            if not step.counted:  # the train metrics would be NaN, the samples/s 0
+                raise UsageError(f"{type(parts.task).__name__}.train_step added no count: give step.add_sums the "
+                                 "units its losses sum over, {'count': N, ...}: every metric divides by it")
             parts.runtime.first_step_taken()  # collectives wait dist.step_timeout_s from now on
         step.end()
         self.scaler.update()

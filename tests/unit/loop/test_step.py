@@ -157,12 +157,28 @@ class PlainBackward(Task):
         step.optimizer_step("model")
 
 
-def test_a_step_that_back_propagates_around_step_backward_is_one_line(tmp_path: Path):
+class Uncounted(Task):
+    """A step that adds its loss but not the count the metrics divide by."""
+
+    def train_step(self, step: StepContext) -> None:
+        for _, batch in step.accumulate(step.batches):
+            loss_sum = step.models["model"](batch[0]).sum()
+            step.backward(loss_sum, step.divisor([len(batch[0])]))
+            step.add_sums({"loss": loss_sum.detach()})
+        step.optimizer_step("model")
+
+
+@pytest.mark.parametrize("task, message", [
+    (PlainBackward(), r"^PlainBackward.train_step back-propagated no loss through step.backward\(loss_sum, "
+                      r"step.divisor\(counts\)\): call it instead of loss.backward\(\)$"),
+    (Uncounted(), r"^Uncounted.train_step added no count: give step.add_sums the units its losses sum over, "
+                  r"\{'count': N, ...\}: every metric divides by it$"),
+], ids=["loss.backward()", "no count"])
+def test_a_step_that_back_propagates_around_step_backward_or_counts_nothing_is_one_line(tmp_path: Path, task, message):
     from test_trainer import one_process_trainer
 
-    trainer = one_process_trainer(tmp_path, PlainBackward())
-    with pytest.raises(UsageError, match=r"^PlainBackward.train_step back-propagated no loss through step.backward\("
-                                         r"loss_sum, step.divisor\(counts\)\): call it instead of loss.backward\(\)$"):
+    trainer = one_process_trainer(tmp_path, task)
+    with pytest.raises(UsageError, match=message):
         trainer.fit(__import__("src.loop.trainer", fromlist=["TrainState"]).TrainState())
 
 

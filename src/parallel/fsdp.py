@@ -25,25 +25,25 @@ def units(module: nn.Module, wrap: Sequence[str], min_unit_params: int = 0) -> l
     """The units sharded before the root: those of the classes `wrap` names (outermost), none, or the automatic ones."""
     if list(wrap) == ROOT_ONLY:
         return []
+    uses = Counter(id(parameter) for _, parameter in module.named_parameters(remove_duplicate=False))  # counted once
     if wrap:
         found: list[nn.Module] = []
         for name, child in module.named_modules():
             if (child is not module and type(child).__name__ in wrap
                     and not any(child in list(parent.modules()) for parent in found)):
-                if tied := _tied_outside(child, module):
+                if tied := _tied_outside(child, module, uses):
                     raise UsageError(f"dist.fsdp.wrap={list(wrap)}: {tied} is tied across the unit {name} and the "
                                      "rest of the model; FSDP2 shards a tied tensor in one unit: wrap a class "
                                      "holding all its uses, or [root]")
                 found.append(child)
         return found
     return [unit for unit in _candidates(module)
-            if _size(unit) >= max(min_unit_params, 1) and not _tied_outside(unit, module)]
+            if _size(unit) >= max(min_unit_params, 1) and not _tied_outside(unit, module, uses)]
 
 
-def _tied_outside(unit: nn.Module, model: nn.Module) -> str | None:
-    """The name of a parameter `unit` shares with the rest of `model` (tied weights), if any."""
+def _tied_outside(unit: nn.Module, model: nn.Module, uses: Counter[int]) -> str | None:
+    """The name of a parameter `unit` shares with the rest of `model` (tied weights; `uses`: `model`'s), if any."""
     inside = Counter(id(parameter) for _, parameter in unit.named_parameters(remove_duplicate=False))
-    uses = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
     return next((name for name, parameter in model.named_parameters()
                  if inside[id(parameter)] not in (0, uses[id(parameter)])), None)
 

@@ -36,6 +36,10 @@ def units(module: nn.Module, wrap: Sequence[str], min_unit_params: int = 0) -> l
                                      "rest of the model; FSDP2 shards a tied tensor in one unit: wrap a class "
                                      "holding all its uses, or [root]")
                 found.append(child)
+        if not found:
+            classes = sorted({type(child).__name__ for child in module.modules()})
+            raise UsageError(f"dist.fsdp.wrap={list(wrap)} names no module class of the model; its classes: "
+                             f"{', '.join(classes)}")
         return found
     return [unit for unit in _candidates(module)
             if _size(unit) >= max(min_unit_params, 1) and not _tied_outside(unit, module, uses)]
@@ -68,10 +72,6 @@ def shard(module: nn.Module, wrap: Sequence[str], reshard_after_forward: bool, c
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     chosen = units(module, wrap, min_unit_params)
-    if wrap and not chosen and list(wrap) != ROOT_ONLY:
-        classes = sorted({type(child).__name__ for child in module.modules()})
-        raise UsageError(f"dist.fsdp.wrap={list(wrap)} names no module class of the model; its classes: "
-                         f"{', '.join(classes)}")
     if param_dtype is not None:
         for norm in [child for child in module.modules() if isinstance(child, _BatchNorm) and child.affine]:
             fully_shard(norm, reshard_after_forward=reshard_after_forward, offload_policy=offload)

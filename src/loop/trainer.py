@@ -291,8 +291,12 @@ class Trainer:
         step.begin([to_device(batch, parts.runtime.device) for batch in micro_batches], state.step + 1)
         try:
             parts.task.train_step(step)
-        except RuntimeError as error:
-            raise _unused_parameters(error) or error
+        except RuntimeError as error:  # DDP's failure when a model's parameters got no gradient: one line
+            if "find_unused_parameters" not in str(error):
+                raise
+            raise UsageError("a model's parameters got no gradient in a training step, so DDP could not all-reduce "
+                             "them (a layer the forward skips, a loss that ignores an output): set "
+                             "dist.find_unused_parameters=true, or freeze those parameters (trainer.freeze)")
         if step.first:
             if not step.updated:
                 raise UsageError(f"{type(parts.task).__name__}.train_step updated no model: call "
@@ -381,15 +385,6 @@ def _in_steps(loader: Iterable[Any], accum: int) -> Iterator[list[Any]]:
     batches = iter(loader)
     while micro_batches := list(itertools.islice(batches, accum)):
         yield micro_batches
-
-
-def _unused_parameters(error: RuntimeError) -> UsageError | None:
-    """DDP's failure when a model's parameters got no gradient in a step, as one line naming the setting."""
-    if "find_unused_parameters" not in str(error):
-        return None
-    return UsageError("a model's parameters got no gradient in a training step, so DDP could not all-reduce them (a "
-                      "layer the forward skips, a loss that ignores an output): set dist.find_unused_parameters=true, "
-                      "or freeze those parameters (trainer.freeze)")
 
 
 def rate_name(unit: str) -> str:

@@ -9,17 +9,21 @@ import torch
 
 
 def seed_everything(seed: int) -> None:
+    seed_host_generators(seed)
+    torch.manual_seed(seed)
+
+
+def seed_host_generators(seed: int) -> None:
+    """Seed torch's CPU generator, Python's and NumPy's from a 64-bit seed; not CUDA's (the trainer's dropout)."""
+    torch.default_generator.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def seed_generators(seed: int, device: torch.device) -> None:
     """Seed Python, NumPy, the CPU and `device`'s generator; torch.manual_seed would also queue a seed (with a stack
     trace) for every uninitialised device type, every step."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.default_generator.manual_seed(seed)
+    seed_host_generators(seed)
     if device.type == "cuda":
         torch.cuda.default_generators[device.index or 0].manual_seed(seed)
 

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from src.common.seeding import seed_host_generators
+
 VAL_EPOCH = -1  # the "epoch" val samples draw from: one fixed stream, whatever the pass
 MASK32 = 0xFFFF_FFFF
 _START = 0x243F_6A88  # the hash's initial state (digits of pi): nothing special about it but being fixed
@@ -72,13 +74,6 @@ def host_seeds(seed: int, keys: Sequence[tuple[int, int]]) -> list[int]:
     states = np.fromiter((_epoch_state(seed, epoch) for epoch, _ in keys), dtype=np.int64, count=len(keys))
     key = _absorb(states, np.fromiter((index for _, index in keys), dtype=np.int64, count=len(keys)))
     return ((draw(key, 0).astype(np.uint64) << np.uint64(32)) | draw(key, 1).astype(np.uint64)).tolist()
-
-
-def seed_host_generators(seed: int) -> None:
-    """Seed torch's CPU generator, Python's and NumPy's from a 64-bit seed; not CUDA's (the trainer's dropout)."""
-    torch.default_generator.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed & MASK32)
 
 
 @contextlib.contextmanager

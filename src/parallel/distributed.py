@@ -130,11 +130,10 @@ def prepare_model(module: torch.nn.Module, runtime: Runtime, sync_bn: bool, find
                             sharding.reshard_after_forward, sharding.cpu_offload, param_dtype, sharding.min_unit_params)
         if on_meta:
             module.to_empty(device=runtime.device)
-        initialise(module)
-        return module, module
-    module = fsdp.to_empty(module, runtime.device) if on_meta else module.to(runtime.device)
+    else:
+        module = fsdp.to_empty(module, runtime.device) if on_meta else module.to(runtime.device)
     initialise(module)
-    if not runtime.env.is_distributed:
+    if sharding is not None or not runtime.env.is_distributed:  # sharded, or one process: no wrapper
         return module, module
     return module, torch.nn.parallel.DistributedDataParallel(
         module, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,

@@ -107,9 +107,9 @@ def match(module: nn.Module, state: dict[str, torch.Tensor]) -> Match:
 def load_initial_weights(modules: dict[str, nn.Module], output: str, path: Path, strict: bool) -> dict[str, Match]:
     """Load `path`'s matching weights into the run's `modules`; returns the matches."""
     files = read_weights(path, list(modules), output)
-    matches = {}
+    matches, several = {}, len(modules) > 1
     for name, state in files.items():
-        module, label = modules[name], f"init_from={path}" + (f" (model {name})" if len(modules) > 1 else "")
+        module, label = modules[name], f"init_from={path}" + (f" (model {name})" if several else "")
         found = matches[name] = match(module, state)
         if not found.loadable:
             raise UsageError(f"{label}: none of its {len(found.unexpected)} keys matches a weight of the model "
@@ -122,7 +122,6 @@ def load_initial_weights(modules: dict[str, nn.Module], output: str, path: Path,
             dcp.set_model_state_dict(module, dict(found.loadable), options=whole)
         else:
             module.load_state_dict(found.loadable, strict=False)
-        several = len(modules) > 1
         log.info("init_from: loaded %d of %s's %d tensors from %s", len(found.loadable),
                  f"model {name}" if several else "the model",
                  len(found.loadable) + len(found.missing) + len(found.mismatched), path)

@@ -62,6 +62,11 @@ def test_cifar10_device_augmentation_replays_exactly_after_a_resume(runs: LazyRu
     assert metrics(stopped)["step"] == (40 - 8) // 8
     for name, tensor in weights(runs("straight")).items():
         assert torch.equal(tensor, weights(stopped)[name]), name
+    # Tested at step 2 when max_steps stopped it, then again at its new end: the same test as the straight run's.
+    straight, resumed = metrics(runs("straight")), metrics(stopped)
+    assert resumed["tested_weights"] == straight["tested_weights"], resumed["tested_weights"]
+    assert {key: resumed[key] for key in resumed if key.startswith("test/")} == \
+        {key: straight[key] for key in straight if key.startswith("test/")}
 
 
 # ---- a damaged image in a real folder ------------------------------------------------------------------------

@@ -136,11 +136,12 @@ class MetricSums:
 
     @torch.no_grad()
     def add(self, sums: Mapping[str, torch.Tensor | float]) -> None:
-        """Add a batch's sums (device tensors or numbers); names not tracked are ignored."""
+        """Add a batch's sums (device tensors or numbers), each under a name these sums track."""
         for name, value in sums.items():
-            view = self._views.get(name)
-            if view is not None:
-                view += value.detach() if isinstance(value, torch.Tensor) else value
+            if name not in self._views:  # a misspelt name would be dropped, and its metric reported as 0
+                raise UsageError(f"the sum {name!r} is not one the task declares ({', '.join(self.shapes)}): name it "
+                                 "in the task's sum_shapes (val_sum_shapes for a sum counted on val only)")
+            self._views[name] += value.detach() if isinstance(value, torch.Tensor) else value
 
     def totals(self) -> torch.Tensor:
         """This rank's sums as one vector (a copy): a window's baseline."""

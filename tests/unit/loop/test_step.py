@@ -168,12 +168,25 @@ class Uncounted(Task):
         step.optimizer_step("model")
 
 
+class Misspelt(Task):
+    """A step that adds a sum under a name its task does not declare (`recn` for `recon`)."""
+
+    def train_step(self, step: StepContext) -> None:
+        for _, batch in step.accumulate(step.batches):
+            loss_sum = step.models["model"](batch[0]).sum()
+            step.backward(loss_sum, step.divisor([len(batch[0])]))
+            step.add_sums({"loss": loss_sum.detach(), "count": len(batch[0]), "recn": loss_sum.detach()})
+        step.optimizer_step("model")
+
+
 @pytest.mark.parametrize("task, message", [
     (PlainBackward(), r"^PlainBackward.train_step back-propagated no loss through step.backward\(loss_sum, "
                       r"step.divisor\(counts\)\): call it instead of loss.backward\(\)$"),
     (Uncounted(), r"^Uncounted.train_step added no count: give step.add_sums the units its losses sum over, "
                   r"\{'count': N, ...\}: every metric divides by it$"),
-], ids=["loss.backward()", "no count"])
+    (Misspelt(), r"^the sum 'recn' is not one the task declares \(loss, count\): name it in the task's sum_shapes "
+                 r"\(val_sum_shapes for a sum counted on val only\)$"),
+], ids=["loss.backward()", "no count", "undeclared sum"])
 def test_a_step_that_back_propagates_around_step_backward_or_counts_nothing_is_one_line(tmp_path: Path, task, message):
     from test_trainer import one_process_trainer
 

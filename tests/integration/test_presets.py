@@ -78,7 +78,7 @@ PRESET_TARGETS = {
     "mnist_cnn": ("Classification", "mnist", "src.components.models.SimpleCNN"),
     "fashion_mnist_cnn": ("Classification", "fashion_mnist", "src.components.models.SimpleCNN"),
     "cifar10_resnet18": ("Classification", "cifar10", "src.components.models.resnet18"),
-    "seed_tabular_binary": ("Binary", "breast_cancer", "torch.nn.Linear"),
+    "seed_tabular_binary": ("Binary", "breast_cancer", "src.components.models.MLP"),
     "seed_two_input_l1": ("Regression", "two_input_synthetic", "src.components.models.TwoInputCNN"),
     "seed_cifar10_lenet": ("Classification", "cifar10", "src.components.models.LeNet5"),
     # The research recipes (src/recipes/): a task of their own; several models by name for the GAN.
@@ -136,6 +136,7 @@ def test_seed_presets_carry_the_seed_hyperparameters():
     tabular = composed(["experiment=seed_tabular_binary"])
     assert tabular.optimizer._target_ == "torch.optim.SGD" and tabular.optimizer.lr == 0.01
     assert tabular.optimizer.momentum == 0.0 and tabular.dataset.batch_size == 10
+    assert list(tabular.model.hidden_sizes) == []  # one linear layer
     lenet = composed(["experiment=seed_cifar10_lenet"])
     assert lenet.optimizer._target_ == "torch.optim.Adam" and lenet.optimizer.lr == 1e-3
     assert lenet.scheduler._target_ == "src.loop.optim.constant" and lenet.optimizer.weight_decay == 0.0

@@ -6,7 +6,7 @@ from conftest import REPO
 from omegaconf import OmegaConf
 
 from src.common.errors import find_usage_error
-from src.components.models import MLP, SimpleCNN, TwoInputCNN, resnet18
+from src.components.models import MLP, LeNet5, SimpleCNN, TwoInputCNN, resnet18
 from src.config import data_fields
 from src.loop.task_and_model import build_model
 
@@ -42,7 +42,9 @@ def test_feature_models_take_vectors_and_the_tasks_output_width():
     for name in ("linear", "mlp"):
         model = from_yaml(name, fields)
         assert model(torch.randn(5, 30)).shape == (5, 1), name
-    assert isinstance(from_yaml("linear", fields), torch.nn.Linear)
+    linear = from_yaml("linear", fields)
+    assert [type(m).__name__ for m in linear.net] == ["Flatten", "Linear"] and linear.net[1].bias is not None
+    assert from_yaml("linear", image_fields(1, (8, 8), outputs=10))(torch.randn(5, 1, 8, 8)).shape == (5, 10)
 
 
 def test_a_field_the_dataset_lacks_is_one_line_naming_both_sides():
@@ -97,6 +99,9 @@ def test_lenet5_is_the_classic_layout_for_32x32_rgb():
     assert [(c.in_channels, c.out_channels, c.kernel_size) for c in convs] == [(3, 6, (5, 5)), (6, 16, (5, 5))]
     assert [(f.in_features, f.out_features) for f in linears] == [(16 * 5 * 5, 120), (120, 84), (84, 10)]
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    assert from_yaml("lenet", image_fields(1, (16, 16), outputs=10))(torch.randn(2, 1, 16, 16)).shape == (2, 10)
+    with pytest.raises(ValueError, match=r"^LeNet5 takes images of at least 16x16 .*, not 8x8: choose a dataset"):
+        LeNet5(in_channels=1, num_outputs=10, image_size=(8, 8))  # digits: one line, not a failing forward
 
 
 def tiny_gpt() -> torch.nn.Module:

@@ -152,7 +152,7 @@ class LeNet5(LayerDefaults, nn.Module):
         height, width = (((side - 4) // 2 - 4) // 2 for side in image_size)  # after the valid 5x5 convs, pools
         if min(height, width) < 1:  # else the second convolution fails in the first forward
             raise ValueError(f"LeNet5 takes images of at least 16x16 (two valid 5x5 convolutions, each pooled by 2), "
-                             f"not {'x'.join(map(str, image_size))}: choose a dataset of larger images (mnist, cifar10)")
+                             f"not {'x'.join(map(str, image_size))}: choose a dataset of larger images (mnist)")
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, 6, 5), nn.ReLU(inplace=True), nn.MaxPool2d(2),
             nn.Conv2d(6, 16, 5), nn.ReLU(inplace=True), nn.MaxPool2d(2),

@@ -229,6 +229,8 @@ class StepContext:
     def optimizer_step(self, name: str = "model") -> None:
         """Update model `name` from its gradients, then zero them."""
         optimizer = self.optimizers[self._known([name])[0]]
+        if self.first:
+            self._check_gradients(name)
         if self.scaler.is_enabled():
             self.scaler.unscale_(optimizer)
         self._before_optimizer_step(Update(self.number, name, self.modules[name], optimizer))
@@ -239,6 +241,18 @@ class StepContext:
         fsdp.reshard(self.modules[name])  # parameters gathered by a forward without gradients are stale now
         self.updated.append(name)
         self.stepped.add(name)
+
+    def _check_gradients(self, name: str) -> None:
+        """Under DDP, parameters no backward reached are one line naming them: DDP all-reduces none of their bucket
+        (the other ranks' gradients of its used parameters never arrive either) and fails at the next step."""
+        model = getattr(self.models[name], "_orig_mod", self.models[name])
+        if not isinstance(model, DistributedDataParallel) or model.find_unused_parameters:
+            return
+        if missing := [key for key, p in self.modules[name].named_parameters() if p.requires_grad and p.grad is None]:
+            names = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            raise UsageError(f"the parameters {names} of model {name!r} got no gradient in the first training "
+                             "step, so DDP cannot all-reduce them (a layer the forward skips, a loss that ignores an "
+                             "output): set dist.find_unused_parameters=true, or freeze them (trainer.freeze)")
 
     def _known(self, names: Iterable[str]) -> list[str]:
         """`names`, each a model this run trains, or one error line."""

@@ -36,6 +36,15 @@ class Unused(nn.Module):
 
     def init_module(self, module, name):
         module.reset_parameters()
+
+
+class UnusedLater(Unused):
+    calls = 0
+
+    def forward(self, x):  # spare is used by the first step's forward only
+        self.calls += 1
+        used = self.used(x.flatten(1))
+        return used + 0 * self.spare(x.flatten(1)) if self.calls == 1 else used
 """
 
 
@@ -49,18 +58,23 @@ def test_workers_of_dist_nproc_per_node_get_the_fork_s_config_folder(tmp_path: P
     assert saved.exists() and "world size 2" in (tmp_path / "run" / "train.log").read_text()
 
 
-def test_parameters_without_a_gradient_are_one_line_naming_the_setting(tmp_path: Path):
+@pytest.mark.parametrize("model,message", [
+    ("Unused", "error: the parameters spare.weight, spare.bias of model 'model' got no gradient in the first training "
+     "step, so DDP cannot all-reduce them (a layer the forward skips, a loss that ignores an output): set "
+     "dist.find_unused_parameters=true, or freeze them (trainer.freeze)"),
+    ("UnusedLater", "error: a model's parameters got no gradient in a training step, so DDP could not all-reduce "
+     "them (a layer the forward skips, a loss that ignores an output): set dist.find_unused_parameters=true, or "
+     "freeze those parameters (trainer.freeze)"),
+], ids=["from-the-first-step", "from-a-later-step"])
+def test_parameters_without_a_gradient_are_one_line_naming_the_setting(tmp_path: Path, model: str, message: str):
     (tmp_path / "forkunused.py").write_text(UNUSED)
-    args = ["model=mlp", "model._target_=forkunused.Unused", "~model.hidden_sizes", "~model.dropout",
+    args = ["model=mlp", f"model._target_=forkunused.{model}", "~model.hidden_sizes", "~model.dropout",
             "trainer.max_steps=3", "trainer.progress=false", "hydra.run.dir=run"]
     refused = torchrun(2, args, tmp_path, env={"PYTHONPATH": str(tmp_path)})
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert refused.returncode != 0 and errors, refused.stderr[-3000:]
     assert "find_unused_parameters=True" not in refused.stderr  # torch's own words: a page of traceback
-    for line in errors:
-        assert line == ("error: a model's parameters got no gradient in a training step, so DDP could not all-reduce "
-                        "them (a layer the forward skips, a loss that ignores an output): set "
-                        "dist.find_unused_parameters=true, or freeze those parameters (trainer.freeze)")
+    assert all(line == message for line in errors), errors
     allowed = check(torchrun(2, [*args, "dist.find_unused_parameters=true", "hydra.run.dir=allowed"], tmp_path,
                              env={"PYTHONPATH": str(tmp_path)}))
     assert "stopped at step 3" in allowed.stdout + allowed.stderr

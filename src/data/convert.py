@@ -1,7 +1,7 @@
 """Convert data into the Arrow layout `dataset=arrow` reads (src/data/arrow_files.py), atomically (via OUT.partial).
 
-    python -m src.data.convert image-folder SRC OUT   # SRC/train/<class>/*.png|jpg|... and SRC/val/<class>/...
-    python -m src.data.convert parquet TRAIN VAL OUT  # TRAIN, VAL: a Parquet file or a folder of them each
+    python -m src.data.convert image-folder SRC OUT   # SRC/train/<class>/*.png|jpg|..., SRC/val/... (and SRC/test/...)
+    python -m src.data.convert parquet TRAIN VAL OUT [--test TEST]  # each a Parquet file or a folder of them
     python -m src.data.convert check-images ROOT      # decode every image under ROOT; list the damaged ones"""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from src.data.splits import UnreadableSampleError, read_image
 
 # torchvision's ImageFolder extensions (torchvision.datasets.folder.IMG_EXTENSIONS), matched the same way.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-SPLITS = {"train": "train", "val": "validation"}  # image folder's split folder -> the split's name
+SPLITS = {"train": "train", "val": "validation", "test": "test"}  # image folder's split folder -> the split's name
 SHARD_BYTES = 500 * 2**20  # datasets' save_to_disk default (max_shard_size="500MB")
 BATCH_ROWS = 100  # rows per Arrow record batch at most (a read maps in one batch's offsets to find a row)
 BATCH_BYTES = 32 * 2**20  # and at most about this many bytes: the converter holds one batch in memory
@@ -42,16 +42,19 @@ def image_files(folder: Path, classes: list[str]) -> Iterator[tuple[Path, int]]:
 
 
 def class_names(source: Path) -> list[str]:
-    """The sorted class folders, which train/ and val/ must share (as dataset=image_folder requires)."""
+    """The sorted class folders, which train/, val/ and test/ (where there is one) must share (as
+    dataset=image_folder requires)."""
     found = {}
     for split in SPLITS:
         folder = source / split
-        if not folder.is_dir():
+        if not folder.is_dir() and split != "test":
             raise UsageError(f"image folder {folder} not found: put images in {folder}/<class_name>/")
-        found[split] = sorted(entry.name for entry in os.scandir(folder) if entry.is_dir())
-    if found["train"] != found["val"]:
-        raise UsageError(f"class folders differ between {source}/train and {source}/val: {found['train']} "
-                         f"and {found['val']}")
+        if folder.is_dir():
+            found[split] = sorted(entry.name for entry in os.scandir(folder) if entry.is_dir())
+    for split, names in found.items():
+        if names != found["train"]:
+            raise UsageError(f"class folders differ between {source}/train and {source}/{split}: {found['train']} "
+                             f"and {names}")
     if not found["train"]:
         raise UsageError(f"{source}/train holds no class folders: put images in {source}/train/<class_name>/")
     return found["train"]
@@ -181,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m src.data.convert", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for command, arguments, summary in (
-            ("image-folder", ("source", "out"), "SRC/train/<class>/* and SRC/val/<class>/* -> OUT"),
-            ("parquet", ("train", "val", "out"), "TRAIN and VAL Parquet files (or folders of them) -> OUT"),
+            ("image-folder", ("source", "out"), "SRC/train/<class>/*, SRC/val/... (and SRC/test/...) -> OUT"),
+            ("parquet", ("train", "val", "out", "--test"), "TRAIN, VAL (and TEST) Parquet files or folders -> OUT"),
             ("check-images", ("root",), "decode every image under ROOT; print the damaged ones")):
         subparser = commands.add_parser(command, help=summary)
         for argument in arguments:
@@ -195,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             classes = class_names(args.source)
             schema = image_schema(classes)
             rows = convert(args.out, {name: (schema, batches_of(image_rows(args.source / folder, classes), schema))
-                                      for folder, name in SPLITS.items()})
+                                      for folder, name in SPLITS.items() if (args.source / folder).is_dir()})
         else:
-            rows = convert(args.out, {"train": parquet_batches(args.train), "validation": parquet_batches(args.val)})
+            rows = convert(args.out, {"train": parquet_batches(args.train), "validation": parquet_batches(args.val),
+                                      **({"test": parquet_batches(args.test)} if args.test else {})})
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return USAGE_ERROR_EXIT_CODE

@@ -27,10 +27,10 @@ from src.data.splits import DatasetNotFoundError, UnreadableSampleError
 COLOURS = {"blue": (0, 0, 255), "green": (0, 255, 0), "red": (255, 0, 0)}
 
 
-def noise_folder(root, per_class: int = 3, size=(9, 7)) -> None:
-    """Noisy RGB PNGs in root/{train,val}/<class>/: every image different."""
+def noise_folder(root, per_class: int = 3, size=(9, 7), splits=("train", "val")) -> None:
+    """Noisy RGB PNGs in root/<split>/<class>/: every image different."""
     rng = np.random.default_rng(0)
-    for split in ("train", "val"):
+    for split in splits:
         for name in COLOURS:
             (root / split / name).mkdir(parents=True)
             for index in range(per_class):
@@ -55,6 +55,30 @@ def test_a_converted_folder_gives_image_folders_samples_in_its_order(converted):
         for index in range(9):
             (image, label), (expected, expected_label) = ours[index], theirs[index]
             assert torch.equal(image, expected) and label == expected_label
+
+
+def test_a_test_folder_becomes_the_test_split(tmp_path):
+    noise_folder(tmp_path / "images", splits=("train", "val", "test"))
+    assert convert.main(["image-folder", str(tmp_path / "images"), str(tmp_path / "arrow")]) == 0
+    written = json.loads((tmp_path / "arrow" / "dataset_dict.json").read_text())["splits"]
+    assert written == ["train", "validation", "test"]
+    options = {"image_size": (6, 8), "augment": False}
+    folder = datasets.image_folder(str(tmp_path / "images"), **options)
+    arrow = datasets.arrow(str(tmp_path / "arrow"), **options)
+    assert len(arrow.test) == len(folder.test) == 9
+    for index in range(9):
+        (image, label), (expected, expected_label) = arrow.test[index], folder.test[index]
+        assert torch.equal(image, expected) and label == expected_label
+
+
+def test_a_test_folder_of_other_classes_is_one_line_and_writes_nothing(tmp_path):
+    noise_folder(tmp_path / "images", splits=("train", "val"))
+    (tmp_path / "images" / "test" / "purple").mkdir(parents=True)
+    with pytest.raises(UsageError, match=r"^class folders differ between .*/train and .*/test: \['blue', 'green', "
+                                         r"'red'\] and \['purple'\]$"):
+        convert.class_names(tmp_path / "images")
+    assert convert.main(["image-folder", str(tmp_path / "images"), str(tmp_path / "arrow")]) == 2
+    assert not (tmp_path / "arrow").exists() and not (tmp_path / "arrow.partial").exists()
 
 
 def test_the_layout_is_save_to_disks(converted):
@@ -100,10 +124,11 @@ def test_parquet_with_datasets_features_converts_with_them(tmp_path):
     table = pa.Table.from_pylist([{"img": e, "y": float(i)} for i, e in enumerate(encoded)], schema=schema)
     pq.write_table(table, tmp_path / "train.parquet")
     pq.write_table(table.slice(0, 2), tmp_path / "val.parquet")
+    pq.write_table(table.slice(2, 1), tmp_path / "test.parquet")
     assert convert.main(["parquet", str(tmp_path / "train.parquet"), str(tmp_path / "val.parquet"),
-                         str(tmp_path / "out")]) == 0
+                         str(tmp_path / "out"), "--test", str(tmp_path / "test.parquet")]) == 0
     splits = datasets.arrow(str(tmp_path / "out"), target="y", image_size=(4, 5), augment=False)
-    assert (len(splits.train), len(splits.val)) == (3, 2)
+    assert (len(splits.train), len(splits.val), len(splits.test)) == (3, 2, 1) and splits.test[0][1] == 2.0
     assert splits.info == {"num_targets": 1, "in_channels": 3, "image_size": [4, 5], "num_features": 60}
     image, target = splits.train[1]
     assert target == 1.0 and torch.allclose(image, torch.full((3, 4, 5), (200 / 255 - 0.5) / 0.5))

@@ -623,6 +623,9 @@ def arrow(
     if images:
         height, width = (int(x) for x in image_size)
         info.update(in_channels=channels, image_size=[height, width], num_features=channels * height * width)
+    inputs = [name for name in names if name != target]
+    if not images and len(inputs) == 1 and inputs[0] in train.vector_columns and len(train):  # a feature vector
+        info["num_features"] = len(train.values(0, inputs)[0][0])
     samples = {name: ArrowSamples(split, names, train_transform if name == train_split else val_transform)
                for name, split in splits.items()}
     if held_out:  # val_size rows of the train split, each class in its share where the target is a class

@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
@@ -44,6 +45,7 @@ class ArrowSplit:
         schema = self._open()
         self.columns: list[str] = schema.names
         self.image_columns = {name for name in self.columns if _is_image(self.features.get(name), schema.field(name))}
+        self.vector_columns = {name for name in self.columns if _is_numeric_list(schema.field(name).type)}
 
     def __len__(self) -> int:
         return self.offsets[-1]
@@ -101,6 +103,14 @@ def _is_image(feature: dict[str, Any] | None, field: Any) -> bool:
     return pa.types.is_struct(field.type) and sorted(f.name for f in field.type) == ["bytes", "path"]
 
 
+def _is_numeric_list(arrow_type: Any) -> bool:
+    """A list (of lists ...) of numbers: a feature vector (or array), given to the model as one tensor."""
+    nested = False
+    while pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
+        arrow_type, nested = arrow_type.value_type, True
+    return nested and (pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type))
+
+
 def _value(column: Any, row: int, is_image: bool) -> Any:
     """One cell: an image's encoded bytes (read from its path where it has none), else the Python value."""
     if not is_image:
@@ -136,6 +146,8 @@ class ArrowSamples(Dataset):
                     raise UnreadableSampleError(f"corrupt record {index} of {self.split.folder} ({where}): cannot "
                                              f"decode its {name} ({_one_line(error)})") from error
                 value = self.image_transform(value)
+            elif name in self.split.vector_columns:  # float32 (int64) values, not a list the collate would transpose
+                value = torch.tensor(value)
             sample.append(value)
         return tuple(sample)
 

@@ -134,6 +134,28 @@ def test_parquet_with_datasets_features_converts_with_them(tmp_path):
     assert target == 1.0 and torch.allclose(image, torch.full((3, 4, 5), (200 / 255 - 0.5) / 0.5))
 
 
+def test_a_column_of_numeric_lists_is_one_tensor_per_sample_and_gives_num_features(tmp_path):
+    """A table's feature vectors (list<double>) and token ids (list<int64>): tensors a DataLoader stacks, not lists
+    its collate would transpose; one vector column beside the target is `num_features` wide."""
+    rows = [{"features": [float(i), i / 2, -1.0], "y": float(i)} for i in range(5)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:2]), tmp_path / "val.parquet")
+    assert convert.main(["parquet", str(tmp_path / "train.parquet"), str(tmp_path / "val.parquet"),
+                         str(tmp_path / "out")]) == 0
+    splits = datasets.arrow(str(tmp_path / "out"), target="y")
+    assert splits.info == {"num_targets": 1, "num_features": 3}
+    features, target = splits.train[4]
+    assert features.dtype == torch.float32 and torch.equal(features, torch.tensor([4.0, 2.0, -1.0])) and target == 4.0
+    batch = next(iter(torch.utils.data.DataLoader(splits.train, batch_size=5)))
+    assert batch[0].shape == (5, 3) and torch.equal(batch[1], torch.arange(5, dtype=torch.float64))
+    tokens = [{"ids": [i, i + 1, i + 2, i + 3], "label": i % 2} for i in range(4)]
+    pq.write_table(pa.Table.from_pylist(tokens), tmp_path / "tokens.parquet")
+    assert convert.main(["parquet", str(tmp_path / "tokens.parquet"), str(tmp_path / "tokens.parquet"),
+                         str(tmp_path / "tokens")]) == 0
+    ids, label = datasets.arrow(str(tmp_path / "tokens")).train[1]
+    assert ids.dtype == torch.int64 and ids.tolist() == [1, 2, 3, 4] and label == 1
+
+
 # ---- bad input: one line each, nothing written or touched ------------------------------------------------
 
 

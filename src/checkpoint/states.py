@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import state_dict as dcp
 
-from src.common.errors import UsageError
+from src.common.errors import UsageError, first_few
 from src.parallel import fsdp
 
 
@@ -48,8 +48,7 @@ def _mismatch(error: BaseException) -> str:
     """torch's words for the keys and shapes that differ, cut to a few of each kind."""
     lines = [line.strip().rstrip(". ") for line in str(error).strip().splitlines() if line.strip()]
     problems = [_first_keys(line) for line in (lines[1:] or lines)]
-    more = f"; and {len(problems) - 2} more" if len(problems) > 2 else ""
-    return "; ".join(problems[:2]) + more
+    return first_few(problems, 2, "; ")
 
 
 def _first_keys(problem: str, shown: int = 3) -> str:
@@ -57,7 +56,7 @@ def _first_keys(problem: str, shown: int = 3) -> str:
     keys = [part for index, part in enumerate(problem.split('"')) if index % 2]
     if len(keys) <= shown:
         return problem
-    return f"{problem.split(':')[0]}: {', '.join(keys[:shown])} and {len(keys) - shown} more"
+    return f"{problem.split(':')[0]}: {first_few(keys, shown)}"
 
 
 class OptimizerState:

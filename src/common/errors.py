@@ -9,7 +9,7 @@ import re
 import resource
 import sys
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from omegaconf.errors import InterpolationKeyError
 
@@ -33,6 +33,12 @@ class WorkersReportedUsageError(UsageError):
     """Workers this process started, or a peer rank of this worker, stopped on a UsageError they printed."""
 
     reported = True
+
+
+def first_few(names: Sequence[str], shown: int = 4, separator: str = ", ") -> str:
+    """The first `shown` of `names`, then "and N more": `a, b and 3 more`, or with separator "; " `a; b; and 3 more`."""
+    more = f"{separator.rstrip(' ,')} and {len(names) - shown} more" if len(names) > shown else ""
+    return separator.join(names[:shown]) + more
 
 
 def _chain(error: BaseException | None) -> Iterator[BaseException]:

@@ -18,13 +18,12 @@ from torch.distributed.checkpoint import state_dict as dcp
 
 from src import checkpoint
 from src.checkpoint.layout import is_directory_checkpoint
-from src.common.errors import UsageError
+from src.common.errors import UsageError, first_few
 from src.parallel import distributed, fsdp
 
 log = logging.getLogger(__name__)
 
 PREFIXES = re.compile(r"^(module\.|_orig_mod\.)+")  # DDP's and torch.compile's wrappers' key prefixes
-SHOWN = 4  # keys named per kind in a log or error line
 
 
 @dataclass
@@ -113,7 +112,7 @@ def load_initial_weights(modules: dict[str, nn.Module], output: str, path: Path,
         found = matches[name] = match(module, state)
         if not found.loadable:
             raise UsageError(f"{label}: none of its {len(found.unexpected)} keys matches a weight of the model "
-                             f"({_keys(found.unexpected)}); the model expects e.g. {_keys(found.missing)}")
+                             f"({first_few(found.unexpected)}); the model expects e.g. {first_few(found.missing)}")
         if strict and not found.complete:
             raise UsageError(f"{label} does not fit the model ({_problems(found)}); pass init_from_strict=false "
                              "to load the weights that match and keep the rest freshly initialised (e.g. a new head)")
@@ -148,14 +147,9 @@ def load_on_every_rank(modules: dict[str, nn.Module], output: str, path: Path, s
             raise UsageError(reason if rank == 0 else f"rank {rank}: {reason}")
 
 
-def _keys(keys: list[str]) -> str:
-    more = f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else ""
-    return ", ".join(keys[:SHOWN]) + more
-
-
 def _problems(found: Match) -> str:
     kinds = (("missing", found.missing), ("unexpected", found.unexpected), ("shape differs", found.mismatched))
-    return "; ".join(f"{len(keys)} {kind}: {_keys(keys)}" for kind, keys in kinds if keys)
+    return "; ".join(f"{len(keys)} {kind}: {first_few(keys)}" for kind, keys in kinds if keys)
 
 
 def freeze(modules: dict[str, nn.Module], prefixes: list[str]) -> int:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.common.errors import UsageError
+from src.common.errors import UsageError, first_few
 from src.data.sample_randomness import normal_per_sample, uniform_per_sample
 from src.loop.performance import autocast
 from src.parallel import fsdp
@@ -249,10 +249,10 @@ class StepContext:
         if not isinstance(model, DistributedDataParallel) or model.find_unused_parameters:
             return
         if missing := [key for key, p in self.modules[name].named_parameters() if p.requires_grad and p.grad is None]:
-            names = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-            raise UsageError(f"the parameters {names} of model {name!r} got no gradient in the first training "
-                             "step, so DDP cannot all-reduce them (a layer the forward skips, a loss that ignores an "
-                             "output): set dist.find_unused_parameters=true, or freeze them (trainer.freeze)")
+            raise UsageError(f"the parameters {first_few(missing)} of model {name!r} got no gradient in the first "
+                             "training step, so DDP cannot all-reduce them (a layer the forward skips, a loss that "
+                             "ignores an output): set dist.find_unused_parameters=true, or freeze them "
+                             "(trainer.freeze)")
 
     def _known(self, names: Iterable[str]) -> list[str]:
         """`names`, each a model this run trains, or one error line."""

@@ -45,18 +45,14 @@ class ModelState:
 
 
 def _mismatch(error: BaseException) -> str:
-    """torch's words for the keys and shapes that differ, cut to a few of each kind."""
+    """torch's words for the keys and shapes that differ, cut to two kinds and three keys of each
+    (`Unexpected key(s) in state_dict: "a", "b", ...`)."""
     lines = [line.strip().rstrip(". ") for line in str(error).strip().splitlines() if line.strip()]
-    problems = [_first_keys(line) for line in (lines[1:] or lines)]
+    problems = []
+    for line in lines[1:] or lines:
+        keys = [part for index, part in enumerate(line.split('"')) if index % 2]
+        problems.append(line if len(keys) <= 3 else f"{line.split(':')[0]}: {first_few(keys, 3)}")
     return first_few(problems, 2, "; ")
-
-
-def _first_keys(problem: str, shown: int = 3) -> str:
-    """`Unexpected key(s) in state_dict: "a", "b", ...` cut to its first `shown` keys."""
-    keys = [part for index, part in enumerate(problem.split('"')) if index % 2]
-    if len(keys) <= shown:
-        return problem
-    return f"{problem.split(':')[0]}: {first_few(keys, shown)}"
 
 
 class OptimizerState:

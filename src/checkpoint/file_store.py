@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import functools
-import operator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +42,3 @@ class FileCheckpoint(Checkpoint):
             hint = f"; {other} does (dist=ddp runs write .pt files, dist=fsdp runs folders without .pt)"
             raise UsageError(f"checkpoint {path} does not exist{hint if other.exists() else ''}")
         return cls(path, read_payload(path))
-
-    def whole(self, *keys: str) -> Any:
-        return functools.reduce(operator.getitem, keys, self.state)

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import io
-import operator
 import os
 import pickle
 import shutil
@@ -163,7 +161,7 @@ class ShardedCheckpoint(Checkpoint):
         part.load_state_dict(self._read(self.state[name], live, process_group=distributed.collective_group()))
 
     def whole(self, *keys: str) -> Any:
-        return self._read(functools.reduce(operator.getitem, keys, self.state), None, no_dist=True)
+        return self._read(super().whole(*keys), None, no_dist=True)
 
     def _read(self, skeleton: Any, live: Any, **where: Any) -> Any:
         """`skeleton` with its tensors read: into those at their places in `live` where the shapes agree, else whole."""

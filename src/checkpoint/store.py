@@ -5,7 +5,9 @@ with tensors anywhere in it, sharded or not. A `Checkpoint` read back restores t
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import operator
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -70,7 +72,7 @@ class Checkpoint:
 
     def whole(self, *keys: str) -> Any:
         """The state at `keys` (e.g. "models", "generator"), its tensors whole on the CPU, read in this process."""
-        raise NotImplementedError
+        return functools.reduce(operator.getitem, keys, self.state)  # a .pt file's are so already
 
     def model_weights(self, name: str | None = None, weights: str = "model") -> dict[str, torch.Tensor]:
         """Model `name`'s tensors (default: the output model), whole on the CPU; `weights="ema"`: its EMA weights."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
 
 from src.loop.callback import Callback, EndRun, Run
 from src.sweeps.jobs import STORAGE_ENV, STUDY_ENV, TRIAL_ENV
@@ -17,8 +16,21 @@ class OptunaPruning(Callback):
         self.enabled, self.trial = TRIAL_ENV in os.environ, None
 
     def on_run_start(self, run: Run) -> None:
-        if run.parts.runtime.is_main_process:  # rank 0 alone talks to the storage
-            self.trial = _open_trial()
+        """The trial, in the study as the sweeper created it, with the pruner it configured."""
+        if not run.parts.runtime.is_main_process:  # rank 0 alone talks to the storage
+            return
+        import optuna  # an optional package
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        storage, study_name = os.environ[STORAGE_ENV], os.environ[STUDY_ENV]
+        spec = optuna.load_study(study_name=study_name, storage=storage).user_attrs["pruner"]  # hydra.sweeper.pruner*
+        if spec["name"] == "hyperband":
+            pruner = optuna.pruners.HyperbandPruner(min_resource=1 + spec["warmup_epochs"])
+        else:
+            pruner = optuna.pruners.MedianPruner(n_startup_trials=spec["startup_trials"],
+                                                 n_warmup_steps=spec["warmup_epochs"])
+        study = optuna.load_study(study_name=study_name, storage=storage, pruner=pruner)
+        self.trial = optuna.trial.Trial(study, int(os.environ[TRIAL_ENV]))
 
     def on_epoch_end(self, run: Run, record: Mapping[str, float]) -> EndRun | None:
         """Report the epochs Optuna has not seen (a resumed trial's earlier ones too) and ask the pruner."""
@@ -34,18 +46,3 @@ class OptunaPruning(Callback):
         return EndRun("pruned", f"pruned after epoch {run.state.epoch}: the sweep's pruner stopped this trial",
                     ended_by="the sweep's pruner had ended this trial")
 
-
-def _open_trial() -> Any:
-    """The trial, in the study as the sweeper created it, with the pruner it configured."""
-    import optuna  # an optional package
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage, study_name = os.environ[STORAGE_ENV], os.environ[STUDY_ENV]
-    spec = optuna.load_study(study_name=study_name, storage=storage).user_attrs["pruner"]  # the sweeper's pruner* keys
-    if spec["name"] == "hyperband":
-        pruner = optuna.pruners.HyperbandPruner(min_resource=1 + spec["warmup_epochs"])
-    else:
-        pruner = optuna.pruners.MedianPruner(n_startup_trials=spec["startup_trials"],
-                                             n_warmup_steps=spec["warmup_epochs"])
-    study = optuna.load_study(study_name=study_name, storage=storage, pruner=pruner)
-    return optuna.trial.Trial(study, int(os.environ[TRIAL_ENV]))

@@ -167,7 +167,7 @@ class MetricSums:
 
 
 class StepContext:
-    """One run's training steps: the trainer calls `begin` before each and `end` after it."""
+    """One run's training steps: the trainer calls `begin` before each, and clears `first` after the first."""
 
     def __init__(self, models: Mapping[str, nn.Module], modules: Mapping[str, nn.Module],
                  optimizers: Mapping[str, torch.optim.Optimizer], aux: Mapping[str, nn.Module],
@@ -192,9 +192,6 @@ class StepContext:
         self.batches, self.number, self.loss, self.inputs, self.updated = batches, number, None, None, []
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)  # a gradient no update took (a GAN's G step reaches D) is dropped
-
-    def end(self) -> None:
-        self.first = False
 
     def divisor(self, counts: Sequence[int | torch.Tensor]) -> StepDivisor:
         """The step's global count of units, from this rank's count of each micro-batch (`Task.count`)."""

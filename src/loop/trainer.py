@@ -308,7 +308,7 @@ class Trainer:
                 raise UsageError(f"{type(parts.task).__name__}.train_step added no count: give step.add_sums the "
                                  "units its losses sum over, {'count': N, ...}: every metric divides by it")
             parts.runtime.first_step_taken()  # collectives wait dist.step_timeout_s from now on
-        step.end()
+            step.first = False
         self.scaler.update()
         for scheduler in parts.schedulers.values():
             scheduler.step()

@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -133,7 +133,8 @@ class Trainer:
         window = LogWindow(self.epoch_metrics.totals(), state.step)
         progress = self.parts.reporter.progress(f"epoch {epoch + 1}/{self.config.epochs}",
                                                 self.parts.data.train_sampler.steps_per_epoch, done=state.step_in_epoch)
-        for micro_batches in _in_steps(self.parts.data.train_loader, self.config.grad_accum):
+        batches = iter(self.parts.data.train_loader)  # the sampler gives whole steps: grad_accum micro-batches each
+        while micro_batches := list(itertools.islice(batches, self.config.grad_accum)):
             self._train_step(micro_batches, state)
             progress.update()
             interrupted = self._after_step(run, window)
@@ -378,13 +379,6 @@ def evaluate(task: Task, models: Mapping[str, nn.Module], loaders: Callable[[str
 
 def metrics_of(task: Task, sums: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     return {**task.compute(sums), "count": int(sums["count"])}
-
-
-def _in_steps(loader: Iterable[Any], accum: int) -> Iterator[list[Any]]:
-    """The loader's micro-batches, `accum` at a time (the sampler gives whole steps)."""
-    batches = iter(loader)
-    while micro_batches := list(itertools.islice(batches, accum)):
-        yield micro_batches
 
 
 def rate_name(unit: str) -> str:

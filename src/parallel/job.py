@@ -53,10 +53,18 @@ class RunContext:
                    tuple(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices), composing_args(hydra_cfg, argv))
 
 
+CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")  # Hydra's
+
+
 def composing_args(hydra_cfg: Any, argv: Sequence[str] = sys.argv) -> tuple[str, ...]:
-    """What composes the config besides its overrides: Hydra's config-folder flags in `argv`, hydra.searchpath."""
-    searchpath = tuple(o for o in hydra_cfg.overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath")
-    return config_flags(argv) + searchpath
+    """What composes the config besides its overrides: Hydra's flags in `argv` that choose the config's folders and
+    file (each with its value), hydra.searchpath."""
+    flags: list[str] = []
+    for index, arg in enumerate(argv):
+        if arg.split("=", 1)[0] in CONFIG_FLAGS:
+            flags += [arg] if "=" in arg else [arg, *argv[index + 1:index + 2]]
+    searchpath = [o for o in hydra_cfg.overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath"]
+    return (*flags, *searchpath)
 
 
 def run(main: Callable[[], Any], config_name: str) -> None:
@@ -86,18 +94,6 @@ def usage_errors(context: RunContext) -> Iterator[None]:
     with exit_on_usage_error(is_main_process(), context.in_sweep), \
             discard_unused_run_dir(context.run_dir, context.created, context.in_sweep):
         yield
-
-
-CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")  # Hydra's
-
-
-def config_flags(argv: Sequence[str]) -> tuple[str, ...]:
-    """Hydra's flags in `argv` that choose the config's folders and file, each with its value."""
-    flags: list[str] = []
-    for index, arg in enumerate(argv):
-        if arg.split("=", 1)[0] in CONFIG_FLAGS:
-            flags += [arg] if "=" in arg else [arg, *argv[index + 1:index + 2]]
-    return tuple(flags)
 
 
 def _agreed(variable: str, decide: Callable[[], str], environ: MutableMapping[str, str] = os.environ) -> str:

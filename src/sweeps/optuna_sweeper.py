@@ -90,13 +90,18 @@ class OptunaSweeper(Sweeper):
     def open_study(self, direction: str, sweep_lines: list[str]) -> Any:
         """This sweep's study: created, or continued if the storage holds it; another sweep's is refused."""
         optuna = _optuna()
-        names = self.existing_study_names()
+        # The studies the storage already holds: none if its SQLite file does not exist (nothing created yet).
+        absent = self.storage.startswith("sqlite:///") and not Path(self.storage.removeprefix("sqlite:///")).exists()
+        names = [] if absent else sorted(optuna.study.get_all_study_names(storage=self.storage))
         if self.study_name not in names:
             # A SQLite file is the sweep dir's own database: another study there ran in these job dirs.
             if names and self.storage.startswith("sqlite:"):
                 raise UsageError(f"{self.storage} holds another sweep's study ({', '.join(names)}), not "
                                  f"{self.study_name}; pick a new hydra.sweep.dir (or hydra.sweeper.storage)")
-            self.refuse_occupied_sweep_dir()
+            first_job = jobs.job_dir(self.hydra_context.config_loader, self.config, [], 0)
+            if jobs.job_state(first_job) is not None:
+                raise UsageError(f"{first_job.parent} holds another sweep's jobs and no study {self.study_name}; "
+                                 "pick a new hydra.sweep.dir")
             Path(self.config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
         study = optuna.create_study(storage=self.storage, study_name=self.study_name, direction=direction,
                                     load_if_exists=True)
@@ -108,18 +113,6 @@ class OptunaSweeper(Sweeper):
         study.set_user_attr("sweep", sweep_lines)
         study.set_user_attr("pruner", self.pruner)  # what the trials' jobs build (src/callbacks/optuna_pruning.py)
         return study
-
-    def existing_study_names(self) -> list[str]:
-        """The studies the storage already holds (none if its SQLite file does not exist: nothing created)."""
-        if self.storage.startswith("sqlite:///") and not Path(self.storage[len("sqlite:///"):]).exists():
-            return []
-        return sorted(_optuna().study.get_all_study_names(storage=self.storage))
-
-    def refuse_occupied_sweep_dir(self) -> None:
-        first_job = jobs.job_dir(self.hydra_context.config_loader, self.config, [], 0)
-        if jobs.job_state(first_job) is not None:
-            raise UsageError(f"{first_job.parent} holds another sweep's jobs and no study {self.study_name}; "
-                             "pick a new hydra.sweep.dir")
 
     def build_sampler(self, trials_so_far: int) -> Any:
         """The sampler, seeded with seed + trials so far: a continued study draws no first trial's values again."""

@@ -74,6 +74,7 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
                   step_timeout_s: float | None = None) -> Iterator[Runtime]:
     """Join the launcher's process group for the block, then leave it, even on failure; collectives wait `timeout_s`
     until the first training step, then `step_timeout_s`, and a timeout names the ranks that did not arrive."""
+    global _groups_started
     env = read_env()
     device = select_device(requested_device, env)
     backend = select_backend(requested_backend, device)  # nccl on a CPU is a mistake whatever the world size
@@ -82,7 +83,11 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = _group_store(env)
+    # The rendezvous store, under fresh keys for each group (a sweep's, a restart's): old keys wedge a rendezvous.
+    _groups_started += 1
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_serves else "0"
+    store = dist.PrefixStore(f"ddp_template/restart{restart}/group{_groups_started}", rendezvous_store(env))
     dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
@@ -91,15 +96,6 @@ def process_group(requested_device: str, requested_backend: str, timeout_s: floa
             yield Runtime(env, device, backend, tighten)
     finally:
         dist.destroy_process_group()
-
-
-def _group_store(env: DistEnv) -> dist.Store:
-    """The rendezvous store, under fresh keys for each group (a sweep's, a restart's): old keys wedge a rendezvous."""
-    global _groups_started
-    _groups_started += 1
-    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_serves else "0"
-    return dist.PrefixStore(f"ddp_template/restart{restart}/group{_groups_started}", rendezvous_store(env))
 
 
 def exit_after_a_group(status: int = 0) -> None:

@@ -57,9 +57,14 @@ def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Seque
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers inherit it (die_with_launcher)
     worker_args = [script, *composing, *task_overrides, f"hydra.run.dir={quote_override(str(run_dir))}",
                    "hydra.output_subdir=null"]
+    if nproc > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does: no thread oversubscription
     with tempfile.TemporaryDirectory(prefix="torchelastic_") as log_dir:  # torch's default would stay in /tmp
+        standalone = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                                  rdzv_backend="c10d", rdzv_endpoint=f"localhost:{master_port or 0}", max_restarts=0,
+                                  monitor_interval=0.5, logs_specs=DefaultLogsSpecs(log_dir=log_dir))
         try:
-            elastic_launch(_standalone_config(nproc, master_port, log_dir), entrypoint=sys.executable)(*worker_args)
+            elastic_launch(standalone, entrypoint=sys.executable)(*worker_args)
         except ChildFailedError as error:
             if stopped_on_a_usage_error([failure.exitcode for failure in error.failures.values()]):
                 raise WorkersReportedUsageError("the workers stopped on the error above") from None
@@ -71,15 +76,6 @@ def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Seque
 def stopped_on_a_usage_error(exit_codes: Sequence[int]) -> bool:
     """Whether failed workers' `exit_codes` are a usage error's (the others SIGTERMed by the launcher)."""
     return USAGE_ERROR_EXIT_CODE in exit_codes and all(code == USAGE_ERROR_EXIT_CODE or code < 0 for code in exit_codes)
-
-
-def _standalone_config(nproc: int, master_port: int | None, log_dir: str) -> LaunchConfig:
-    """`torchrun --standalone --nproc_per_node=nproc`: one node, no restarts, a c10d rendezvous on `master_port`."""
-    if nproc > 1:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does: no thread oversubscription
-    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                        rdzv_backend="c10d", rdzv_endpoint=f"localhost:{master_port or 0}", max_restarts=0,
-                        monitor_interval=0.5, logs_specs=DefaultLogsSpecs(log_dir=log_dir))
 
 
 def port_is_free(port: int) -> bool:

@@ -58,13 +58,6 @@ def collect(sweep_dir: Path, metric: str | None, mode: str) -> list[dict[str, An
     return sorted(rows, key=order)
 
 
-def to_markdown(rows: list[dict[str, Any]], metrics: list[str]) -> str:
-    columns = ["job", "status", *metrics, "overrides"]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_format(row.get(column)) for column in columns) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
 def _format(value: Any) -> str:
     if value is None:
         return "-"
@@ -80,7 +73,10 @@ class SweepSummary(Callback):
     def write(self, sweep_dir: Path, composing: Sequence[str] = ()) -> str:  # composing: job.composing_args
         rows = collect(sweep_dir, self.metric, self.mode)
         columns = metric_columns(rows, self.metric)
-        table = to_markdown(rows, columns)
+        shown = ["job", "status", *columns, "overrides"]
+        lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+        lines += ["| " + " | ".join(_format(row.get(column)) for column in shown) + " |" for row in rows]
+        table = "\n".join(lines) + "\n"
         if rows and rows[0]["status"] == "completed":  # the best job (rows are best first), trained again
             best = "python train.py " + shlex.join([*composing, *jobs.saved_overrides(Path(rows[0]["job_dir"]))])
             table += f"\nBest job ({rows[0]['job']}), trained again by:\n\n    {best}\n"

@@ -93,15 +93,11 @@ def _out_of_memory_hint(error: BaseException) -> str:
     """The note under an out-of-memory traceback: the rank, the size asked for, the memory limit, what to change."""
     asked = re.search(r"tried to allocate [\d.,]+ ?\w+", str(error), re.IGNORECASE)  # torch's allocators say
     detail = asked.group(0) if asked else type(error).__name__
-    return (f"out of memory on rank {os.environ.get('RANK', '0')} ({detail}), {memory_limit()}: the model's training "
-            "state does not fit one process: under dist=ddp use dist=fsdp, which keeps 1/W of the parameters, "
-            "gradients and optimizer state on each of W ranks; under dist=fsdp use more ranks "
-            "(torchrun --nproc_per_node=N) or a smaller per-rank batch")
-
-
-def memory_limit() -> str:
-    """The per-process memory limits set (ulimit -v / -d), in words."""
     limits = [f"{name} {value / 2**20:,.0f} MiB" for name, value in
               (("address space (ulimit -v)", resource.getrlimit(resource.RLIMIT_AS)[0]),
                ("data (ulimit -d)", resource.getrlimit(resource.RLIMIT_DATA)[0])) if value != resource.RLIM_INFINITY]
-    return f"limits: {', '.join(limits)}" if limits else "no per-process limit set (the machine's memory is full)"
+    limit = f"limits: {', '.join(limits)}" if limits else "no per-process limit set (the machine's memory is full)"
+    return (f"out of memory on rank {os.environ.get('RANK', '0')} ({detail}), {limit}: the model's training "
+            "state does not fit one process: under dist=ddp use dist=fsdp, which keeps 1/W of the parameters, "
+            "gradients and optimizer state on each of W ranks; under dist=fsdp use more ranks "
+            "(torchrun --nproc_per_node=N) or a smaller per-rank batch")

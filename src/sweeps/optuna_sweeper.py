@@ -105,7 +105,9 @@ class OptunaSweeper(Sweeper):
             Path(self.config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
         study = optuna.create_study(storage=self.storage, study_name=self.study_name, direction=direction,
                                     load_if_exists=True)
-        study.sampler = self.build_sampler(len(study.trials))
+        # Seeded with seed + trials so far: a continued study draws no first trial's values again.
+        sampler = optuna.samplers.RandomSampler if self.sampler == "random" else optuna.samplers.TPESampler
+        study.sampler = sampler(seed=None if self.seed is None else self.seed + len(study.trials))
         saved = study.user_attrs.get("sweep")
         if saved is not None and (saved != sweep_lines or study.direction.name.lower() != direction):
             raise UsageError(f"{self.storage} holds another sweep's study ({' '.join(saved)}; "
@@ -113,12 +115,6 @@ class OptunaSweeper(Sweeper):
         study.set_user_attr("sweep", sweep_lines)
         study.set_user_attr("pruner", self.pruner)  # what the trials' jobs build (src/callbacks/optuna_pruning.py)
         return study
-
-    def build_sampler(self, trials_so_far: int) -> Any:
-        """The sampler, seeded with seed + trials so far: a continued study draws no first trial's values again."""
-        seed = None if self.seed is None else self.seed + trials_so_far
-        samplers = _optuna().samplers
-        return samplers.RandomSampler(seed=seed) if self.sampler == "random" else samplers.TPESampler(seed=seed)
 
     def settle_unfinished_trials(self, study: Any) -> None:
         """Trials a killed sweep left RUNNING: told their job's result if it finished, else failed (`died`) and

@@ -116,8 +116,7 @@ class Named:
         return {name: part.state_dict() for name, part in self.parts.items()}
 
     def load_state_dict(self, states: Mapping[str, Any]) -> None:
-        missing = [name for name in self.parts if name not in states]
-        if missing:
+        if missing := [name for name in self.parts if name not in states]:
             raise UsageError(f"{self.source} holds no {self.what} {', '.join(map(repr, missing))} (it holds "
                              f"{', '.join(map(repr, states)) or 'none'}): resume with the models it was saved with")
         for name, part in self.parts.items():

@@ -70,8 +70,7 @@ def used_by(model_cfg: DictConfig, fields: Mapping[str, Any]) -> dict[str, Any]:
 
 def check_same(saved: Mapping[str, Any] | None, fields: Mapping[str, Any], what: str, dataset: str) -> None:
     """Refuse evaluating a model built for `saved` fields on data whose `fields` differ."""
-    differing = {name: value for name, value in (saved or {}).items() if fields.get(name, value) != value}
-    if differing:
+    if differing := {name: value for name, value in (saved or {}).items() if fields.get(name, value) != value}:
         built = ", ".join(f"{name}={value}" for name, value in differing.items())
         given = ", ".join(f"{name}={fields[name]}" for name in differing)
         raise UsageError(f"{what} does not fit this model: it was built for {built}, but {dataset} provides {given}; "

@@ -35,8 +35,7 @@ class ArrowSplit:
         self.folder = folder
         state = _read_json(folder / "state.json", f"{folder} is not a split saved by save_to_disk")
         self.files = [folder / entry["filename"] for entry in state["_data_files"]]
-        missing = [file.name for file in self.files if not file.is_file()]
-        if missing:
+        if missing := [file.name for file in self.files if not file.is_file()]:
             raise DatasetNotFoundError(f"{folder}: shard {', '.join(missing)} is missing ({len(self.files)} "
                                        "listed in its state.json); copy the whole dataset again")
         info = _read_json(folder / "dataset_info.json", f"{folder} has no dataset_info.json")
@@ -174,8 +173,7 @@ def open_splits(root: Path, names: Sequence[str]) -> list[ArrowSplit]:
 
 
 def check_columns(split: ArrowSplit, names: Sequence[str], setting: str) -> None:
-    unknown = [name for name in names if name not in split.columns]
-    if unknown:
+    if unknown := [name for name in names if name not in split.columns]:
         raise UsageError(f"{setting}: {', '.join(map(repr, unknown))} is not a column of {split.folder} "
                          f"(its columns: {', '.join(split.columns)})")
 

@@ -129,8 +129,7 @@ def load_initial_weights(modules: dict[str, nn.Module], output: str, path: Path,
                            ("shape differs (fresh initialisation kept)", found.mismatched)):
             if keys:
                 log.warning("init_from: %s%d %s: %s", f"{name}: " if several else "", len(keys), kind, ", ".join(keys))
-    untouched = [name for name in modules if name not in files]
-    if untouched:
+    if untouched := [name for name in modules if name not in files]:
         log.warning("init_from=%s holds no weights for %s: freshly initialised", path, ", ".join(untouched))
     return matches
 
@@ -157,8 +156,7 @@ def freeze(modules: dict[str, nn.Module], prefixes: list[str]) -> int:
     matching nothing, or a model left with nothing to train, is one error line."""
     named = [(f"{model}.{name}" if len(modules) > 1 else name, model, parameter) for model, module in modules.items()
              for name, parameter in module.named_parameters()]
-    unmatched = [prefix for prefix in prefixes if not any(name.startswith(prefix) for name, _, _ in named)]
-    if unmatched:
+    if unmatched := [prefix for prefix in prefixes if not any(name.startswith(prefix) for name, _, _ in named)]:
         tops = sorted({name.split(".", 1)[0] if len(modules) == 1 else ".".join(name.split(".", 2)[:2])
                        for name, _, _ in named})
         raise UsageError(f"trainer.freeze: no parameter name starts with {', '.join(unmatched)}; the model's "

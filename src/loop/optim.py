@@ -65,8 +65,7 @@ def parameter_groups(named: list[tuple[str, torch.nn.Parameter]], lr: float | No
     and no weight decay on biases and other 1-D parameters (normalisation weights) unless `decay_norm_and_bias`, as
     timm's filter_bias_and_bn."""
     prefixes = sorted(lr_multipliers, key=lambda prefix: -1 if prefix == "*" else len(prefix), reverse=True)
-    unmatched = [prefix for prefix in prefixes if not any(_under(name, prefix) for name, _ in named)]
-    if unmatched:
+    if unmatched := [prefix for prefix in prefixes if not any(_under(name, prefix) for name, _ in named)]:
         tops = sorted({name.split(".")[0] for name, _ in named})
         raise UsageError(f"optimizer.lr_multipliers: {unmatched[0]} is the prefix of no trained parameter's name "
                          f"(they begin with {', '.join(tops[:8])})")

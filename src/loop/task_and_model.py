@@ -65,8 +65,7 @@ def check_task(task: Task, splits: DataSplits, choices: Mapping[str, str], monit
 
 def check_fit(task: Task, info: Mapping[str, Any], task_name: str, dataset_name: str) -> None:
     """Refuse a dataset the task cannot learn from, naming both and what to choose instead."""
-    problem = task.check(info)
-    if problem:
+    if problem := task.check(info):
         provided = ", ".join(f"{key}={value}" for key, value in info.items())
         raise UsageError(f"task={task_name} {problem}, but dataset={dataset_name} provides {provided}: choose a task "
                          "this dataset fits (classification needs num_classes, binary num_classes=2, regression "
@@ -189,8 +188,7 @@ def build_optimizers(cfg: DictConfig, modules: dict[str, nn.Module], steps_per_e
 def build_aux(aux_cfg: DictConfig | None, task: Task, device: torch.device, trusted: set[str]) -> dict[str, nn.Module]:
     """The frozen auxiliary models `aux` names (a checkpoint, or weights with a model `config`), on `device`."""
     aux_cfg = {name: node for name, node in (aux_cfg or {}).items() if node.get("path") is not None}  # null: none
-    missing = [name for name in task.aux_models if name not in aux_cfg]
-    if missing:
+    if missing := [name for name in task.aux_models if name not in aux_cfg]:
         raise UsageError(f"task={type(task).__name__} needs the auxiliary model {missing[0]}: set "
                          f"aux.{missing[0]}.path=CHECKPOINT (a checkpoint of this template, e.g. a best.pt)")
     models = {}

@@ -78,8 +78,7 @@ class Trackers(Callback):
         self._last_step = max(self._last_step, step)
         for name, tracker in self.trackers.items():
             sent = self.sent[name]
-            fresh = {key: value for key, value in scalars.items() if step > sent.get(key, -1)}
-            if fresh:
+            if fresh := {key: value for key, value in scalars.items() if step > sent.get(key, -1)}:
                 tracker.log(fresh, step)
                 sent.update(dict.fromkeys(fresh, step))
         if self._ledger:

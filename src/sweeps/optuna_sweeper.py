@@ -82,8 +82,7 @@ class OptunaSweeper(Sweeper):
              f"hydra.sweeper.direction={self.direction} contradicts trainer.monitor={monitor}, whose "
              f"trainer.monitor_mode is {mode}: leave hydra.sweeper.direction=null"),
         ]
-        problems = [problem for failed, problem in checks if failed]
-        if problems:
+        if problems := [problem for failed, problem in checks if failed]:
             raise UsageError("; ".join(problems))
         return direction
 

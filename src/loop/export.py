@@ -13,23 +13,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from src import checkpoint
 from src.checkpoint.store import FORMAT
 from src.common import files
 from src.common.errors import UsageError, exit_on_usage_error
-
-
-def write_safetensors(state: dict[str, torch.Tensor], out: Path, source: Path) -> None:
-    try:  # an optional package
-        from safetensors.torch import save
-    except ImportError:
-        raise UsageError("exporting needs the safetensors package (pip install safetensors)") from None
-    # safetensors stores each tensor's own bytes: views and shared storage are copied out.
-    tensors = {name: tensor.detach().contiguous().clone() for name, tensor in state.items()}
-    with files.atomic_file(out) as file:
-        file.write(save(tensors, metadata={"source": str(source), "format": FORMAT}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,8 +29,15 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_usage_error(is_main_process=True):
         if not args.out.parent.is_dir():
             raise UsageError(f"cannot write {args.out}: the folder {args.out.parent} does not exist")
+        try:  # an optional package
+            from safetensors.torch import save
+        except ImportError:
+            raise UsageError("exporting needs the safetensors package (pip install safetensors)") from None
         state = checkpoint.read(args.checkpoint).model_weights(args.model, args.weights)
-        write_safetensors(state, args.out, args.checkpoint)
+        # safetensors stores each tensor's own bytes: views and shared storage are copied out.
+        tensors = {name: tensor.detach().contiguous().clone() for name, tensor in state.items()}
+        with files.atomic_file(args.out) as file:
+            file.write(save(tensors, metadata={"source": str(args.checkpoint), "format": FORMAT}))
         count = sum(tensor.numel() for tensor in state.values())
         print(f"wrote {args.out}: {len(state)} tensors, {count:,} elements, from {args.checkpoint}")
 

@@ -15,6 +15,8 @@ from torch.distributed.checkpoint import state_dict as dcp
 from src.common.errors import UsageError, first_few
 from src.parallel import fsdp
 
+IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how an optimizer computes a step, not its state
+
 
 def is_dtensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and hasattr(value, "device_mesh")
@@ -78,7 +80,9 @@ class OptimizerState:
         return dcp.get_optimizer_state_dict(self.module, self.optimizer) if self.sharded else self.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        groups = fsdp.this_implementation(state["param_groups"], self.optimizer)
+        # The saved param_groups with this run's kernel choices (a ddp run's fused=true may not run on shards).
+        groups = [{**group, **{key: own[key] for key in IMPLEMENTATION if key in own}}
+                  for group, own in zip(state["param_groups"], self.optimizer.param_groups)]
         by_id = self._names()
         if self.sharded:
             whole = not any(is_dtensor(value) for values in state["state"].values() for value in values.values())

@@ -119,15 +119,6 @@ def no_gradient_sync(model: Any) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how to compute a step, not its state
-
-
-def this_implementation(groups: list[dict[str, Any]], optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Saved param_groups with this run's kernel choices (a ddp run's fused=true may not run on shards)."""
-    return [{**group, **{key: own[key] for key in IMPLEMENTATION if key in own}}
-            for group, own in zip(groups, optimizer.param_groups)]
-
-
 def reshard(model: nn.Module) -> None:
     """Free the parameters `model`'s sharded modules hold gathered (after a forward without gradients)."""
     for module in model.modules():

@@ -56,8 +56,12 @@ class CPUSyncBatchNorm(_BatchNorm):
         # Sums of squares in half precision lose the variance, so accumulate in float32 at least.
         x = input.to(torch.promote_types(input.dtype, torch.float32))
         mean, var, count = self._global_statistics(x)
-        if self.track_running_stats:
-            self._update_running_stats(mean, var, count)
+        if self.track_running_stats:  # this global batch blended into the running averages exactly as _BatchNorm does
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+                self.running_var.mul_(1 - momentum).add_(var * (count / (count - 1)), alpha=momentum)
         shape = (1, -1) + (1,) * (x.dim() - 2)
         out = (x - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
@@ -76,14 +80,6 @@ class CPUSyncBatchNorm(_BatchNorm):
         mean = total_sum / count
         # E[x^2] - E[x]^2 can round slightly below zero.
         return mean, (total_sq / count - mean * mean).clamp_min(0), count
-
-    @torch.no_grad()
-    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor) -> None:
-        """Blend this global batch into the running averages exactly as _BatchNorm does."""
-        self.num_batches_tracked.add_(1)
-        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-        self.running_var.mul_(1 - momentum).add_(var * (count / (count - 1)), alpha=momentum)
 
 
 class _ThenItsChildren:

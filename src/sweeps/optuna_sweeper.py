@@ -57,7 +57,14 @@ class OptunaSweeper(Sweeper):
                 log.warning("trial stopped before its end with a checkpoint (preempted?): the sweep stops here; "
                             "run the same command again to continue it")
                 return
-        self.log_best(study)
+        if not any(t.state.name == "COMPLETE" for t in study.trials):
+            log.warning("no trial of study %s completed", self.study_name)
+            return
+        # The best trial and the command that trains it again (also in summary.md).
+        best = study.best_trial
+        command = "python train.py " + shlex.join([*composing_args(self.config.hydra), *best.user_attrs["overrides"]])
+        log.info("best trial %d (job %d): %s=%s\n  %s", best.number, best.user_attrs["job"],
+                 self.config.trainer.monitor, best.value, command)
 
     def check_settings(self, space: dict[str, Any]) -> str:
         """The study's direction; one error line for a setting that cannot work."""
@@ -156,16 +163,6 @@ class OptunaSweeper(Sweeper):
         elif state != "incomplete":  # left RUNNING otherwise: the next run of the sweep resumes it
             study.tell(trial, float(result.return_value))  # train.py's: the last trainer.monitor value
         return state != "incomplete"
-
-    def log_best(self, study: Any) -> None:
-        """The best trial and the command that trains it again (also in summary.md)."""
-        if not any(t.state.name == "COMPLETE" for t in study.trials):
-            log.warning("no trial of study %s completed", self.study_name)
-            return
-        best = study.best_trial
-        command = "python train.py " + shlex.join([*composing_args(self.config.hydra), *best.user_attrs["overrides"]])
-        log.info("best trial %d (job %d): %s=%s\n  %s", best.number, best.user_attrs["job"],
-                 self.config.trainer.monitor, best.value, command)
 
 
 def _optuna() -> Any:

@@ -73,15 +73,6 @@ class Binding:
             key = list(self.positions)[key]  # a position of a named field, in a dict batch
         return batch[key]
 
-    def inputs(self) -> str:
-        """The call the binding makes, for messages: `model(rgb, mask)`, `model(x=image)`."""
-        parts = [str(key) for key in self.args] + [f"{name}={key}" for name, key in self.kwargs.items()]
-        return f"model({', '.join(parts)})"
-
-    def fields(self) -> str:
-        """What the dataset's samples hold, for messages: `dataset=two_input_synthetic's fields rgb, mask, target`."""
-        return f"{self.dataset}'s fields {', '.join(self.positions)}" if self.positions else f"{self.dataset}'s parts"
-
 
 class Task:
     """The base: batch structure, units and monitored metric; subclasses add the loss and metrics. `inputs`: the parts

@@ -110,8 +110,10 @@ def check_inputs(model: nn.Module, task: Task) -> None:
         signature.bind(*binding.args, **binding.kwargs)
     except TypeError as error:
         parameters = ", ".join(str(p).split(":")[0].split("=")[0].strip() for p in signature.parameters.values())
+        call = ", ".join([*map(str, binding.args), *(f"{name}={key}" for name, key in binding.kwargs.items())])
+        fields = f"fields {', '.join(binding.positions)}" if binding.positions else "parts"  # what the samples hold
         raise UsageError(f"{type(model).__name__}.forward({parameters}) cannot take the task's inputs "
-                         f"{binding.inputs()} ({error}) from {binding.fields()} (target: {binding.target}): set "
+                         f"model({call}) ({error}) from {binding.dataset}'s {fields} (target: {binding.target}): set "
                          "task.inputs=[FIELD,...] to the fields it takes, in order, or choose a model that takes these "
                          "inputs") from None
 

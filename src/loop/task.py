@@ -105,7 +105,12 @@ class Task:
              dataset: str = "the dataset") -> Binding:
         """Bind `inputs` and `target` to a dataset's `fields` and `target`, or to its `sample`'s structure; a name the
         dataset lacks is one error line."""
-        names, parts = _names_and_parts(fields, sample)
+        if fields is not None:  # the names of the samples' parts (the dataset's fields, a dict sample's keys), how many
+            names, parts = tuple(fields), len(fields)
+        elif isinstance(sample, Mapping):
+            names, parts = tuple(sample), len(sample)
+        else:
+            names, parts = None, len(sample) if isinstance(sample, Sequence) else 0
         task_target, inputs = self.target, self.inputs
         if task_target is None:
             task_target = target if target is not None else _default_target(fields, sample, parts, dataset)
@@ -225,15 +230,6 @@ def ratio(total: torch.Tensor, count: torch.Tensor) -> float:
 def shape(tensor: torch.Tensor) -> str:
     """`(8, 10)`: a shape as people write it, for messages."""
     return f"({', '.join(map(str, tensor.shape))}{',' if tensor.dim() == 1 else ''})"
-
-
-def _names_and_parts(fields: Sequence[str] | None, sample: Any) -> tuple[tuple[str, ...] | None, int]:
-    """(the names of a sample's parts: the dataset's fields, or a dict sample's keys; how many parts it has)."""
-    if fields is not None:
-        return tuple(fields), len(fields)
-    if isinstance(sample, Mapping):
-        return tuple(sample), len(sample)
-    return None, len(sample) if isinstance(sample, Sequence) else 0
 
 
 def _default_target(fields: Sequence[str] | None, sample: Any, parts: int, dataset: str) -> Key:

@@ -122,10 +122,7 @@ def _publish(directory: Path, staging: Path, name: str, is_best: bool, keep_last
     files.write_text_atomically(directory / "last", name)
     if is_best:
         files.write_text_atomically(directory / "best", name)
-    _prune(directory, keep_last)
-
-
-def _prune(directory: Path, keep_last: int) -> None:
+    # No longer kept: step directories past keep_last that no pointer names, and what killed saves left.
     steps = sorted(path for path in directory.iterdir() if path.is_dir() and layout.STEP.fullmatch(path.name))
     pointed = {layout.resolve(directory / pointer).name for pointer in layout.POINTERS
                if (directory / pointer).is_file()}

@@ -1,5 +1,5 @@
 """Speed settings, applied once at run start: mixed precision (`trainer.precision`), TF32 and cuDNN's algorithm
-choice, channels_last, torch.compile."""
+choice, channels_last (trainer.compile: src/loop/task_and_model.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,3 @@ def with_memory_format(model: nn.Module, channels_last: bool) -> nn.Module:
 def _channels_last_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(arg.contiguous(memory_format=torch.channels_last) if isinstance(arg, torch.Tensor) and arg.dim() == 4
                  else arg for arg in args)
-
-
-def compiled(model: nn.Module, enabled: bool) -> nn.Module:
-    return torch.compile(model) if enabled else model

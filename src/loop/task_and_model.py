@@ -150,7 +150,7 @@ def build_trained(cfg: DictConfig, trainer: TrainerConfig, task: Task, runtime: 
             initial.model, runtime, cfg.dist.sync_bn, cfg.dist.find_unused_parameters, sharding,
             performance.autocast_dtype(trainer.precision),
             lambda module, initial=initial: initial_weights.initialise(initial, module, cfg.seed))
-        train_models[name] = performance.compiled(train_model, trainer.compile)
+        train_models[name] = torch.compile(train_model) if trainer.compile else train_model
         if runtime.world_size > 1 and runtime.is_main_process and not trainer.compile:
             sync_batchnorm.warn_of_bias_before_batchnorm(modules[name])
     return modules, train_models

@@ -61,11 +61,7 @@ class OptimizerState:
     """An optimizer over a trained model's parameters as a checkpoint part, keyed by parameter name."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.module, self.optimizer = module, optimizer
-
-    @property
-    def sharded(self) -> bool:
-        return fsdp.is_sharded(self.module)
+        self.module, self.optimizer, self.sharded = module, optimizer, fsdp.is_sharded(module)
 
     def state_dict(self) -> dict[str, Any]:
         if self.sharded and self.optimizer.state:  # torch's helper would step an optimizer without state

@@ -24,12 +24,8 @@ class ImageTensorDataset(TensorDataset):
         channels = images.shape[1]
         self.mean = torch.as_tensor(mean, dtype=torch.float32, device=images.device).view(1, channels, 1, 1)
         self.std = torch.as_tensor(std, dtype=torch.float32, device=images.device).view(1, channels, 1, 1)
-        self.crop_padding, self.flip = crop_padding, flip
+        self.crop_padding, self.flip, self.augments = crop_padding, flip, crop_padding > 0 or flip
         self.size = None if size is None or tuple(size) == tuple(images.shape[-2:]) else tuple(int(x) for x in size)
-
-    @property
-    def augments(self) -> bool:
-        return self.crop_padding > 0 or self.flip
 
     def to(self, device: torch.device) -> ImageTensorDataset:
         images, labels = (t.to(device) for t in self.tensors)

@@ -77,10 +77,7 @@ class EvalShardSampler:
         self.stop = num_samples * (rank + 1) // world_size
         if max_batches is not None:
             self.stop = min(self.stop, self.start + max_batches * batch_size)
-
-    @property
-    def num_samples(self) -> int:
-        return self.stop - self.start
+        self.num_samples = self.stop - self.start
 
     def __len__(self) -> int:
         return -(-self.num_samples // self.batch_size)

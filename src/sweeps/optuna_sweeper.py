@@ -131,17 +131,16 @@ class OptunaSweeper(Sweeper):
             state = None if job_dir is None else jobs.job_state(Path(job_dir))
             if state == "pruned":
                 study.tell(frozen.number, state=TrialState.PRUNED)
-                continue
-            if state == "completed":
+            elif state == "completed":
                 study.tell(frozen.number, jobs.read_metrics(Path(job_dir))[self.config.trainer.monitor])
-                continue
-            died = state != "failed"  # killed, not raised: its values deserve a run
-            if died:
+            elif state == "failed":
+                study.tell(frozen.number, state=TrialState.FAIL)
+            else:  # killed, not raised: its values deserve a run
                 Trial(study, frozen._trial_id).set_user_attr("died", True)
-            study.tell(frozen.number, state=TrialState.FAIL)
-            if died and job is not None:
-                log.info("trial %d (job %d) died: asked again with the same values", frozen.number, job)
-                study.enqueue_trial(frozen.params, user_attrs={"job": job}, skip_if_exists=False)
+                study.tell(frozen.number, state=TrialState.FAIL)
+                if job is not None:
+                    log.info("trial %d (job %d) died: asked again with the same values", frozen.number, job)
+                    study.enqueue_trial(frozen.params, user_attrs={"job": job}, skip_if_exists=False)
 
     def run_trial(self, study: Any, space: dict[str, Any], fixed: list[str]) -> bool:
         """Ask, launch as one Hydra job, tell. Returns False if the job stopped before its end."""

@@ -112,8 +112,7 @@ def argument_mismatch(key: str, node: Mapping[str, Any], passed_elsewhere: Itera
         return (f"{key}: {takes(target)}, but the run calls it with {', '.join(called_with)}: give a callable that "
                 "takes them (docs/forking.md)")
     given = [str(name) for name in node if name not in _HYDRA_KEYS and name not in set(passed_elsewhere)]
-    unexpected = [] if any_keyword else [name for name in given if name not in names]
-    if unexpected:
+    if not any_keyword and (unexpected := [name for name in given if name not in names]):
         return (f"{key}.{unexpected[0]} is not an argument of {key}: {takes(target)}; remove it, or drop it for "
                 f"this run with ~{key}.{unexpected[0]}")
     parameters = inspect.signature(get_object(target)).parameters

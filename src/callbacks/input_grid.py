@@ -22,7 +22,6 @@ class InputGrid(Callback):
             return
         indices = next(iter(data.train_sampler))[: self.count]  # the sampler's first step, not yet started
         samples = [task.split(data.splits.train[index]) for index in indices]
-        # Each sample's first positional model input, else its first keyword one.
         inputs = [args[0] if args else next(iter(kwargs.values()), None) for args, kwargs, _ in samples]
         if all(isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] in (1, 3) for x in inputs):
             run.parts.reporter.image("inputs/train_batch", image_grid(torch.stack(inputs)), step=0)

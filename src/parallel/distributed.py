@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import itertools
 import os
 import sys
@@ -140,18 +141,16 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _all_reduce(op: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The elementwise `op` of a tensor over all ranks, in place and returned (a no-op in a single process)."""
-    def reduce(tensor: torch.Tensor) -> torch.Tensor:
-        if is_initialized():
-            dist.all_reduce(tensor, op=op)
-        return tensor
-    return reduce
+def _all_reduce(tensor: torch.Tensor, op: Any) -> torch.Tensor:
+    """The elementwise `op` of `tensor` over all ranks, in place and returned (a no-op in a single process)."""
+    if is_initialized():
+        dist.all_reduce(tensor, op=op)
+    return tensor
 
 
-all_reduce_sum = _all_reduce(dist.ReduceOp.SUM)
-all_reduce_min = _all_reduce(dist.ReduceOp.MIN)
-all_reduce_max = _all_reduce(dist.ReduceOp.MAX)
+all_reduce_sum = functools.partial(_all_reduce, op=dist.ReduceOp.SUM)
+all_reduce_min = functools.partial(_all_reduce, op=dist.ReduceOp.MIN)
+all_reduce_max = functools.partial(_all_reduce, op=dist.ReduceOp.MAX)
 
 
 def broadcast_object(obj: object, src: int = 0) -> object:

@@ -125,11 +125,12 @@ class Store:
 
     def wait_after_failure(self) -> None:
         """After training failed: until the save in flight has ended (its own failure only logged)."""
-        try:
-            self.wait()
-        except BaseException as failure:  # noqa: BLE001 - the training's failure is the one to raise
-            log.warning("the checkpoint being written when training failed was not written: %s: %s",
-                        type(failure).__name__, failure)
+        writer, self._in_flight = self._in_flight, None
+        if writer is not None:
+            writer.thread.join()
+            if writer.failure is not None:
+                log.warning("the checkpoint being written when training failed was not written: %s: %s",
+                            type(writer.failure).__name__, writer.failure)
 
     def snapshot(self, parts: Mapping[str, Any]) -> Any:
         """What `write` writes of `parts`: their states (live tensors)."""

@@ -137,8 +137,7 @@ class Trainer:
         while micro_batches := list(itertools.islice(batches, self.config.grad_accum)):
             self._train_step(micro_batches, state)
             progress.update()
-            interrupted = self._after_step(run, window)
-            if interrupted is not None:
+            if (interrupted := self._after_step(run, window)) is not None:
                 progress.close()
                 self._save_mid_epoch(run)
                 return interrupted

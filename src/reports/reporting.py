@@ -8,7 +8,7 @@ import logging
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 from omegaconf import OmegaConf
@@ -18,9 +18,6 @@ from torch.utils.tensorboard.summary import hparams as hparams_summary
 from tqdm import tqdm
 
 from src.common.files import write_text_atomically
-
-if TYPE_CHECKING:  # annotations only: the trackers are a callback of the loop's
-    from src.reports.tracking import Trackers
 
 _FORMAT = "[%(asctime)s][%(levelname)s] %(message)s"
 T = TypeVar("T")
@@ -94,6 +91,14 @@ def model_summary(modules: Mapping[str, nn.Module]) -> str:
         tree = "\n".join(f"    {line}" for line in repr(module).splitlines())  # indented: a code block
         parts.append("\n".join(row for row in rows if row) + "\n\n" + tree)
     return "\n\n".join(parts)
+
+
+class Trackers(Protocol):
+    """What the reporter hands the run's trackers (src/reports/tracking.py: a callback of the loop's, above this)."""
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None: ...
+    def log_final(self, final_metrics: Mapping[str, float]) -> None: ...
+    def close(self) -> None: ...
 
 
 class Reporter:

@@ -70,8 +70,7 @@ def no_room(error: BaseException, path: Path, size: Callable[[], int]) -> UsageE
 
 def exceeds_room(needed: int, directory: Path) -> int | None:
     """The errno of writing `needed` bytes into `directory` now (EFBIG, ENOSPC), or None if they fit."""
-    limit = _file_size_limit()
-    if limit is not None and needed > limit:
+    if (limit := _file_size_limit()) is not None and needed > limit:
         return errno.EFBIG
     return errno.ENOSPC if needed > shutil.disk_usage(directory).free else None
 

@@ -35,8 +35,7 @@ class SettingError(UsageError):
 
 
 def check_arguments(**checked: tuple[Any, Rule]) -> None:
-    problems = [(name, value, problem) for name, (value, rule) in checked.items() if (problem := rule(value))]
-    if problems:
+    if problems := [(name, value, problem) for name, (value, rule) in checked.items() if (problem := rule(value))]:
         raise SettingError(problems)
 
 

@@ -200,8 +200,7 @@ class Callbacks:
 
     def load_state_dict(self, states: Mapping[str, Any]) -> None:
         for name, state in states.items():
-            callback = self.all.get(name)
-            if callback is not None and callback.enabled:
+            if (callback := self.all.get(name)) is not None and callback.enabled:
                 callback.load_state_dict(state)
             else:
                 log.info("the checkpoint's state of callback %s is not used: this run has no such callback on", name)

@@ -58,8 +58,7 @@ def build(make: Callable[[], nn.Module], name: str, seed: int, sharded: bool) ->
                  "init_module(module, name) or init_weights(); give it one to build it on the meta device, each rank "
                  "allocating only its shards", label, type(model).__name__)
     model = make()  # the constructor draws from the run's RNG as seeded
-    hook = hook_of(model)
-    if hook is not None:
+    if (hook := hook_of(model)) is not None:
         log.warning("%s is built whole on every rank, then initialised by its %s: %s", label, hook, reason)
         initialise(Initial(model, name, hook), model, seed)
     return Initial(model, name, None)
@@ -72,8 +71,7 @@ def _built_on_meta(make: Callable[[], nn.Module]) -> tuple[nn.Module | None, str
             model = make()
     except Exception as error:  # noqa: BLE001 - any failure: the whole build says it again, or works
         return None, f"{type(error).__name__} when built on the meta device ({error})"
-    real = next((name for name, tensor in _tensors(model) if not tensor.is_meta), None)
-    if real is not None:
+    if (real := next((name for name, tensor in _tensors(model) if not tensor.is_meta), None)) is not None:
         return None, f"its constructor made {real} on the {dict(_tensors(model))[real].device} device, not on meta"
     return model, None
 

@@ -69,12 +69,11 @@ def test_the_length_check_counts_decorators_docstrings_and_nested_functions(tmp_
                                                       "long.py:4 inner": MAX_FUNCTION_LINES - 2}
 
 
-def imports(path: Path, annotations: bool = False) -> set[str]:
-    """The modules `path` imports when it runs, i.e. all but those under `if TYPE_CHECKING:`; with `annotations`,
-    those too."""
+def runtime_imports(path: Path) -> set[str]:
+    """The modules `path` imports when it runs: every import but those under `if TYPE_CHECKING:`."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
-        if not annotations and isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
             node.body = []
     modules = set()
     for node in ast.walk(tree):
@@ -96,21 +95,20 @@ SRC = {module_name(p): p for p in sorted((REPO / "src").rglob("*.py"))}
 def test_the_loop_names_no_add_on():
     """Its add-ons are callbacks (src/callbacks/) the config names; the loop imports none of them."""
     loop = [p for p in SRC.values() if p.parent.name == "loop"]
-    assert {str(p.relative_to(REPO)): sorted(m for m in imports(p) if m.startswith("src.callbacks"))
-            for p in loop if any(m.startswith("src.callbacks") for m in imports(p))} == {}
+    assert {str(p.relative_to(REPO)): sorted(m for m in runtime_imports(p) if m.startswith("src.callbacks"))
+            for p in loop if any(m.startswith("src.callbacks") for m in runtime_imports(p))} == {}
     assert "src/loop/trainer.py" in {str(p.relative_to(REPO)) for p in loop}
 
 
 def test_the_checkpoint_formats_do_not_import_each_other():
     formats = {"src.checkpoint.file_store", "src.checkpoint.sharded_store"}
     for name in formats:
-        assert not imports(SRC[name]) & formats, name
+        assert not runtime_imports(SRC[name]) & formats, name
 
 
 def test_the_import_graph_of_src_has_no_cycle():
     """Imports for annotations only count too: they tie two modules together for a reader all the same."""
-    graph = {name: {m for m in imports(path, annotations=True) if m in SRC and m != name}
-             for name, path in SRC.items()}
+    graph = {name: {m for m in imported_modules(path) if m in SRC and m != name} for name, path in SRC.items()}
     cycles = []
 
     def visit(name: str, path: list[str]) -> None:

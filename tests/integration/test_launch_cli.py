@@ -59,17 +59,6 @@ def test_workers_die_with_a_launcher_killed_outright_and_write_nothing_after(wor
     assert metrics(run_dir)["epoch"] < 100
 
 
-def test_self_launch_matches_torchrun(workdir: Path):
-    check(train(["dist.nproc_per_node=2", "trainer.epochs=1", "hydra.run.dir=self"], workdir))
-    check(torchrun(2, ["trainer.epochs=1", "hydra.run.dir=torchrun"], workdir))
-    self_dir = workdir / "self"
-    assert metrics(self_dir)["world_size"] == 2
-    assert history_without_timing(self_dir) == history_without_timing(workdir / "torchrun")
-    assert (self_dir / "train.rank1.log").exists() and (self_dir / ".hydra" / "config.yaml").exists()
-    assert "nproc_per_node=2" in (self_dir / ".hydra" / "overrides.yaml").read_text()
-    assert [p.name for p in workdir.iterdir()] != [] and not (workdir / "outputs").exists()
-
-
 def test_self_launched_workers_stopped_before_the_first_validation_end_cleanly(workdir: Path):
     """max_steps ends the workers before any metrics.json: the launcher exits 0 (its result is NaN, as a
     one-process run's), and the command it prints continues the run: the same settings and launch, to the end."""

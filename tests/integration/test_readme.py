@@ -70,7 +70,7 @@ EXERCISED_BY = {
     "python train.py debug=fast": "test_presets.py::test_debug_fast_is_a_two_step_smoke_run_kept_apart",
     "python train.py debug=overfit": "test_presets.py::test_debug_overfit_drives_the_loss_to_zero",
     "python train.py debug=profile": "test_presets.py::test_debug_profile_writes_a_trace_of_the_recorded_steps",
-    "python train.py dist.nproc_per_node=8": "test_launch_cli.py::test_self_launch_matches_torchrun",
+    "python train.py dist.nproc_per_node=8": "test_run_report_cli.py::test_self_launch_matches_torchrun",
     "python train.py experiment=digits_cnn": "test_presets.py::test_digits_experiment_is_the_default_run",
     "python train.py experiment=seed_tabular_binary": "test_tasks_cli.py::test_seed_tabular_binary_reaches_95_percent",
     "python train.py task=regression dataset=diabetes model=mlp":
@@ -100,7 +100,8 @@ EXERCISED_BY = {
     "torchrun --nproc_per_node=2 train.py -m optimizer.lr=0.1,0.01": "test_launch_cli.py::test_torchrun_runs_a_sweep",
     "torchrun --nproc_per_node=8 --max-restarts=3 train.py trainer.checkpoint_every_steps=500":
         "test_fault_tolerance.py::test_a_killed_worker_is_restarted_and_the_run_ends_as_if_never_interrupted",
-    "torchrun --nproc_per_node=8 train.py model=cnn": "test_train_cli.py::test_torchrun_two_workers_share_one_run_dir",
+    "torchrun --nproc_per_node=8 train.py model=cnn":
+        "test_run_report_cli.py::test_torchrun_two_workers_share_one_run_dir",
     "torchrun --nproc_per_node=2 train.py dist=fsdp":
         "test_fsdp_cli.py::test_fsdp_trains_the_ddp_model_with_the_same_metrics",
     "torchrun --nproc_per_node=3 train.py dist=fsdp resume=auto hydra.run.dir=outputs/2026-11-22/10-00-00":

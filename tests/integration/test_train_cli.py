@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, TINY, check, metrics, torchrun, train, weights
+from conftest import REPO, TINY, check, metrics, torchrun, train
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
@@ -95,22 +95,6 @@ def test_tensorboard_events_are_readable(default_run):
     metric_tags = {m.name.tag for m in hparams["_hparams_/experiment"].experiment.metric_infos}
     assert {"hparam/val/acc", "hparam/val/loss", "hparam/train/loss"} <= metric_tags
     assert events.Scalars("hparam/val/acc")[-1].value == pytest.approx(metrics(run_dir)["val/acc"], abs=1e-6)
-
-
-def test_torchrun_two_workers_share_one_run_dir(workdir: Path):
-    # Rank 1 starts 1.5 s late: with Hydra's ${now:} it would create a second run dir.
-    delayed = str(REPO / "tests" / "fixtures" / "delayed_start.py")
-    result = check(torchrun(2, ["trainer.epochs=1"], workdir, script=delayed))
-    run_dir = only_run_dir(workdir)
-    assert len(list(workdir.rglob("config.yaml"))) == 1
-    assert (run_dir / "train.rank1.log").exists()
-    assert sorted(p.name for p in (run_dir / "tb").iterdir())[0].startswith("events.out.tfevents")
-    assert len(list((run_dir / "tb").iterdir())) == 1  # rank 0 alone writes TensorBoard
-    summary = metrics(run_dir)
-    assert summary["world_size"] == 2 and summary["val/num_samples"] == summary["test/num_samples"] == 180
-    assert summary["step"] == 1437 // 64
-    assert "world size 2" in result.stdout and "backend gloo" in result.stdout
-    SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10).load_state_dict(weights(run_dir))
 
 
 def test_runs_started_in_the_same_second_write_a_run_dir_each(workdir: Path):

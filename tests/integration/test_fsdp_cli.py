@@ -78,6 +78,10 @@ RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
     "straight to step 30": (2, [*TWO_EPOCHS, "trainer.max_steps=30"]),
     "stopped on 1": (1, STOPPED),
     "ddp stopped": (2, [*STOPPED, "dist=ddp", *SAME_KERNELS]),
+    # One epoch's checkpoints, written in the foreground and in the background, for the full-disk test to resume.
+    "one epoch sync": (2, ["dist=fsdp", "trainer.progress=false", "trainer.epochs=1"]),
+    "one epoch async_checkpoint": (2, ["dist=fsdp", "trainer.progress=false", "trainer.async_checkpoint=true",
+                                       "trainer.epochs=1"]),
 }
 
 
@@ -265,15 +269,16 @@ def test_a_rank_stalled_in_a_background_write_ends_the_group_within_the_step_tim
 
 
 @pytest.mark.parametrize("mode", [[], ["trainer.async_checkpoint=true"]], ids=["sync", "async_checkpoint"])
-def test_a_disk_with_no_room_for_the_shards_is_one_line_and_keeps_the_previous_checkpoint(tmp_path: Path,
+def test_a_disk_with_no_room_for_the_shards_is_one_line_and_keeps_the_previous_checkpoint(runs: Runs, tmp_path: Path,
                                                                                          mode: list[str]):
     """As tests/integration/test_full_disk.py, sharded: a 512 KiB file-size limit (EFBIG, ENOSPC's path) under
     which each rank's shard file of the digits CNN with AdamW (about 0.9 MB) cannot be written. Written in the
-    background (async_checkpoint), the failure surfaces when the run ends, as the same one line."""
+    background (async_checkpoint), the failure surfaces when the run ends, as the same one line. The run resumed
+    is a copy of a 1-epoch run written in the same mode."""
     from test_full_disk import LIMIT, file_size_limit
 
     args = ["dist=fsdp", "trainer.progress=false", *mode]
-    check(torchrun(2, [*args, "trainer.epochs=1", "hydra.run.dir=run"], tmp_path))
+    shutil.copytree(runs(f"one epoch {'async_checkpoint' if mode else 'sync'}"), tmp_path / "run")
     checkpoints = tmp_path / "run" / "checkpoints"
     before = {path.name: path.read_bytes() for path in (checkpoints / "step_000000022").iterdir()}
     result = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=2", TRAIN, *args, "trainer.epochs=2",

@@ -1,10 +1,7 @@
-"""dist=fsdp for models that do not fit, through the real command line: init_from's whole weights go into the shards
-of a model built on the meta device; a model over one process's memory limit trains sharded, and one whose
-backbone is frozen fits only when built on the meta device. Where the initial weights come from, on any world size
-and strategy: test_initial_weights_cli.py.
-
-Initial weights are read from a checkpoint after one SGD step at lr=0 (the step changes no parameter; only
-BatchNorm's running statistics, which see each rank's batches, and are left out of the comparison).
+"""dist=fsdp for models that do not fit, through the real command line: a model over one process's memory limit
+trains sharded, and one whose backbone is frozen fits only when built on the meta device. Where the initial weights
+come from, on any world size and strategy, and init_from's whole weights loaded into the shards of a model built on
+the meta device: test_initial_weights_cli.py.
 """
 
 from __future__ import annotations
@@ -16,42 +13,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import REPO, TRAIN, check, torchrun, weights
+from conftest import REPO, TRAIN
 from faults import TORCHRUN
-from lazy_runs import LazyRuns
-
-from src import checkpoint
 
 pytestmark = pytest.mark.slow
-
-FIRST_STEP = ["model=cnn", "optimizer=sgd", "optimizer.lr=0", "scheduler=constant", "trainer.max_steps=1",
-              "dataset.batch_size=48", "trainer.progress=false", "trainer.limit_val_batches=1"]
-FSDP = ["dist=fsdp", "dist.fsdp.min_unit_params=0"]  # the CNN's two children sharded as units of their own
-RUNS: dict[str, tuple[int, list[str]]] = {"ddp on 2": (2, FIRST_STEP)}
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> LazyRuns:
-    return LazyRuns(tmp_path_factory.mktemp("fsdp_large"), RUNS)
-
-
-def parameters(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The model's parameters (no buffers) in the run's newest checkpoint, of either format."""
-    saved = (weights(run_dir) if (run_dir / "checkpoints" / "last.pt").exists()
-             else checkpoint.read(run_dir / "checkpoints" / "last").model_weights())
-    return {name: tensor for name, tensor in saved.items() if "running_" not in name and "num_batches" not in name}
-
-
-def test_init_from_loads_a_ddp_checkpoint_into_the_shards_of_a_model_built_on_meta(runs: LazyRuns, tmp_path: Path):
-    """Seed 1 would draw other weights: every parameter is the file's (the ddp run's, seed 0)."""
-    source = runs("ddp on 2") / "checkpoints" / "last.pt"
-    check(torchrun(2, [*FIRST_STEP, *FSDP, "seed=1", f"init_from={source}", "hydra.run.dir=run"], tmp_path))
-    loaded, ddp = parameters(tmp_path / "run"), parameters(runs("ddp on 2"))
-    assert loaded.keys() == ddp.keys() and all(torch.equal(loaded[key], ddp[key]) for key in ddp)
-    log = (tmp_path / "run" / "train.log").read_text()
-    assert "init_from: loaded 16 of the model's 16 tensors" in log
-    assert "the model is built on the meta device; its init_module gives it its weights, each rank its shards" in log
 
 # -- a model over one process's memory limit ----------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ real command line (src/loop/initial_weights.py):
   with a per-name rescale): their constructor's weights, `torch.manual_seed(seed); Model()` bit for bit, under
   ddp and fsdp alike, with one log line under fsdp saying what to add to build on the meta device;
 - models that declare one (a per-name rule in `init_module(module, name)`, a model-level `init_weights()`, and the
-  built-in models): built on the meta device under both strategies, to the same weights on 1, 2 and 3 ranks.
+  built-in models): built on the meta device under both strategies, to the same weights on 1, 2 and 3 ranks;
+- init_from's whole weights (the 2-rank ddp run's) loaded into the shards of a model built on the meta device.
 
 The fork's models are a module of its own (PYTHONPATH), each an option of the `model` group in the test's conf/.
 Initial weights are read from a checkpoint after one SGD step at lr=0 (the step changes no parameter; BatchNorm's
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import check, torchrun
 from lazy_runs import LazyRuns
 
 from src import checkpoint
@@ -139,7 +141,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> LazyRuns:
 
 def started(runs: LazyRuns, name: str) -> dict[str, torch.Tensor]:
     """The parameters run `name` starts from (no buffers)."""
-    path = runs(name) / "checkpoints"
+    return parameters(runs(name))
+
+
+def parameters(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The model's parameters (no buffers) in the run's newest checkpoint, of either format."""
+    path = run_dir / "checkpoints"
     saved = checkpoint.read(path / "last.pt" if (path / "last.pt").exists() else path / "last").model_weights()
     return {key: value for key, value in saved.items() if "running_" not in key and "num_batches" not in key}
 
@@ -203,3 +210,13 @@ def test_the_built_in_models_start_from_their_constructor_s_weights_on_one_two_a
     assert_same(one, dict(SimpleCNN(in_channels=1, image_size=(8, 8), num_outputs=10).named_parameters()))
     fan_in = one["classifier.5.weight"].shape[1]  # torch's Linear: uniform within 1/sqrt(fan_in)
     assert one["classifier.5.weight"].abs().max().item() <= 1 / math.sqrt(fan_in)
+
+
+def test_init_from_loads_a_ddp_checkpoint_into_the_shards_of_a_model_built_on_meta(runs: LazyRuns, tmp_path: Path):
+    """Seed 1 would draw other weights: every parameter is the file's (the ddp run's, seed 0)."""
+    source = runs("cnn_ddp") / "checkpoints" / "last.pt"
+    check(torchrun(2, [*FIRST_STEP, *CNN, *FSDP, "seed=1", f"init_from={source}", "hydra.run.dir=run"], tmp_path))
+    assert_same(parameters(tmp_path / "run"), started(runs, "cnn_ddp"))
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "init_from: loaded 16 of the model's 16 tensors" in log
+    assert "the model is built on the meta device; its init_module gives it its weights, each rank its shards" in log

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, check, metrics, run, torchrun, train
+from conftest import REPO, TWO_THREADS, check, copy_run, metrics, run, torchrun, train
 from lazy_runs import LazyRuns
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -55,6 +55,11 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "simclr sgd accumulated on 2": (2, [*SIMCLR_SGD, "trainer.grad_accum=2"]),
     "simclr sgd accumulated fsdp on 2": (2, [*SIMCLR_SGD, "trainer.grad_accum=2", "dist=fsdp"]),
     "simclr accumulated": (1, [*SIMCLR, "trainer.grad_accum=2"]),
+    # Stopped mid-epoch, to resume (a copy) with resume=auto: gan's step 30 is step 8 of epoch 2, simclr's 15 step 4.
+    "gan stopped": (1, [*GAN, "dist=ddp", "trainer.max_steps=30"]),
+    "gan fsdp stopped": (2, [*GAN, "dist=fsdp", "trainer.max_steps=30"]),
+    "simclr stopped": (1, [*SIMCLR, "trainer.max_steps=15"]),
+    "simclr accumulated stopped": (1, [*SIMCLR, "trainer.grad_accum=2", "trainer.max_steps=15"]),
 }
 
 
@@ -94,6 +99,17 @@ def stopped_and_resumed(workdir: Path, processes: int, args: list[str], stop_at:
     return workdir / "run"
 
 
+def resumed(runs: LazyRuns, stopped: str, workdir: Path, args: list[str], stop_at: int) -> Path:
+    """A copy of run `stopped` (stopped after `stop_at` steps: a step checkpoint) in workdir/run, continued with
+    resume=auto on as many processes (one: with 2 threads, as LazyRuns launches it and the references)."""
+    processes, _ = runs.runs[stopped]
+    assert f"stopped at step {stop_at} with a checkpoint" in (runs(stopped) / "train.log").read_text()
+    run_dir = copy_run(runs(stopped), workdir / "run")
+    extra = [*args, "resume=auto", f"hydra.run.dir={run_dir}"]
+    check(train(extra, workdir, env=TWO_THREADS) if processes == 1 else torchrun(processes, extra, workdir))
+    return run_dir
+
+
 def assert_bitwise_equal(run_dir: Path, reference: Path) -> None:
     assert without_timing(metrics(run_dir)) == without_timing(metrics(reference))
     assert max_diff(models(run_dir), models(reference)) == 0
@@ -121,9 +137,10 @@ def test_gan_under_fsdp_trains_bitwise_what_ddp_trains(runs: LazyRuns):
 @pytest.mark.parametrize("processes, strategy", [(1, "ddp"), (2, "fsdp")])
 def test_gan_stopped_mid_epoch_resumes_bitwise(runs: LazyRuns, tmp_path: Path, processes: int, strategy: str):
     reference = runs("gan") if strategy == "ddp" else runs("gan fsdp")
-    resumed = stopped_and_resumed(tmp_path, processes, [*GAN, f"dist={strategy}"], stop_at=30)
-    assert "after epoch 1, step 30 (8 steps into epoch 2)" in (resumed / "train.log").read_text()
-    assert_bitwise_equal(resumed, reference)
+    run_dir = resumed(runs, "gan stopped" if strategy == "ddp" else "gan fsdp stopped", tmp_path,
+                      [*GAN, f"dist={strategy}"], stop_at=30)
+    assert "after epoch 1, step 30 (8 steps into epoch 2)" in (run_dir / "train.log").read_text()
+    assert_bitwise_equal(run_dir, reference)
 
 
 def test_gan_without_a_monitored_metric_keeps_no_best_checkpoint_and_shows_samples(runs: LazyRuns):
@@ -211,10 +228,11 @@ def test_simclr_accumulating_micro_batches_trains_what_one_step_of_the_global_ba
 
 @pytest.mark.parametrize("accumulation", [[], ["trainer.grad_accum=2"]], ids=["one step", "accumulated"])
 def test_simclr_stopped_mid_epoch_resumes_bitwise(runs: LazyRuns, tmp_path: Path, accumulation: list[str]):
-    resumed = stopped_and_resumed(tmp_path, 1, [*SIMCLR, *accumulation], stop_at=15)
-    assert "after epoch 1, step 15 (4 steps into epoch 2)" in (resumed / "train.log").read_text()
-    assert_bitwise_equal(resumed, runs("simclr accumulated" if accumulation else "simclr"))
-    assert 0.5 < metrics(resumed)["val/knn_acc"] <= 1
+    run_dir = resumed(runs, "simclr accumulated stopped" if accumulation else "simclr stopped", tmp_path,
+                      [*SIMCLR, *accumulation], stop_at=15)
+    assert "after epoch 1, step 15 (4 steps into epoch 2)" in (run_dir / "train.log").read_text()
+    assert_bitwise_equal(run_dir, runs("simclr accumulated" if accumulation else "simclr"))
+    assert 0.5 < metrics(run_dir)["val/knn_acc"] <= 1
 
 
 @pytest.mark.parametrize("processes", [1, 2, 3])

@@ -89,13 +89,11 @@ def without_timing(summary: dict) -> dict:
     return {**{k: v for k, v in summary.items() if k not in TIMING_KEYS}, "history": history}
 
 
-def stopped_and_resumed(workdir: Path, processes: int, args: list[str], stop_at: int) -> Path:
-    """A run stopped after `stop_at` steps (a step checkpoint), then continued with resume=auto."""
-    launch = (lambda extra: train(extra, workdir)) if processes == 1 else (
-        lambda extra: torchrun(processes, extra, workdir))
-    first = check(launch([*args, f"trainer.max_steps={stop_at}", "hydra.run.dir=run"]))
+def stopped_and_resumed(workdir: Path, args: list[str], stop_at: int) -> Path:
+    """A 1-process run stopped after `stop_at` steps (a step checkpoint), then continued with resume=auto."""
+    first = check(train([*args, f"trainer.max_steps={stop_at}", "hydra.run.dir=run"], workdir))
     assert f"stopped at step {stop_at} with a checkpoint" in first.stdout + first.stderr
-    check(launch([*args, "resume=auto", "hydra.run.dir=run"]))
+    check(train([*args, "resume=auto", "hydra.run.dir=run"], workdir))
     return workdir / "run"
 
 
@@ -185,7 +183,7 @@ def test_distill_keeps_the_teacher_out_of_the_checkpoint_and_resumes_bitwise(run
     shapes = {tuple(t.shape) for t in teacher_weights.values() if t.dim() > 1}
     assert not any(tuple(t.shape) in shapes for t in tensors)  # no teacher tensor anywhere in the file
     (tmp_path / "resumed").mkdir()
-    resumed = stopped_and_resumed(tmp_path / "resumed", 1, args, stop_at=30)
+    resumed = stopped_and_resumed(tmp_path / "resumed", args, stop_at=30)
     assert_bitwise_equal(resumed, straight)
 
 

@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Iterator, Sequence
 
+from hydra.errors import CompactHydraException
 from omegaconf.errors import InterpolationKeyError
 
 from src.common import retries
@@ -22,8 +23,8 @@ _NO_MEMORY = ("can't allocate memory", "out of memory")
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file-size limit
 
 
-class UsageError(Exception):
-    """A mistake in the config, the command line or the files a run needs: printed alone, exit code 2."""
+class UsageError(CompactHydraException):
+    """A mistake in the config, the command line or the files a run needs: printed alone (by Hydra too), exit code 2."""
 
     reported = False  # True when worker processes have already printed the message
     local = False  # True when one rank alone may find it: that rank prints it
@@ -64,7 +65,7 @@ def no_room_error(error: BaseException) -> OSError | None:
 @contextlib.contextmanager
 def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterator[None]:
     """Exit with `error: <message>` (printed by the main process) and code 2 if the block raises a UsageError;
-    in a sweep it propagates (Hydra marks the job failed). An out-of-memory error propagates with a note."""
+    in a sweep the line is printed and raised again. An out-of-memory error propagates with a note."""
     if (failed_for_good := retries.final_failure()) is not None:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {failed_for_good} (not retried: every restart would stop on it)", file=sys.stderr)
@@ -73,7 +74,7 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
         yield
     except Exception as error:
         usage_error = find_usage_error(error)
-        if usage_error is None or in_sweep:
+        if usage_error is None:
             out_of_memory = next((e for e in _chain(error) if isinstance(e, MemoryError) or (
                 isinstance(e, RuntimeError) and any(words in str(e) for words in _NO_MEMORY))), None)
             if out_of_memory is None:
@@ -85,6 +86,8 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Exiting at once would let torchrun's agent SIGTERM rank 0 before it has printed the line.
             time.sleep(NON_MAIN_RANK_GRACE_S)
+        if in_sweep:  # Hydra marks the job failed, runs the others, and ends on the first failure: this line
+            raise UsageError(f"error: {usage_error}") from usage_error
         retries.record_final_failure(str(usage_error))  # a restart would stop on it again
         sys.exit(USAGE_ERROR_EXIT_CODE)
 

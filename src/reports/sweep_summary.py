@@ -3,6 +3,7 @@ wrote: one row per job, best first by the monitored metric, and the command that
 
 from __future__ import annotations
 
+import atexit
 import csv
 import io
 import shlex
@@ -59,18 +60,16 @@ def collect(sweep_dir: Path, metric: str | None, mode: str) -> list[dict[str, An
 
 
 def _format(value: Any) -> str:
-    if value is None:
-        return "-"
     if isinstance(value, float):
         return f"{value:.4f}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
+    return "-" if value is None else str(value)
 
 
 class SweepSummary(Callback):
     def __init__(self, metric: str, mode: str) -> None:
         self.metric, self.mode = metric, mode
 
-    def write(self, sweep_dir: Path, composing: Sequence[str] = ()) -> str:  # composing: job.composing_args
+    def write(self, sweep_dir: Path, composing: Sequence[str] = (), show: bool = False) -> str:  # show: print it
         rows = collect(sweep_dir, self.metric, self.mode)
         columns = metric_columns(rows, self.metric)
         shown = ["job", "status", *columns, "overrides"]
@@ -86,20 +85,18 @@ class SweepSummary(Callback):
         writer.writerows(rows)
         write_text_atomically(sweep_dir / "summary.csv", buffer.getvalue())
         write_text_atomically(sweep_dir / "summary.md", table)
+        if show:
+            print(f"\nSweep summary (sorted by {self.metric}, {self.mode}): {sweep_dir / 'summary.md'}\n{table}")
         return table
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN or not is_main_process():
             return
-        job_dir = Path(config.hydra.runtime.output_dir)
         if job_return.status == JobStatus.FAILED:
             error = job_return._return_value
-            (job_dir / jobs.FAILED_MARKER).write_text(f"{type(error).__name__}: {error}\n")
+            Path(config.hydra.runtime.output_dir, jobs.FAILED_MARKER).write_text(f"{type(error).__name__}: {error}\n")
         self.write(Path(config.hydra.sweep.dir), composing_args(config.hydra))
 
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if not is_main_process():
-            return
-        sweep_dir = Path(config.hydra.sweep.dir)
-        table = self.write(sweep_dir, composing_args(config.hydra))
-        print(f"\nSweep summary (sorted by {self.metric}, {self.mode}): {sweep_dir / 'summary.md'}\n{table}")
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if is_main_process():  # printed as the process exits: also after a failed job (Hydra then exits at once)
+            atexit.register(self.write, Path(config.hydra.sweep.dir), composing_args(config.hydra), show=True)

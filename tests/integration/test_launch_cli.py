@@ -30,6 +30,10 @@ def job_dirs(sweep: Path) -> list[Path]:
     return sorted((p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
 
 
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
 def summary_rows(sweep: Path) -> list[dict]:
     with open(sweep / "summary.csv") as file:
         return list(csv.DictReader(file))
@@ -114,10 +118,29 @@ def test_a_failing_job_is_reported_and_the_sweep_goes_on(workdir: Path):
     result = train(args, workdir, env={"TMPDIR": str(workdir / "tmp")})
     assert result.returncode != 0 and list((workdir / "tmp").glob("torchelastic_*")) == []
     assert "error: dataset.batch_size=63 is the global batch and must be divisible" in result.stderr
+    # As the sweep ends, Hydra names the failed job and prints its error as one line, not as a traceback.
+    assert "Traceback" not in result.stderr
+    assert error_lines(result.stderr)[-1] == "error: the workers stopped on the error above"
     rows = {r["job"]: r for r in summary_rows(workdir / "sweep")}
     assert rows["0"]["status"] == "failed" and rows["1"]["status"] == "completed"
     assert (workdir / "sweep" / "0" / "FAILED").exists()
     assert metrics(workdir / "sweep" / "1")["world_size"] == 2
+
+
+def test_a_job_s_usage_error_in_a_one_process_sweep_is_its_line_and_the_sweep_goes_on(workdir: Path):
+    args = ["-m", "optimizer.lr=-1,0.1,-2", "trainer.epochs=1", "trainer.limit_train_batches=2",
+            "trainer.limit_val_batches=1", "hydra.sweep.dir=sweep"]
+    result = train(args, workdir)
+    assert result.returncode == 1 and "Traceback" not in result.stderr  # Hydra's code for a failed sweep
+    first, second = "error: optimizer.lr=-1 must be a number >= 0", "error: optimizer.lr=-2 must be a number >= 0"
+    # Each failed job's line as it stops; as the sweep ends, Hydra names the first failed job and prints its line.
+    assert error_lines(result.stderr) == [first, second, first]
+    assert "Error executing job with overrides: ['optimizer.lr=-1'" in result.stderr
+    rows = {r["job"]: r["status"] for r in summary_rows(workdir / "sweep")}
+    assert rows == {"0": "failed", "1": "completed", "2": "failed"}
+    assert (workdir / "sweep" / "2" / "FAILED").read_text() == f"UsageError: {second}\n"
+    assert metrics(workdir / "sweep" / "1")["step"] == 2
+    assert "Sweep summary (sorted by val/acc, max)" in result.stdout  # printed after a failed job too
 
 
 def test_a_crashing_worker_ends_its_group_with_its_traceback(workdir: Path):

@@ -1,6 +1,6 @@
 """An allocation the process has no memory for keeps its traceback and gains a note naming the rank, the size, the
-process's limit and what shrinks a rank's share; a ${KEY} naming no key of the config is a usage error
-(src/common/errors.py)."""
+process's limit and what shrinks a rank's share; a ${KEY} naming no key of the config is a usage error; a sweep job's
+usage error is its line, and one line again as the sweep ends (src/common/errors.py)."""
 
 from __future__ import annotations
 
@@ -105,3 +105,22 @@ def test_an_interpolation_naming_no_key_is_a_usage_error_naming_the_key_it_resol
                          "+KEY=VALUE")
     usage = errors.UsageError("a line")
     assert errors.find_usage_error(RuntimeError()) is None and errors.find_usage_error(usage) is usage
+
+
+def test_a_sweep_job_s_usage_error_is_its_line_now_and_one_line_hydra_prints_as_the_sweep_ends(capsys):
+    """In a sweep the job's line is printed as the job stops, then raised for Hydra to mark the job failed: as a
+    UsageError, a CompactHydraException, which Hydra prints as its message alone (not as a traceback)."""
+    from hydra.errors import CompactHydraException
+
+    usage = errors.UsageError("optimizer.lr=-1 must be a number >= 0")
+    with pytest.raises(errors.UsageError) as raised, errors.exit_on_usage_error(True, in_sweep=True):
+        raise RuntimeError("Hydra's wrapper") from usage
+    assert isinstance(raised.value, CompactHydraException) and raised.value.__cause__ is usage
+    assert str(raised.value) == "error: optimizer.lr=-1 must be a number >= 0"
+    assert capsys.readouterr().err == "error: optimizer.lr=-1 must be a number >= 0\n"
+    with pytest.raises(errors.UsageError) as raised, errors.exit_on_usage_error(True, in_sweep=True):
+        raise errors.WorkersReportedUsageError("the workers stopped on the error above")
+    assert str(raised.value) == "error: the workers stopped on the error above"
+    assert capsys.readouterr().err == ""  # the workers printed theirs
+    with pytest.raises(RuntimeError, match="shape mismatch"), errors.exit_on_usage_error(True, in_sweep=True):
+        raise RuntimeError("shape mismatch")  # not the user's to fix: its traceback, in a sweep too

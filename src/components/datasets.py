@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     import numpy as np
     from torchvision.datasets import ImageFolder
 
+    from src.data.arrow_files import ArrowSplit
+
 MNIST_FILES = (
     "train-images-idx3-ubyte",
     "train-labels-idx1-ubyte",
@@ -594,12 +596,15 @@ def arrow(
     split_seed: int = 0,
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
+    features: Sequence[str] | str | None = None,
 ) -> DataSplits:
     """Data larger than RAM: a dataset in the Arrow layout of Hugging Face `datasets`' save_to_disk (what
     `python -m src.data.convert` writes), memory-mapped and read by index (src/data/arrow_files.py).
 
     A sample is the tuple of `columns` (None: all, in order); image columns are decoded and transformed
     as `image_folder` does (`image_transforms`), so a converted image folder trains the same model.
+    `features` (a list of columns of single numbers, or "all": every such column but the target) are stacked, in
+    order, into one float32 vector, the sample's first part, `features` (a table's columns: `num_features`).
     `target` is the column the task predicts: a ClassLabel gives `num_classes` (its names), other
     integers max + 1, floats `num_targets` (1). The `test_split`, where the dataset has one, is the test split;
     with `val_size` set, that many rows of the train split are val instead of `val_split` (each class in its share
@@ -626,16 +631,62 @@ def arrow(
     inputs = [name for name in names if name != target]
     if not images and len(inputs) == 1 and inputs[0] in train.vector_columns and len(train):  # a feature vector
         info["num_features"] = len(train.values(0, inputs)[0][0])
-    samples = {name: ArrowSamples(split, names, train_transform if name == train_split else val_transform)
+    stacked = _number_columns(train, names, target, features)
+    if stacked:
+        info["num_features"] = len(stacked)
+
+    def samples_of(split: ArrowSplit, transform: Callable | None) -> Dataset:
+        samples = ArrowSamples(split, names, transform)
+        return StackedColumns(samples, names, stacked) if stacked else samples
+
+    samples = {name: samples_of(split, train_transform if name == train_split else val_transform)
                for name, split in splits.items()}
     if held_out:  # val_size rows of the train split, each class in its share where the target is a class
         labels = torch.tensor(column(train, target)) if "num_classes" in info else torch.zeros(len(train))
         indices = stratified_holdout(labels, val_size, split_seed, "arrow")
-        samples[train_split], samples[val_split] = (Subset(ArrowSamples(train, names, transform), index.tolist())
+        samples[train_split], samples[val_split] = (Subset(samples_of(train, transform), index.tolist())
                                                     for transform, index in zip((train_transform, val_transform),
                                                                                 indices))
+    fields = ("features", *(name for name in names if name not in stacked)) if stacked else tuple(names)
     return DataSplits(train=samples[train_split], val=samples[val_split], test=samples.get(test_split), info=info,
-                      fields=tuple(names), target=target)
+                      fields=fields, target=target)
+
+
+def _number_columns(split: ArrowSplit, names: Sequence[str], target: str,
+                    features: Sequence[str] | str | None) -> list[str]:
+    """The columns `dataset.features` stacks: columns of single numbers among the sample's, not the target."""
+    import pyarrow as pa
+
+    if features is None:
+        return []
+    types = {name: split.schema.field(name).type for name in names}
+    numbers = [name for name in names if name != target and (pa.types.is_integer(types[name])
+                                                              or pa.types.is_floating(types[name]))]
+    stacked = numbers if features == "all" else [features] if isinstance(features, str) else list(features)
+    if not stacked:
+        raise ValueError(f"dataset.features={features} names no column of single numbers (the sample's, but the "
+                         f"target: {', '.join(numbers) or 'none'}); list some, or all, or leave it null")
+    if others := [name for name in stacked if name not in numbers]:
+        raise ValueError(f"dataset.features: {', '.join(map(repr, others))} is the target or not a column of single "
+                         f"numbers; the sample's columns of single numbers: {', '.join(numbers) or 'none'}")
+    if "features" in names and "features" not in stacked:
+        raise ValueError(f"{split.folder} has a column named features: list it in dataset.features, or leave that null")
+    return stacked
+
+
+class StackedColumns(Dataset):
+    """Samples (tuples of `columns`' values) whose `stacked` values are one float32 vector, first; the others follow."""
+
+    def __init__(self, samples: Dataset, columns: Sequence[str], stacked: Sequence[str]) -> None:
+        self.samples, self.stacked = samples, [list(columns).index(name) for name in stacked]
+        self.others = [index for index, name in enumerate(columns) if name not in stacked]
+
+    def __len__(self) -> int:
+        return len(self.samples)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> tuple:
+        values = self.samples[index]
+        return torch.tensor([values[i] for i in self.stacked], dtype=torch.float32), *(values[i] for i in self.others)
 
 
 def _class_folders(folder: Path, transform: Callable, otherwise: str = "") -> ImageFolder:

@@ -41,7 +41,7 @@ class ArrowSplit:
         info = _read_json(folder / "dataset_info.json", f"{folder} has no dataset_info.json")
         self.features: dict[str, Any] = info.get("features") or {}
         self._opened_in: int | None = None
-        schema = self._open()
+        self.schema = schema = self._open()
         self.columns: list[str] = schema.names
         self.image_columns = {name for name in self.columns if _is_image(self.features.get(name), schema.field(name))}
         self.vector_columns = {name for name in self.columns if _is_numeric_list(schema.field(name).type)}

@@ -1,15 +1,22 @@
 """The dataset code paths through the real CLI: MNIST and CIFAR-10 files in their on-disk formats
 train the same model on the device (in-memory) path and the DataLoader path, and device augmentation
-replays exactly after a resume. Those runs share one launch (LazyRuns)."""
+replays exactly after a resume; a plain table (one column per feature) converted to dataset=arrow trains model=mlp
+on its columns stacked (dataset.features=all). Those runs share one launch (LazyRuns)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import TWO_THREADS, check, metrics, torchrun, train, weights
 from dataset_files import write_cifar10, write_mnist, write_noise_folder
 from lazy_runs import LazyRuns
+
+from src.data import convert
 
 # ---- both paths through train.py -----------------------------------------------------------------
 
@@ -25,7 +32,23 @@ RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides); Lazy
     **{f"cifar10 {in_memory}": (1, [*CIFAR, f"dataset.in_memory={in_memory}"]) for in_memory in ("true", "false")},
     "straight": (1, RESUMED),
     "stopped": (1, [*RESUMED, "trainer.max_steps=2"]),
+    # The data page's command for a table: `python train.py dataset=arrow dataset.root=data/pq-arrow
+    # dataset.features=all model=mlp`, on a table the tests write (5 epochs of 4 steps).
+    "table": (1, ["dataset=arrow", "dataset.root=table", "dataset.features=all", "model=mlp", "dataset.batch_size=50",
+                  "dataset.num_workers=0", "trainer.epochs=5"]),
 }
+
+
+def write_table(root: Path) -> None:
+    """A table of 5 feature columns (float32) and a label, the sign of f0 + f1: Parquet files converted to Arrow."""
+    rng = np.random.default_rng(0)
+    for split, rows in (("train", 200), ("validation", 60)):
+        features = rng.normal(size=(rows, 5)).astype(np.float32)
+        columns = {f"f{i}": features[:, i] for i in range(5)}
+        pq.write_table(pa.table({**columns, "label": (features[:, 0] + features[:, 1] > 0).astype(np.int64)}),
+                       root / f"{split}.parquet")
+    assert convert.main(["parquet", str(root / "train.parquet"), str(root / "validation.parquet"),
+                         str(root / "table")]) == 0
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +56,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> LazyRuns:
     root = tmp_path_factory.mktemp("datasets_cli")
     write_mnist(root / "data", "MNIST", num_train=48, num_test=20)
     write_cifar10(root / "data", per_batch=8)
+    write_table(root)
     return LazyRuns(root, RUNS)
 
 
@@ -53,6 +77,16 @@ def test_cifar10_trains_on_both_paths(runs: LazyRuns, in_memory):
     summary = metrics(runs(f"cifar10 {in_memory}"))
     assert summary["step"] == (40 - 8) // 8 and summary["val/num_samples"] == summary["test/num_samples"] == 8
     assert np.isfinite(summary["val/loss"]) and np.isfinite(summary["train/loss"])
+
+
+@pytest.mark.slow
+def test_a_tables_columns_train_model_mlp_as_one_features_vector(runs: LazyRuns):
+    summary, log = metrics(runs("table")), (runs("table") / "train.log").read_text()
+    assert "model MLP (" in log and "200 train / 60 val samples" in log
+    assert weights(runs("table"))["net.1.weight"].shape[1] == 5  # num_features: the 5 columns, stacked
+    assert summary["step"] == 5 * 4 and summary["val/num_samples"] == 60
+    assert summary["val/acc"] >= 0.85  # the label is a function of two of the columns: learned, not guessed
+    assert summary["history"][0]["val/acc"] < summary["val/acc"]
 
 
 @pytest.mark.slow

@@ -110,6 +110,8 @@ EXERCISED_BY = {
         "test_fsdp_cli.py::test_eval_reads_a_sharded_checkpoint",
     "python train.py dataset=arrow dataset.root=data/images-arrow model=resnet18 dataset.num_workers=8":
         "test_data_cli.py::test_arrow_on_two_ranks_stopped_and_resumed_trains_bitwise_the_image_folder_run",
+    "python train.py dataset=arrow dataset.root=data/pq-arrow dataset.features=all model=mlp":
+        "test_datasets_cli.py::test_a_tables_columns_train_model_mlp_as_one_features_vector",
     "python benchmarks/fsdp_memory.py": "test_readme.py::test_the_fsdp_benchmarks_write_their_tables",
     "python benchmarks/fsdp_memory.py --shapes": "test_readme.py::test_the_fsdp_benchmarks_write_their_tables",
     "python benchmarks/fsdp_speed.py": "test_readme.py::test_the_fsdp_benchmarks_write_their_tables",

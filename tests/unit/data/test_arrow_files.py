@@ -156,6 +156,39 @@ def test_a_column_of_numeric_lists_is_one_tensor_per_sample_and_gives_num_featur
     assert ids.dtype == torch.int64 and ids.tolist() == [1, 2, 3, 4] and label == 1
 
 
+def test_a_tables_columns_of_single_numbers_are_stacked_into_one_features_vector(tmp_path):
+    """dataset.features: a plain table (one column per feature, as most are) becomes the `features` vector model=mlp
+    takes; `all` stacks every column of numbers but the target, in order; the sample's other parts follow."""
+    rows = [{"age": 30 + i, "note": f"n{i}", "income": i * 1.5, "height": 1.6 + i / 10, "label": i % 3}
+            for i in range(6)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:3]), tmp_path / "val.parquet")
+    assert convert.main(["parquet", str(tmp_path / "train.parquet"), str(tmp_path / "val.parquet"),
+                         str(tmp_path / "out")]) == 0
+    root = str(tmp_path / "out")
+    assert datasets.arrow(root).fields == ("age", "note", "income", "height", "label")  # null: each column a part
+    every = datasets.arrow(root, features="all", columns=["age", "income", "height", "label"])
+    assert every.fields == ("features", "label") and every.info == {"num_classes": 3, "num_features": 3}
+    features, label = every.train[4]
+    assert features.dtype == torch.float32 and label == 1
+    assert torch.equal(features, torch.tensor([34.0, 6.0, 2.0], dtype=torch.float32))
+    batch = next(iter(torch.utils.data.DataLoader(every.val, batch_size=3)))
+    assert batch[0].shape == (3, 3) and batch[1].tolist() == [0, 1, 2]
+    chosen = datasets.arrow(root, features=["height", "age"], val_size=2)  # listed order; held-out val rows too
+    assert chosen.fields == ("features", "note", "income", "label") and chosen.info["num_features"] == 2
+    assert (len(chosen.train), len(chosen.val)) == (4, 2)
+    for split in (chosen.train, chosen.val):
+        for features, note, income, label in (split[i] for i in range(len(split))):
+            row = rows[int(note[1:])]
+            assert features.tolist() == pytest.approx([row["height"], row["age"]]) and income == row["income"]
+    assert datasets.arrow(root, features="age").info["num_features"] == 1  # one column, named alone
+    with pytest.raises(ValueError, match=r"dataset.features: 'note', 'label' is the target or not a column of single "
+                       r"numbers; the sample's columns of single numbers: age, income, height$"):
+        datasets.arrow(root, features=["age", "note", "label"])
+    with pytest.raises(ValueError, match=r"dataset.features=\[\] names no column of single numbers"):
+        datasets.arrow(root, features=[])
+
+
 # ---- bad input: one line each, nothing written or touched ------------------------------------------------
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TWO_THREADS, check, metrics, run, torchrun, train
+from conftest import REPO, TWO_THREADS, check, copy_run, metrics, run, torchrun, train
 from lazy_runs import LazyRuns
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -69,14 +69,13 @@ def straight(runs: LazyRuns) -> Path:
     return runs("straight")
 
 
-def test_a_run_stopped_mid_epoch_resumes_to_bitwise_the_same_ema(tmp_path: Path, straight: Path):
-    first = check(train([*TWO_EPOCHS_EMA, "trainer.checkpoint_every_steps=5", "trainer.max_steps=27",
-                         "hydra.run.dir=run"], tmp_path, env=TWO_THREADS))  # as LazyRuns ran `straight`
-    assert "stopped at step 27 with a checkpoint" in first.stdout
+def test_a_run_stopped_mid_epoch_resumes_to_bitwise_the_same_ema(tmp_path: Path, runs: LazyRuns, straight: Path):
+    assert "stopped at step 27 with a checkpoint" in (runs("stopped") / "train.log").read_text()
+    copy_run(runs("stopped"), tmp_path / "run")
     stopped = checkpoint(tmp_path / "run")
     loop = stopped["loop"]
     assert (loop["epoch"], loop["step"], loop["step_in_epoch"]) == (1, 27, 5) and "ema" in stopped
-    check(train([*TWO_EPOCHS_EMA, "resume=auto", "hydra.run.dir=run"], tmp_path, env=TWO_THREADS))
+    check(train([*TWO_EPOCHS_EMA, "resume=auto", "hydra.run.dir=run"], tmp_path, env=TWO_THREADS))  # as LazyRuns
     resumed, reference = checkpoint(tmp_path / "run"), checkpoint(straight)
     for key in ("ema", "model"):
         for name, tensor in reference[key].items():
@@ -140,6 +139,7 @@ RUNS: dict[str, tuple[int, list[str]]] = {  # name: (processes, overrides)
     "one": (1, CNN_EMA),
     "two": (2, CNN_EMA),
     "straight": (1, [*TWO_EPOCHS_EMA]),
+    "stopped": (1, [*TWO_EPOCHS_EMA, "trainer.checkpoint_every_steps=5", "trainer.max_steps=27"]),
     "ddp": (2, [*CNN_EMA, *SAME_KERNELS]),
     "fsdp": (2, [*CNN_EMA, *FSDP]),
     "fsdp straight": (2, FSDP_EMA),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TWO_THREADS, check, metrics, train, weights
+from conftest import TWO_THREADS, check, copy_run, metrics, train, weights
 from lazy_runs import LazyRuns
 from test_equivalence import assert_all_close, max_abs_diffs, without_timings
 
@@ -40,6 +40,8 @@ VAL = {
 }
 VAL_COMMON = ["optimizer=sgd", "optimizer.lr=0.0", "scheduler=constant", "trainer.epochs=1"]
 TASKS = sorted(EQUIVALENCE)
+# The middle of epoch 2: 15 steps an epoch (480 / 32) for binary, 20 (240 / 12) for regression.
+STOP_AT = {"binary": 15 + 7, "regression": 20 + 10}
 COUNTED = {"val/acc", "val/precision", "val/recall", "val/f1"}
 
 
@@ -49,6 +51,7 @@ def runs_of(task: str) -> dict[str, tuple[int, list[str]]]:
         f"{task} 1 rank": (1, base),
         f"{task} 2 ranks": (2, base),
         f"{task} 2 ranks without sync-BN": (2, [*base, "dist.sync_bn=false"]),
+        f"{task} stopped": (1, [*base, f"trainer.max_steps={STOP_AT[task]}"]),
         f"{task} val 1": (1, [*VAL[task], *VAL_COMMON]),
         f"{task} val 2": (2, [*VAL[task], *VAL_COMMON]),
         f"{task} val 3": (3, [*VAL[task], *VAL_COMMON]),
@@ -103,13 +106,13 @@ def test_a_run_stopped_mid_epoch_and_resumed_ends_bitwise_equal(runs: Runs, task
     straight = runs(task, "1 rank")
     steps_per_epoch = metrics(straight)["history"][0]["step"]
     stop_at = steps_per_epoch + steps_per_epoch // 2  # in the middle of epoch 2
-    run_dir = runs.root / f"{task}_resumed"
+    assert STOP_AT[task] == stop_at
+    assert f"stopped at step {stop_at} with a checkpoint" in (runs(task, "stopped") / "train.log").read_text()
+    run_dir = copy_run(runs(task, "stopped"), runs.root / f"{task}_resumed")
     args = [*EQUIVALENCE[task], *COMMON, f"hydra.run.dir={run_dir}"]
-    first = check(train([*args, f"trainer.max_steps={stop_at}"], runs.root, env=TWO_THREADS))  # as LazyRuns runs it
-    assert f"stopped at step {stop_at} with a checkpoint" in first.stdout
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert set(saved["loop"]["epoch_totals"]) >= {"loss", "count"}  # the unfinished epoch's metric sums, by name
-    check(train([*args, "resume=auto"], runs.root, env=TWO_THREADS))
+    check(train([*args, "resume=auto"], runs.root, env=TWO_THREADS))  # as LazyRuns ran the others
     assert without_timings(metrics(run_dir)) == without_timings(metrics(straight))
     for name, tensor in weights(straight).items():
         assert torch.equal(tensor, weights(run_dir)[name]), name

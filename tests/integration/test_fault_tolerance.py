@@ -1,11 +1,15 @@
 """A worker killed mid-run: torchrun restarts the group, the run continues from its last
-checkpoint in the same run dir, and ends exactly where an uninterrupted run ends. The 2-rank runs the tests
-compare with or resume share one launch (LazyRuns)."""
+checkpoint in the same run dir, and ends exactly where an uninterrupted run ends. A damaged newest checkpoint:
+`resume=auto` goes on from the newest one that loads and ends exactly where an uninterrupted run ends; the ranks
+resume from one file chosen by rank 0, or none of them trains at all. The runs the tests compare with or resume
+share launches (LazyRuns: one for the 1-process runs, one for the 2-rank runs)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAIN, TWO_THREADS, check, copy_run, metrics, torchrun, train, weights
+from conftest import REPO, TRAIN, TWO_THREADS, check, copy_run, free_port, metrics, run, torchrun, train, weights
 from lazy_runs import LazyRuns
 
 pytestmark = pytest.mark.slow
@@ -60,22 +64,28 @@ def without_timing(summary: dict) -> dict:
 
 # A small, stable LR: float noise from a different world size stays at float-noise size.
 TWO_EPOCHS = ["trainer.epochs=2", "optimizer=sgd", "optimizer.lr=0.01", "scheduler=constant"]
-# The 2-rank runs the tests compare with or resume, launched together on first use (LazyRuns).
+STOPPED = [*TWO_EPOCHS, "trainer.checkpoint_every_steps=5", "trainer.max_steps=27"]
+# The runs the tests compare with or resume, launched together on first use, by number of processes (LazyRuns).
 RUNS: dict[str, tuple[int, list[str]]] = {
-    "straight, 3 epochs": (2, ARGS),
-    "straight": (2, TWO_EPOCHS),
-    "stopped at step 27": (2, [*TWO_EPOCHS, "trainer.max_steps=27"]),
-    "stopped at step 30": (2, [*TWO_EPOCHS, "trainer.max_steps=30"]),
+    # One process (2 threads: conftest.TWO_THREADS), two epochs, never interrupted: what every interrupted run
+    # must end as.
+    "straight": (1, TWO_EPOCHS),
+    "stopped": (1, STOPPED),  # stopped at step 27 with step checkpoints every 5 steps (25 and 27 kept)
+    "straight on 2, 3 epochs": (2, ARGS),
+    "straight on 2": (2, TWO_EPOCHS),
+    "stopped on 2": (2, STOPPED),
+    "stopped on 2 at step 27": (2, [*TWO_EPOCHS, "trainer.max_steps=27"]),
+    "stopped on 2 at step 30": (2, [*TWO_EPOCHS, "trainer.max_steps=30"]),
 }
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> LazyRuns:
-    return LazyRuns(tmp_path_factory.mktemp("two_ranks"), RUNS)
+def runs(tmp_path_factory: pytest.TempPathFactory) -> LazyRuns:
+    return LazyRuns(tmp_path_factory.mktemp("fault_tolerance"), RUNS)
 
 
-def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_never_interrupted(workdir: Path, two_ranks: LazyRuns):
-    straight = two_ranks("straight, 3 epochs")
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_never_interrupted(workdir: Path, runs: LazyRuns):
+    straight = runs("straight on 2, 3 epochs")
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "--max-restarts=2", TRAIN, *ARGS]
@@ -97,12 +107,8 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_never_interrupted(w
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
-    """One process (2 threads: conftest.TWO_THREADS), two epochs, never interrupted: what every interrupted run
-    must end as."""
-    workdir = tmp_path_factory.mktemp("straight")
-    check(train([*TWO_EPOCHS, "hydra.run.dir=run"], workdir, env=TWO_THREADS))
-    return workdir / "run"
+def straight(runs: LazyRuns) -> Path:
+    return runs("straight")
 
 
 def assert_same_run(run_dir: Path, reference: Path, atol: float = 0.0) -> None:
@@ -115,10 +121,9 @@ def assert_same_run(run_dir: Path, reference: Path, atol: float = 0.0) -> None:
             assert torch.equal(tensor, weights(run_dir)[name]), name
 
 
-def test_a_step_checkpoint_resumes_mid_epoch_exactly(workdir: Path, straight: Path):
-    first = check(train([*TWO_EPOCHS, "trainer.checkpoint_every_steps=5", "trainer.max_steps=27",
-                         "hydra.run.dir=run"], workdir, env=TWO_THREADS))
-    assert "stopped at step 27 with a checkpoint" in first.stdout
+def test_a_step_checkpoint_resumes_mid_epoch_exactly(workdir: Path, runs: LazyRuns, straight: Path):
+    assert "stopped at step 27 with a checkpoint" in (runs("stopped") / "train.log").read_text()
+    copy_run(runs("stopped"), workdir / "run")
     checkpoints = sorted(p.name for p in (workdir / "run" / "checkpoints").iterdir())
     assert checkpoints == ["best.pt", "last.pt", "step_000000025.pt", "step_000000027.pt"]  # keep_last=2
     saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)["loop"]
@@ -129,8 +134,8 @@ def test_a_step_checkpoint_resumes_mid_epoch_exactly(workdir: Path, straight: Pa
     assert_same_run(workdir / "run", straight)
 
 
-def test_a_run_resumes_on_another_world_size(workdir: Path, straight: Path, two_ranks: LazyRuns):
-    copy_run(two_ranks("stopped at step 27"), workdir / "run")
+def test_a_run_resumes_on_another_world_size(workdir: Path, straight: Path, runs: LazyRuns):
+    copy_run(runs("stopped on 2 at step 27"), workdir / "run")
     saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert saved["config"]["trainer"]["max_steps"] == 27 and saved["loop"]["step"] == 27
     # Now one process, for 3 steps: within rounding of the 2-rank run, compared before one step can turn rounding
@@ -139,7 +144,7 @@ def test_a_run_resumes_on_another_world_size(workdir: Path, straight: Path, two_
     check(train([*TWO_EPOCHS, "trainer.max_steps=30", "resume=auto", "hydra.run.dir=run"], workdir, env=TWO_THREADS))
     saved = torch.load(workdir / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert saved["loop"]["step"] == 30 and metrics(workdir / "run")["world_size"] == 1
-    assert_same_run(workdir / "run", two_ranks("stopped at step 30"), atol=1e-5)
+    assert_same_run(workdir / "run", runs("stopped on 2 at step 30"), atol=1e-5)
     check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir, env=TWO_THREADS))  # on to the end
     summary = metrics(workdir / "run")
     assert summary["world_size"] == 1 and summary["step"] == 44
@@ -211,7 +216,7 @@ def test_a_process_killed_while_writing_leaves_the_previous_checkpoint(tmp_path:
     assert checkpoint.read(tmp_path / "last.pt").loop["epoch"] == 1
 
 
-def test_sigterm_to_torchrun_checkpoints_every_rank_at_the_same_step(workdir: Path, two_ranks: LazyRuns):
+def test_sigterm_to_torchrun_checkpoints_every_rank_at_the_same_step(workdir: Path, runs: LazyRuns):
     """SLURM and schedulers signal the launcher; torchrun forwards SIGTERM to its workers,
     which agree on one step, write one checkpoint and exit before torchrun's grace period ends."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN,
@@ -226,4 +231,113 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_at_the_same_step(workdir: Pa
     assert saved["epoch"] == 1 and 22 < saved["step"] < 44 and saved["step"] % 2 == 0
     assert "stopped at step" in (workdir / "run" / "train.log").read_text()
     check(torchrun(2, [*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], workdir))
-    assert_same_run(workdir / "run", two_ranks("straight"))
+    assert_same_run(workdir / "run", runs("straight on 2"))
+
+
+# -- a damaged newest checkpoint -------------------------------------------------------------------
+
+
+def damage(checkpoints: Path) -> None:
+    """The two newest states unreadable: last.pt cut short, step 27 empty; step 25 is intact."""
+    last = checkpoints / "last.pt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    (checkpoints / "step_000000027.pt").write_bytes(b"")
+
+
+def assert_bitwise_equal(run_dir: Path, reference: Path) -> None:
+    assert without_timing(metrics(run_dir)) == without_timing(metrics(reference))
+    for name, tensor in weights(reference).items():
+        assert torch.equal(tensor, weights(run_dir)[name]), name
+
+
+def test_a_damaged_last_checkpoint_resumes_from_the_newest_that_loads_exactly(tmp_path: Path, runs: LazyRuns):
+    shutil.copytree(runs("stopped"), tmp_path / "run")
+    damage(tmp_path / "run" / "checkpoints")
+
+    explicit = train([*TWO_EPOCHS, "resume=run/checkpoints/last.pt", "hydra.run.dir=run"], tmp_path)
+    assert explicit.returncode == 2 and "Traceback" not in explicit.stderr
+    (error,) = [line for line in explicit.stderr.splitlines() if line.startswith("error:")]
+    assert error.startswith("error: checkpoint run/checkpoints/last.pt cannot be read")  # no fallback
+
+    result = check(train([*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], tmp_path, env=TWO_THREADS))  # as LazyRuns
+    log = (tmp_path / "run" / "train.log").read_text()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert f"resume: skipping a damaged checkpoint: checkpoint {checkpoints / 'last.pt'} cannot be read" in log
+    assert f"resume: skipping a damaged checkpoint: checkpoint {checkpoints / 'step_000000027.pt'} cannot" in log
+    assert f"continuing from {checkpoints / 'step_000000025.pt'}, the newest checkpoint that loads" in log
+    assert "after epoch 1, step 25 (3 steps into epoch 2)" in result.stdout
+    assert ("resumed with settings its run did not have: trainer.checkpoint_every_steps=None (was 5); "
+            "trainer.max_steps=None (was 27)\n") in log
+    assert_bitwise_equal(tmp_path / "run", runs("straight"))
+
+
+def test_a_run_stopped_mid_epoch_refuses_another_batch_size_in_one_line(tmp_path: Path, runs: LazyRuns):
+    """Its place in the epoch is counted in steps: 5 steps of 32 samples would put it 160 samples short of where the 5
+    steps of 64 left it, and those samples would be trained on twice. Its checkpoints stay as they were."""
+    shutil.copytree(runs("stopped"), tmp_path / "run")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    saved = {path.name: hashlib.sha256(path.read_bytes()).digest() for path in checkpoints.iterdir()}
+    result = train([*TWO_EPOCHS, "dataset.batch_size=32", "resume=auto", "hydra.run.dir=run"], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        "error: dataset.batch_size=32 cannot resume a run stopped 5 steps into epoch 2 at dataset.batch_size=64 (its "
+        "place in the epoch is counted in steps): resume with dataset.batch_size=64"]
+    assert {path.name: hashlib.sha256(path.read_bytes()).digest() for path in checkpoints.iterdir()} == saved
+
+
+def test_two_ranks_resume_from_the_file_rank_0_chose(tmp_path: Path, runs: LazyRuns):
+    shutil.copytree(runs("stopped on 2"), tmp_path / "run")
+    damage(tmp_path / "run" / "checkpoints")
+    check(torchrun(2, [*TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"], tmp_path))
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert f"continuing from {tmp_path / 'run' / 'checkpoints' / 'step_000000025.pt'}" in log
+    assert_bitwise_equal(tmp_path / "run", runs("straight on 2"))
+
+
+def test_a_torchrun_restart_after_a_damaged_last_checkpoint_ends_as_if_never_interrupted(tmp_path: Path,
+                                                                                        runs: LazyRuns):
+    """No resume= anywhere: rank 1 damages last.pt and step 25 and dies at step 28; torchrun
+    restarts the group, which goes on from step 20 by itself."""
+    damaging = str(REPO / "tests" / "fixtures" / "damaging_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+               damaging, *TWO_EPOCHS, "trainer.checkpoint_every_steps=5", "hydra.run.dir=run"]
+    check(run(command, tmp_path))
+    log = (tmp_path / "run" / "train.log").read_text()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert f"resume: skipping a damaged checkpoint: checkpoint {checkpoints / 'last.pt'} cannot be read" in log
+    assert f"checkpoint {checkpoints / 'step_000000025.pt'} cannot be read" in log
+    assert f"resumed from {checkpoints / 'step_000000020.pt'} after epoch 0, step 20" in log
+    assert_bitwise_equal(tmp_path / "run", runs("straight on 2"))
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_a_rank_that_cannot_see_the_chosen_checkpoint_stops_every_rank_before_any_step(tmp_path: Path,
+                                                                                      runs: LazyRuns):
+    """Two "nodes" with their own disks: each rank launched by hand (as a cluster launcher would)
+    from its own folder, and only node A's holds the run's checkpoints."""
+    node_a, node_b = tmp_path / "a", tmp_path / "b"
+    node_b.mkdir()
+    shutil.copytree(runs("stopped"), node_a / "run")
+    before = digests(node_a / "run" / "checkpoints")
+    port = free_port()
+    ranks = []
+    for rank, node in enumerate((node_a, node_b)):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        ranks.append(subprocess.Popen([sys.executable, TRAIN, *TWO_EPOCHS, "resume=auto", "hydra.run.dir=run"],
+                                      cwd=node, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [process.communicate(timeout=120) for process in ranks]
+
+    assert [process.returncode for process in ranks] == [2, 2], outputs
+    errors = [[line for line in err.splitlines() if line.startswith("error:")] for _, err in outputs]
+    (error,) = errors[0]
+    last_a, last_b = (node / "run" / "checkpoints" / "last.pt" for node in (node_a, node_b))
+    assert error == (f"error: rank 1 cannot load {last_a}, the checkpoint rank 0 resumes from (checkpoint {last_b} "
+                     "does not exist); every rank must see the run dir: put hydra.run.dir on a filesystem all "
+                     "nodes share")
+    assert errors[1] == [] and not any("Traceback" in err for _, err in outputs)
+    assert digests(node_a / "run" / "checkpoints") == before
+    assert "resumed from" not in (node_a / "run" / "train.log").read_text()  # stopped before any step

@@ -13,6 +13,7 @@ from conftest import REPO, check, metrics, train
 from dataset_files import write_cifar10, write_mnist
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from lazy_runs import LazyRuns
 from omegaconf import OmegaConf
 
 from src.common.errors import UsageError
@@ -45,9 +46,8 @@ def test_debug_fast_is_a_two_step_smoke_run_kept_apart(workdir: Path):
 
 
 @pytest.mark.slow  # launches training
-def test_debug_overfit_drives_the_loss_to_zero(workdir: Path):
-    check(train(["debug=overfit"], workdir))
-    result = metrics(only_run_dir(workdir, "outputs/debug"))
+def test_debug_overfit_drives_the_loss_to_zero(runs: LazyRuns):
+    result = metrics(runs("debug=overfit"))
     assert result["step"] == 20 * 2  # 2 batches per epoch
     assert result["val/num_samples"] == 128  # validated on the same 2 batches
     assert result["train/loss"] < 0.05 and result["val/loss"] < 0.05
@@ -56,9 +56,8 @@ def test_debug_overfit_drives_the_loss_to_zero(workdir: Path):
 
 
 @pytest.mark.slow  # launches training
-def test_debug_profile_writes_a_trace_of_the_recorded_steps(workdir: Path):
-    check(train(["debug=profile"], workdir))
-    run_dir = only_run_dir(workdir, "outputs/debug")
+def test_debug_profile_writes_a_trace_of_the_recorded_steps(runs: LazyRuns):
+    run_dir = runs("debug=profile")
     (trace,) = (run_dir / "tb" / "profile").glob("rank0.*.pt.trace.json")
     names = {event.get("name", "") for event in json.loads(trace.read_text())["traceEvents"]}
     # wait=1, warmup=1, active=3: the trace holds steps 2..4 (0-based profiler steps).
@@ -148,26 +147,36 @@ def test_digits_experiment_is_the_default_run():
     assert composed(["experiment=digits_cnn"]) == composed([])
 
 
+FILE_EXPERIMENTS = {  # each with its test split's size, on the small files `experiments` writes
+    "mnist_cnn": ([], 12), "fashion_mnist_cnn": ([], 12),
+    "cifar10_resnet18": (["dataset.verify_checksums=false"], 8),
+    "seed_cifar10_lenet": (["dataset.verify_checksums=false"], 8),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> LazyRuns:
+    """debug=overfit, debug=profile, and each experiment of FILE_EXPERIMENTS cut to two steps of batch 8 (debug=fast):
+    one multirun (LazyRuns)."""
+    root = tmp_path_factory.mktemp("presets")
+    write_mnist(root / "data", "MNIST", num_train=40, num_test=12)
+    write_mnist(root / "data", "FashionMNIST", num_train=40, num_test=12)
+    write_cifar10(root / "data", per_batch=8)
+    common = ["debug=fast", "dataset.batch_size=8", "dataset.download=false", "dataset.num_workers=0",
+              "dataset.val_size=8"]
+    return LazyRuns(root, {"debug=overfit": (1, ["debug=overfit"]), "debug=profile": (1, ["debug=profile"]),
+                           **{name: (1, [f"experiment={name}", *common, *extra])
+                              for name, (extra, _) in FILE_EXPERIMENTS.items()}})
+
+
 @pytest.mark.slow  # launches training
-@pytest.mark.parametrize(
-    "name,write_files,extra",
-    [
-        ("mnist_cnn", lambda root: write_mnist(root, "MNIST", num_train=40, num_test=12), []),
-        ("fashion_mnist_cnn", lambda root: write_mnist(root, "FashionMNIST", num_train=40, num_test=12), []),
-        ("cifar10_resnet18", lambda root: write_cifar10(root, per_batch=8), ["dataset.verify_checksums=false"]),
-        ("seed_cifar10_lenet", lambda root: write_cifar10(root, per_batch=8), ["dataset.verify_checksums=false"]),
-    ],
-)
-def test_file_dataset_experiments_run_end_to_end(workdir: Path, name, write_files, extra):
+@pytest.mark.parametrize("name", list(FILE_EXPERIMENTS))
+def test_file_dataset_experiments_run_end_to_end(runs: LazyRuns, name: str):
     """The recipe itself, cut to two steps of batch 8 on small files in the real formats."""
-    write_files(workdir / "data")
-    args = [f"experiment={name}", "debug=fast", "dataset.batch_size=8", "dataset.download=false",
-            "dataset.num_workers=0", "dataset.val_size=8", *extra]
-    check(train(args, workdir))
-    result = metrics(only_run_dir(workdir, "outputs/debug"))
+    result = metrics(runs(name))
     assert (result["step"], result["global_batch_size"]) == (2, 8)
     assert result["val/num_samples"] == 8
-    assert result["test/num_samples"] == 12 if not name.startswith(("cifar10", "seed_cifar10")) else 8
+    assert result["test/num_samples"] == FILE_EXPERIMENTS[name][1]
     assert 0.0 <= result["val/acc"] <= 1.0
 
 

@@ -1,7 +1,7 @@
 """Failures a restart cannot fix end the run at once, instead of being retried `--max-restarts` times: a worker
-that stops on a UsageError records it in a file named after its launcher process (pid and start time), and a
-restarted worker of that launcher exits on it (src/common/errors.py). The other workers of that launcher, whose
-collectives break as that worker exits, read it too and stop quietly (`peer_failure`): its line is the run's error."""
+that stops on a UsageError records it in a file named after its group (launcher pid and start time, rendezvous id),
+and a restarted worker of that group exits on it (src/common/errors.py). Its peers, whose collectives break as it
+exits, read it too and stop quietly (`peer_failure`), as does a launcher of its own: its line is the run's error."""
 
 from __future__ import annotations
 
@@ -32,19 +32,17 @@ def final_failure() -> str | None:
     return peer_failure() if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) else None
 
 
-def peer_failure() -> str | None:
-    """The usage error another worker of this launcher stopped on, if any (a broken collective's cause)."""
-    path = _record_path()
+def peer_failure(launcher: int | None = None, run_id: str | None = None) -> str | None:
+    """The usage error a worker of this group stopped on, if any; a launcher names its own (pid and run id)."""
+    path = _record_path(launcher, run_id)
     return path.read_text(encoding="utf-8") if path is not None and path.exists() else None
 
 
-def _record_path() -> Path | None:
-    """The record of this worker's launcher (its parent), or None outside a torchrun-style launcher."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return None
-    launcher = os.getppid()
-    started_at = _process_started_at(launcher)
-    return None if started_at is None else RECORDS / f"{launcher}-{started_at}"
+def _record_path(launcher: int | None = None, run_id: str | None = None) -> Path | None:
+    """The record of this worker's group (the run id tells apart the jobs of a sweep one process launches in turn)."""
+    run_id, launcher = run_id or os.environ.get("TORCHELASTIC_RUN_ID"), launcher or os.getppid()
+    started_at = None if run_id is None else _process_started_at(launcher)  # None outside a torchrun-style launcher
+    return None if started_at is None else RECORDS / f"{launcher}-{started_at}.{run_id.encode().hex()}"
 
 
 def _process_started_at(pid: int) -> str | None:

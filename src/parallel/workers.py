@@ -67,7 +67,8 @@ def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Seque
             elastic_launch(standalone, entrypoint=sys.executable)(*worker_args)
         except ChildFailedError as error:
             if stopped_on_a_usage_error([failure.exitcode for failure in error.failures.values()]):
-                raise WorkersReportedUsageError("the workers stopped on the error above") from None
+                recorded = retries.peer_failure(os.getpid(), standalone.run_id)  # the line they printed
+                raise WorkersReportedUsageError(recorded or "the workers stopped on the error above") from None
             raise
         except SignalException as error:  # SIGTERM: passed on to the workers, which stopped (with a checkpoint)
             sys.exit(128 + error.sigval)  # as a process the signal ended, with no traceback of the launcher's

@@ -111,6 +111,10 @@ def test_torchrun_runs_a_sweep(workdir: Path):
     assert [r["status"] for r in summary_rows(workdir / "sweep")] == ["completed", "completed"]
 
 
+BATCH_63 = ("error: dataset.batch_size=63 is the global batch and must be divisible by world_size x trainer.grad_accum "
+            "= 2 x 1 = 2")
+
+
 def test_a_failing_job_is_reported_and_the_sweep_goes_on(workdir: Path):
     # 63 does not divide over 2 ranks: job 0 stops on a usage error, job 1 trains.
     args = ["-m", "dist.nproc_per_node=2", "dataset.batch_size=63,64", "trainer.epochs=1", "hydra.sweep.dir=sweep"]
@@ -120,11 +124,25 @@ def test_a_failing_job_is_reported_and_the_sweep_goes_on(workdir: Path):
     assert "error: dataset.batch_size=63 is the global batch and must be divisible" in result.stderr
     # As the sweep ends, Hydra names the failed job and prints its error as one line, not as a traceback.
     assert "Traceback" not in result.stderr
-    assert error_lines(result.stderr)[-1] == "error: the workers stopped on the error above"
+    assert error_lines(result.stderr)[-1] == BATCH_63  # the workers' line: the launching process read their record
     rows = {r["job"]: r for r in summary_rows(workdir / "sweep")}
     assert rows["0"]["status"] == "failed" and rows["1"]["status"] == "completed"
-    assert (workdir / "sweep" / "0" / "FAILED").exists()
+    assert (workdir / "sweep" / "0" / "FAILED").read_text().strip() == f"UsageError: {BATCH_63}"
     assert metrics(workdir / "sweep" / "1")["world_size"] == 2
+
+
+def test_a_crash_after_another_job_s_usage_error_keeps_its_own_traceback(workdir: Path):
+    """Job 0's workers record their usage error for their group; job 1's workers, launched by the same process,
+    crash (a model option its class cannot take) and report that, not job 0's error as their peer's."""
+    args = ["-m", "dist.nproc_per_node=2", "dataset.batch_size=63,64", "model.hidden=abc", "hydra.sweep.dir=crash"]
+    result = train(args, workdir)
+    assert result.returncode == 1
+    crash = "Error in call to target 'src.components.models.SimpleCNN':\nTypeError("
+    assert result.stderr.count(crash) == 2 and "a peer stopped" not in result.stderr  # each worker's own report
+    failed = (workdir / "crash" / "1" / "FAILED").read_text()  # the launcher's: with the workers' tracebacks
+    assert failed.startswith("ChildFailedError") and "Traceback (most recent call last)" in failed \
+        and crash.split("\n")[0] in failed
+    assert error_lines(result.stderr) == [BATCH_63, BATCH_63]  # job 0's line: as it stopped, and as the sweep ended
 
 
 def test_a_job_s_usage_error_in_a_one_process_sweep_is_its_line_and_the_sweep_goes_on(workdir: Path):

@@ -3,6 +3,8 @@ launcher is recorded, and that launcher's restarts exit at once with the same li
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from src.common import errors, retries
@@ -54,8 +56,21 @@ def test_without_restarts_the_record_tells_the_peers_whose_collectives_break(tor
     start_job()  # a first attempt is not a restart: it runs
 
 
+def test_a_record_is_its_group_s_and_the_launcher_reads_it(torchrun_worker):
+    """A process that launches groups in turn (a sweep's jobs, dist.nproc_per_node) is every group's launcher: a
+    later group's workers must not take an earlier group's usage error for their peer's."""
+    retries.record_final_failure("a mistake")
+    torchrun_worker.setenv("TORCHELASTIC_RUN_ID", "the next job")
+    assert retries.peer_failure() is None
+    torchrun_worker.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    start_job()  # a restart of the next job runs
+    launcher = os.getppid()  # the worker's parent: the process that launched both groups reads each one's record
+    assert retries.peer_failure(launcher, "test") == "a mistake" and retries.peer_failure(launcher, "other") is None
+
+
 def test_records_of_launchers_that_are_gone_are_removed(torchrun_worker):
     retries.RECORDS.mkdir()
-    (retries.RECORDS / "999999999-1").write_text("old")  # no such process
+    (retries.RECORDS / "999999999-1").write_text("old")  # no such process (a record named as before run ids)
+    (retries.RECORDS / "999999999-1.0123456789ab").write_text("old")
     retries.record_final_failure("a mistake")
     assert [path.read_text() for path in retries.RECORDS.iterdir()] == ["a mistake"]

@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Iterator, Sequence
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from omegaconf.errors import InterpolationKeyError
 
@@ -52,8 +53,11 @@ def _chain(error: BaseException | None) -> Iterator[BaseException]:
 def find_usage_error(error: BaseException) -> UsageError | None:
     found = next((e for e in _chain(error) if isinstance(e, (UsageError, InterpolationKeyError))), None)
     if isinstance(found, InterpolationKeyError):  # a ${KEY} naming no key of the config: a typo, a YAML without it
-        return UsageError(f"{found.full_key or 'the config'}: {str(found).splitlines()[0]}: set that key in its "
-                          "YAML or with +KEY=VALUE")
+        key = re.search(r"key '(([^'.]+)\.[^']+)'", str(found))  # a group's key, e.g. ${task.latent_size}
+        chosen = key and HydraConfig.initialized() and HydraConfig.get().runtime.choices.get(key[2])
+        fix = (f"{key[2]}={chosen} does not set it: choose a {key[2]} that does, or add +{key[1]}=VALUE" if chosen
+               else "set that key in its YAML or with +KEY=VALUE")
+        return UsageError(f"{found.full_key or 'the config'}: {str(found).splitlines()[0]}: {fix}")
     return found
 
 

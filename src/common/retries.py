@@ -1,7 +1,6 @@
-"""Failures a restart cannot fix end the run at once, instead of being retried `--max-restarts` times: a worker
-that stops on a UsageError records it in a file named after its group (launcher pid and start time, rendezvous id),
-and a restarted worker of that group exits on it (src/common/errors.py). Its peers, whose collectives break as it
-exits, read it too and stop quietly (`peer_failure`), as does a launcher of its own: its line is the run's error."""
+"""Failures a restart cannot fix end the run at once, not retried `--max-restarts` times: a worker stopping on a
+UsageError records it, named after its group (launcher pid and start time, rendezvous id); the group's restarts exit
+on it (src/common/errors.py), and its peers and a launcher of its own read it (`peer_failure`): the run's one line."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ RECORDS = Path(tempfile.gettempdir()) / "ddp-template-final-failures"
 
 def record_final_failure(message: str) -> None:
     """Under a launcher, remember that the run failed for good (for its restarted workers and this one's peers)."""
-    path = _record_path()
-    if path is None:
+    if (path := _record_path()) is None:
         return
     RECORDS.mkdir(exist_ok=True)
     for stale in RECORDS.glob("*-*"):  # records of launchers that are gone
@@ -28,14 +26,13 @@ def record_final_failure(message: str) -> None:
 
 
 def final_failure() -> str | None:
-    """In a restarted worker: the usage error an earlier attempt of this launcher stopped on, if any."""
+    """In a restarted worker: the usage error an earlier attempt of this group stopped on, if any."""
     return peer_failure() if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) else None
 
 
 def peer_failure(launcher: int | None = None, run_id: str | None = None) -> str | None:
     """The usage error a worker of this group stopped on, if any; a launcher names its own (pid and run id)."""
-    path = _record_path(launcher, run_id)
-    return path.read_text(encoding="utf-8") if path is not None and path.exists() else None
+    return path.read_text(encoding="utf-8") if (path := _record_path(launcher, run_id)) and path.exists() else None
 
 
 def _record_path(launcher: int | None = None, run_id: str | None = None) -> Path | None:

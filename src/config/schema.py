@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -230,8 +231,8 @@ class CheckBeforeWriting(Callback):
     """Refuse a bad value, or a fresh run into a run dir that holds one, before Hydra writes `.hydra/` there."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        # Hydra turns a callback's exception into a warning and goes on; SystemExit it lets through.
-        with exit_on_usage_error(is_main_process()):
+        HydraConfig.instance().set_config(config)  # as Hydra does as the job starts: errors name the options chosen
+        with exit_on_usage_error(is_main_process()):  # Hydra makes a callback's exception a warning; not SystemExit
             check_train_config(OmegaConf.masked_copy(config, [key for key in config if key != "hydra"]))
             if is_main_process():  # a late rank could see the checkpoint rank 0 has just written
                 layout.resume_path(Path(config.hydra.run.dir) / "checkpoints", resume_setting(config.resume))

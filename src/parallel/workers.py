@@ -51,9 +51,8 @@ def launch_workers(script: str, nproc: int, run_dir: Path, task_overrides: Seque
     if master_port is not None and not port_is_free(master_port):
         raise UsageError(f"dist.master_port={master_port} is in use on localhost; pick another port "
                          "or leave dist.master_port=null for a free one")
-    # The workers' own checks, made once here rather than after starting them all.
     last_worker = DistEnv(rank=nproc - 1, local_rank=nproc - 1, world_size=nproc)
-    distributed.select_backend(backend, distributed.select_device(device, last_worker))
+    distributed.select_backend(backend, distributed.select_device(device, last_worker))  # the workers' checks, once
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers inherit it (die_with_launcher)
     worker_args = [script, *composing, *task_overrides, f"hydra.run.dir={quote_override(str(run_dir))}",
                    "hydra.output_subdir=null"]

@@ -61,6 +61,10 @@ ROWS = [
         "YAML or with +KEY=VALUE", "interpolation-of-no-key"),
     row(TRAIN, ["~task.monitor"], "the config: Interpolation key 'task.monitor' not found: set that key in its YAML "
         "or with +KEY=VALUE", "task-yaml-without-monitor"),
+    # A model config reading a key of another group's option (a GAN generator's ${task.latent_size}): the choice named.
+    row(TRAIN, ["model=gan_mlp"], "model.generator.in_features: Interpolation key 'task.latent_size' not found: "
+        "task=classification does not set it: choose a task that does, or add +task.latent_size=VALUE",
+        "model-reading-another-task-s-key"),
     # Callbacks' settings (conf/callbacks/), refused by the callback (src/config/building.py names the key); each
     # callback's other values in process: tests/unit/callbacks/test_ema.py, tests/unit/config/test_building.py.
     row(TRAIN, ["callbacks.ema.decay=1.5"], "callbacks.ema.decay=1.5 must be in (0, 1) (or null)",

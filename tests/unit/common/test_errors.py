@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from hydra.conf import HydraConf
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationKeyError
 
@@ -105,6 +107,22 @@ def test_an_interpolation_naming_no_key_is_a_usage_error_naming_the_key_it_resol
                          "+KEY=VALUE")
     usage = errors.UsageError("a line")
     assert errors.find_usage_error(RuntimeError()) is None and errors.find_usage_error(usage) is usage
+
+
+def test_an_interpolation_of_a_group_s_key_names_the_option_that_lacks_it(monkeypatch):
+    """`${task.latent_size}` in a GAN's model config, run with task=classification: the line names that choice."""
+    config = OmegaConf.create({"model": {"in_features": "${task.latent_size}"}, "task": {"monitor": "val/acc"}})
+    with pytest.raises(InterpolationKeyError) as raised:
+        OmegaConf.to_container(config, resolve=True)
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # restored afterwards: the job's, if any
+    hydra = OmegaConf.create({"hydra": OmegaConf.structured(HydraConf)})
+    hydra.hydra.runtime.choices = {"task": "classification", "model": "gan_mlp"}
+    HydraConfig.instance().set_config(hydra)
+    assert str(errors.find_usage_error(raised.value)) == (
+        "model.in_features: Interpolation key 'task.latent_size' not found: task=classification does not set it: "
+        "choose a task that does, or add +task.latent_size=VALUE")
+    unchosen = errors.find_usage_error(InterpolationKeyError("Interpolation key 'trainer.nope' not found"))
+    assert str(unchosen).endswith("not found: set that key in its YAML or with +KEY=VALUE")  # not a group's key
 
 
 def test_a_sweep_job_s_usage_error_is_its_line_now_and_one_line_hydra_prints_as_the_sweep_ends(capsys):

@@ -23,9 +23,8 @@ class ConfusionMatrix(Callback):
         counts = val.get("confusion")
         if counts is None:
             return
-        reporter = run.parts.reporter
-        reporter.image("val/confusion_matrix", confusion_heatmap(counts), run.state.step)
-        reporter.file(CSV_FILE, confusion_csv(counts))
+        run.parts.reporter.image("val/confusion_matrix", confusion_heatmap(counts), run.state.step)
+        run.parts.reporter.file(CSV_FILE, confusion_csv(counts))
 
 
 def confusion_heatmap(counts: torch.Tensor, max_side: int = 512) -> torch.Tensor:

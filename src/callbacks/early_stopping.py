@@ -32,8 +32,7 @@ class EarlyStopping(Callback):
     def __init__(self, patience: int | None, min_delta: float) -> None:
         check_arguments(patience=(patience, at_least(1, or_null=True)),
                         min_delta=(min_delta, number_or_null(zero_allowed=True)))
-        self.patience, self.min_delta = patience, min_delta
-        self.enabled = patience is not None
+        self.patience, self.min_delta, self.enabled = patience, min_delta, patience is not None
 
     def on_run_start(self, run: Run) -> None:
         if run.config.monitor is None:

@@ -82,8 +82,7 @@ class EMA(Callback):
 
     def __init__(self, decay: float | None, warmup_steps: int, model: str | None = None) -> None:
         check_arguments(decay=(decay, fraction_or_null), warmup_steps=(warmup_steps, at_least(0)))
-        self.decay, self.warmup_steps, self.model = decay, warmup_steps, model
-        self.enabled = decay is not None
+        self.decay, self.warmup_steps, self.model, self.enabled = decay, warmup_steps, model, decay is not None
         self.weights: EmaWeights | None = None
         self._monitored = False
 

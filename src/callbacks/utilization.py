@@ -61,9 +61,8 @@ def training_flops_per_sample(model: nn.Module, inputs: tuple[tuple[Any, ...], d
     meta = {id(t): nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad) for t in model.parameters()}
     meta.update({id(t): torch.empty_like(t, device="meta") for t in model.buffers()})
     copy = deepcopy(model, meta).eval()
-    counter = FlopCounterMode(display=False)
     args, kwargs = inputs
-    with counter:
+    with FlopCounterMode(display=False) as counter:
         copy(*args, **kwargs).float().sum().backward()
     return counter.get_total_flops() / batch_size
 

@@ -1,11 +1,10 @@
 """Checkpoints as a directory of shards each (dist=fsdp), written by every rank at once with
-torch.distributed.checkpoint (DCP) and readable on any world size: `step_<N>/` holds each rank's shard file, DCP's
-index (`.metadata`, written last) and state.pt (every part's state, each tensor replaced by its key in the shards).
-A save writes `step_<N>.tmp/`, renames it, then rewrites `last` (and `best`) atomically: a process killed at any
-point leaves `last` naming a complete directory. A DTensor is written by every rank (its shard), a plain tensor once,
-so a part whose tensors differ between ranks must hold DTensors. Loading never runs code: state.pt is read with
-`weights_only=True`, only tensors go through DCP, and `.metadata` is read by an unpickler that builds only DCP's
-metadata classes."""
+torch.distributed.checkpoint (DCP) and readable on any world size: `step_<N>/` holds each rank's shard file, DCP's index
+(`.metadata`, written last) and state.pt (every part's state, each tensor replaced by its key in the shards). A save
+writes `step_<N>.tmp/`, renames it, then rewrites `last` (and `best`) atomically: a process killed at any point leaves
+`last` naming a complete directory. A DTensor is written by every rank (its shard), a plain tensor once, so a part whose
+tensors differ between ranks must hold DTensors. Loading never runs code: state.pt is read with `weights_only=True`,
+only tensors go through DCP, and `.metadata` is read by an unpickler that builds only DCP's metadata classes."""
 
 from __future__ import annotations
 

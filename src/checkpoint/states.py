@@ -26,8 +26,7 @@ class ModelState:
     """A trained model's weights as a checkpoint part; `name` and `source` word its errors."""
 
     def __init__(self, module: nn.Module, name: str = "model", source: str = "the checkpoint") -> None:
-        self.module, self.name = module, name
-        self.source = source  # what errors name: `checkpoint PATH`, set by the reader
+        self.module, self.name, self.source = module, name, source  # source: `checkpoint PATH` once the reader sets it
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dcp.get_model_state_dict(self.module) if fsdp.is_sharded(self.module) else self.module.state_dict()
@@ -109,8 +108,7 @@ class Named:
     """Several parts of one kind (`what`) by name; a resumed run must find each of its own in the checkpoint."""
 
     def __init__(self, parts: Mapping[str, Any], what: str) -> None:
-        self.parts, self.what = dict(parts), what
-        self.source = "the checkpoint"
+        self.parts, self.what, self.source = dict(parts), what, "the checkpoint"
 
     def state_dict(self) -> dict[str, Any]:
         return {name: part.state_dict() for name, part in self.parts.items()}

@@ -99,10 +99,9 @@ class Store:
 
     def __init__(self, directory: Path, is_main_process: bool, keep_last: int = 2, background: bool = False,
                  timeout_s: float | None = None) -> None:
-        self.directory, self.is_main_process = directory, is_main_process
+        self.directory, self.is_main_process, self.background = directory, is_main_process, background
         self.keep_last = keep_last  # step checkpoints kept, besides the newest and the best
         self.group = distributed.new_group(timeout_s) if background else None  # the writer's collectives' wait
-        self.background = background
         self._in_flight: _Writer | None = None
         self._host_copy: Any = None  # the last background save's copy, written: the next one copies into it
 

@@ -64,8 +64,7 @@ def _filled(node: Any, fields: Mapping[str, Any], dataset_name: str, where: str)
 
 def used_by(model_cfg: DictConfig, fields: Mapping[str, Any]) -> dict[str, Any]:
     """The fields `model_cfg` takes as `${data:FIELD}`, with their values: saved with a checkpoint, for eval.py."""
-    names = sorted(set(_FIELD.findall(OmegaConf.to_yaml(model_cfg))))
-    return {name: fields[name] for name in names if name in fields}
+    return {name: fields[name] for name in sorted(set(_FIELD.findall(OmegaConf.to_yaml(model_cfg)))) if name in fields}
 
 
 def check_same(saved: Mapping[str, Any] | None, fields: Mapping[str, Any], what: str, dataset: str) -> None:

@@ -9,9 +9,8 @@ import os
 import re
 import sys
 import types
-import typing
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Union, get_args, get_origin, get_type_hints
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -155,11 +154,11 @@ _EXPECTED = {int: "an integer", float: "a number", bool: "true or false", str: "
 def wrong_value_message(error: ValidationError, source: str) -> str:
     """`trainer.epochs=abc`: the key, the type its block's dataclass declares, an example from the config."""
     schema = OmegaConf.get_type(error.parent_node) if isinstance(error.parent_node, DictConfig) else None
-    declared = typing.get_type_hints(schema).get(str(error.key)) if isinstance(schema, type) else None
-    union = typing.get_origin(declared) in (typing.Union, types.UnionType)  # e.g. float | None
-    alternatives = typing.get_args(declared) if union else (declared,)
+    declared = get_type_hints(schema).get(str(error.key)) if isinstance(schema, type) else None
+    union = get_origin(declared) in (Union, types.UnionType)  # e.g. float | None
+    alternatives = get_args(declared) if union else (declared,)
     optional = type(None) in alternatives
-    kind = next(typing.get_origin(t) or t for t in alternatives if t is not type(None))
+    kind = next(get_origin(t) or t for t in alternatives if t is not type(None))
     members = getattr(kind, "__members__", None)  # an Enum's
     expected = f"one of {', '.join(members)}" if members else _EXPECTED.get(kind, "a value of another type")
     current = OmegaConf.select(error.parent_node, str(error.key), throw_on_resolution_failure=False)

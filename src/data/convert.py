@@ -42,8 +42,7 @@ def image_files(folder: Path, classes: list[str]) -> Iterator[tuple[Path, int]]:
 
 
 def class_names(source: Path) -> list[str]:
-    """The sorted class folders, which train/, val/ and test/ (where there is one) must share (as
-    dataset=image_folder requires)."""
+    """The sorted class folders, which train/, val/ and test/ (if any) must share, as dataset=image_folder requires."""
     found = {}
     for split in SPLITS:
         folder = source / split
@@ -115,8 +114,7 @@ def write_split(folder: Path, batches: Iterable[Any], schema: Any, shard_bytes: 
     for shard, name in zip(shards, names):
         shard.rename(folder / name)
     # state.json and dataset_info.json as `datasets` 5 writes them.
-    metadata = json.loads((schema.metadata or {}).get(b"huggingface", b"{}"))
-    features = metadata.get("info", {}).get("features")
+    features = json.loads((schema.metadata or {}).get(b"huggingface", b"{}")).get("info", {}).get("features")
     state = {"_data_files": [{"filename": name} for name in names], "_fingerprint": secrets.token_hex(8),
              "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False,
              "_split": None}

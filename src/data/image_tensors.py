@@ -38,9 +38,8 @@ class ImageTensorDataset(TensorDataset):
 
     def resize(self, images: torch.Tensor) -> torch.Tensor:
         """A normalised (and augmented) batch at `size`."""
-        if self.size is None:
-            return images
-        return F.interpolate(images, size=self.size, mode="bilinear", align_corners=False, antialias=True)
+        return images if self.size is None else F.interpolate(images, size=self.size, mode="bilinear",
+                                                               align_corners=False, antialias=True)
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 batch -> (x / 255 - mean) / std per channel: torchvision's ToTensor and Normalize, to the bit."""

@@ -5,9 +5,8 @@ sees every sample exactly once. So the numbers do not depend on the world size, 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -39,20 +38,18 @@ class GlobalBatchSampler:
                              "samples; lower dataset.batch_size")
         self.num_samples, self.global_batch_size = num_samples, global_batch_size
         self.rank, self.world_size, self.grad_accum = rank, world_size, grad_accum
-        self.shuffle, self.seed = shuffle, seed
         self.steps_per_epoch = num_samples // global_batch_size
         if max_steps_per_epoch is not None:
             self.steps_per_epoch = min(self.steps_per_epoch, max_steps_per_epoch)
-        self.epoch, self.start_step = 0, 0
+        self.shuffle, self.seed, self.epoch, self.start_step = shuffle, seed, 0, 0
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         """Pick the epoch's permutation, and the step to start from (a resumed epoch skips the steps it trained)."""
         self.epoch, self.start_step = epoch, start_step
 
     def permutation(self) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.num_samples)
-        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=generator) if self.shuffle else torch.arange(self.num_samples)
 
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.start_step) * self.grad_accum
@@ -73,8 +70,7 @@ class EvalShardSampler:
     def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int,
                  max_batches: int | None = None) -> None:
         self.batch_size = batch_size
-        self.start = num_samples * rank // world_size
-        self.stop = num_samples * (rank + 1) // world_size
+        self.start, self.stop = num_samples * rank // world_size, num_samples * (rank + 1) // world_size
         if max_batches is not None:
             self.stop = min(self.stop, self.start + max_batches * batch_size)
         self.num_samples = self.stop - self.start
@@ -146,7 +142,7 @@ class Data:
     num_val_samples: int
     val_start: int = 0  # the index in the val split of this rank's first val sample
     eval_loader: Callable[[Dataset], tuple[Iterable[Any], int]] | None = None
-    _eval_loaders: dict[str, tuple[Iterable[Any], int]] = dataclasses.field(default_factory=dict, repr=False)
+    _eval_loaders: dict[str, tuple[Iterable[Any], int]] = field(default_factory=dict, repr=False)
 
     def loader(self, split: str) -> tuple[Iterable[Any], int]:
         """This rank's evaluation loader of `split` (val, test, train) and the index of its first sample in it."""
@@ -171,7 +167,7 @@ def build_data(dataset_cfg: DictConfig, rank: int, world_size: int, device: torc
     if trainer.overfit_batches:
         # The same fixed samples train and validate: a model that can learn at all drives both losses to zero.
         fixed = first_samples(splits.train, trainer.overfit_batches * global_batch_size)
-        splits = dataclasses.replace(splits, train=fixed, val=fixed)
+        splits = replace(splits, train=fixed, val=fixed)
     train_sampler = GlobalBatchSampler(len(splits.train), global_batch_size, rank, world_size, trainer.grad_accum,
                                        seed=seed, max_steps_per_epoch=trainer.limit_train_batches)
     num_workers = int(dataset_cfg.get("num_workers") or 0)  # a fork's YAML may leave it out

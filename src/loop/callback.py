@@ -97,8 +97,7 @@ class Run:
 
 class Callback:
     """The base of every add-on: each hook does nothing. `name` is its key in the config (`callbacks.<name>`) and in
-    checkpoints; `metric_splits` the metric prefixes `on_validation` adds (`val_ema`), which `trainer.monitor` may name.
-    """
+    checkpoints; `metric_splits`: metric prefixes `on_validation` adds (`val_ema`), which `trainer.monitor` may name."""
 
     name: str = ""
     enabled: bool = True

@@ -89,8 +89,7 @@ class StepDivisor:
     the first backward), with no host sync: then a collective, built by every rank each step."""
 
     def __init__(self, counts: Sequence[int | torch.Tensor], world_size: int) -> None:
-        self.counts = list(counts)
-        self.world_size = world_size
+        self.counts, self.world_size = list(counts), world_size
         self.local: int | None = None  # samples: this rank's count over the step, the same on every rank
         self.global_count: torch.Tensor | None = None
         self._pending: dist.Work | None = None

@@ -87,17 +87,13 @@ class Task:
     monitor: str | None = "val/loss"  # the default monitored metric and mode, unless the YAML names others
     mode = "min"
     unit = "samples"  # what count() counts: samples | tokens | pixels (log lines, metrics.json, throughput)
-    # What check_output compares with and names: the output width for the run's dataset and the model setting that
-    # sets it (src/loop/task_and_model.py sets both).
-    output_width: int | None = None
-    output_setting = "model.num_outputs"
+    output_width: int | None = None  # what check_output compares with: the output width for the run's dataset
+    output_setting = "model.num_outputs"  # and the model setting it names (src/loop/task_and_model.py sets both)
 
     def __init__(self, inputs: Sequence[Key] | Mapping[str, Key] | None = None, target: Key | None = None,
                  monitor: str | None = None, mode: str | None = None) -> None:
-        self.inputs = inputs
-        self.target = target
-        self.monitor = monitor or type(self).monitor
-        self.mode = mode or type(self).mode
+        self.inputs, self.target = inputs, target
+        self.monitor, self.mode = monitor or type(self).monitor, mode or type(self).mode
         self.binding: Binding | None = None
         self.aux: dict[str, nn.Module] = {}  # the run's frozen auxiliary models, by name (set when the run builds)
 
@@ -128,14 +124,12 @@ class Task:
         """The model's inputs and target of `batch` (a task bound to no dataset binds to its first batch)."""
         return (self.binding or self.bind(None, None, batch)).split(batch)
 
-    # The info field the task learns from, and what it means: its value is the model's output width.
-    needs: tuple[str, str] | None = None
+    needs: tuple[str, str] | None = None  # (the info field it learns from, its meaning); its value is the output width
 
     def check(self, info: Mapping[str, Any]) -> str | None:
         """What makes a dataset with this `info` unfit for the task (None: it fits)."""
-        if self.needs is not None and self.needs[0] not in info:
-            return f"needs {self.needs[1]} ({self.needs[0]})"
-        return None
+        missing = self.needs is not None and self.needs[0] not in info
+        return f"needs {self.needs[1]} ({self.needs[0]})" if missing else None
 
     def num_outputs(self, info: Mapping[str, Any]) -> int:
         """The width of the model output the task expects, for a dataset with this `info`."""

@@ -159,13 +159,12 @@ def build_trained(cfg: DictConfig, trainer: TrainerConfig, task: Task, runtime: 
 def _built(name: str, model_cfg: DictConfig, task: Task, trainer: TrainerConfig, seed: int,
            sharded: bool) -> initial_weights.Initial:
     """Model `name`, refused if it cannot take the task's inputs (the model the built-in step feeds batches)."""
-    key = "model" if name == "model" else f"model.{name}"
     checked = task if name == task.output_model and task.feeds_batches else None
 
     def make() -> nn.Module:
         return performance.with_memory_format(build_model(model_cfg, checked), trainer.channels_last)
 
-    with building.errors_named(key, model_cfg):
+    with building.errors_named("model" if name == "model" else f"model.{name}", model_cfg):
         return initial_weights.build(make, name, seed, sharded)
 
 

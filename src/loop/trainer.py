@@ -5,12 +5,11 @@ run, telling its callbacks (src/loop/callback.py) what it does. Its records name
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
@@ -272,7 +271,7 @@ class Trainer:
         is_best = self.config.monitor is not None and self._improves(state, record[self.config.monitor])
         end = parts.callbacks.epoch_end(run, record)  # the same on every rank
         if end is not None:
-            state.ended = dataclasses.replace(end, epoch=state.epoch)
+            state.ended = replace(end, epoch=state.epoch)
             log.info("%s", end.message)
         parts.reporter.scalars(epoch_scalars(record, parts.task.unit), record["step"])
         for tag, batch in images.items():

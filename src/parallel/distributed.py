@@ -176,9 +176,8 @@ _this_thread = threading.local()  # the group the object collectives above use i
 
 def new_group(timeout_s: float | None) -> Any:
     """A second gloo group, for a thread whose collectives run beside the training thread's (None in one process)."""
-    if not is_initialized():
-        return None
-    return dist.new_group(backend="gloo", timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    return dist.new_group(backend="gloo", timeout=timeout) if is_initialized() else None
 
 
 def collective_group() -> Any:
@@ -204,8 +203,7 @@ def main_process_first() -> Iterator[None]:
     try:
         yield
     finally:
-        # Also when rank 0's block fails: the other ranks then run it and stop on the same error, instead of dying
-        # at this barrier when rank 0 exits.
+        # Also when rank 0's block fails: the others then run it and stop on the same error, not die at this barrier.
         if is_initialized() and not is_waiting_rank:
             dist.barrier()
 

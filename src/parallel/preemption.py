@@ -68,8 +68,7 @@ class Preemption:
         timed = max(1, int(CHECK_EVERY_S / max(slowest, 1e-6)))
         # At most double per check: one fast window must not put the next check minutes away.
         self._interval = min(timed, 2 * self._interval)
-        next_log_step = (step // self.log_every_steps + 1) * self.log_every_steps
-        self._next_check = min(step + self._interval, next_log_step)
+        self._next_check = min(step + self._interval, (step // self.log_every_steps + 1) * self.log_every_steps)
         self._checked_step, self._checked_at = step, now
         self.agreed = signalled > 0
         return self.agreed

@@ -116,17 +116,15 @@ class Reporter:
         self._bar = tqdm(disable=True)  # no bar before progress() makes one
 
     def progress(self, desc: str, total: int, done: int = 0) -> tqdm:
-        """A bar of `total` steps, `done` of them already (disabled without a console), gone when closed; it shows
-        `train/loss`."""
+        """A bar of `total` steps, `done` already (disabled without a console), gone when closed; shows `train/loss`."""
         self._bar = tqdm(total=total, initial=done, desc=desc, unit="step", file=self._console, leave=False,
                          dynamic_ncols=True, disable=self._console is None)
         return self._bar
 
     def track(self, iterable: Iterable[T], desc: str) -> Iterable[T]:
         """`iterable` counted by a bar as it is consumed; `iterable` itself when no bar is drawn."""
-        if self._console is None:
-            return iterable
-        return tqdm(iterable, desc=desc, unit="batch", file=self._console, leave=False, dynamic_ncols=True)
+        return iterable if self._console is None else tqdm(iterable, desc=desc, unit="batch", file=self._console,
+                                                            leave=False, dynamic_ncols=True)
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         if "train/loss" in values:

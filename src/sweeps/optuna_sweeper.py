@@ -46,8 +46,7 @@ class OptunaSweeper(Sweeper):
         """Check everything, then run trials until the study holds `n_trials` finished ones."""
         lines = [*(f"{key}={value}" for key, value in self.params.items()), *arguments]
         space, fixed = search_space.split(OverridesParser.create().parse_overrides(lines))
-        direction = self.check_settings(space)
-        study = self.open_study(direction, sorted(lines))  # refuses another sweep's study or dir
+        study = self.open_study(self.check_settings(space), sorted(lines))  # refuses another sweep's study or dir
         sweep_dir = Path(self.config.hydra.sweep.dir)
         if not (sweep_dir / "multirun.yaml").exists():
             OmegaConf.save(self.config, sweep_dir / "multirun.yaml")

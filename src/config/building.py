@@ -9,6 +9,8 @@ import difflib
 import importlib
 import inspect
 import traceback
+import types
+import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,7 +59,8 @@ def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[s
             where = traceback.extract_tb(cause.__traceback__)[-1]
             raise UsageError(f"{key}: {node.get('_target_')} refused its settings ({cause}; raised at "
                              f"{Path(where.filename).name}:{where.lineno}): change the {key}.* keys") from None
-        mismatch = argument_mismatch(key, node, passed_elsewhere, called_with) if isinstance(cause, TypeError) else None
+        mismatch = argument_mismatch(key, node, passed_elsewhere, called_with) or wrong_type(key, node) \
+            if isinstance(cause, TypeError) else None
         if mismatch is None:
             raise
         raise UsageError(mismatch) from None
@@ -119,6 +122,25 @@ def argument_mismatch(key: str, node: Mapping[str, Any], passed_elsewhere: Itera
                and parameters[name].kind != inspect.Parameter.POSITIONAL_ONLY and name not in (*given, *called_with)]
     if missing and "_args_" not in node and (called_with or not node.get("_partial_")):
         return f"{key} needs {', '.join(missing)}: {takes(target)}; add +{key}.{missing[0]}=VALUE"
+    return None
+
+
+_SCALARS = {int: (int,), float: (int, float), bool: (bool,), str: (str,), type(None): (type(None),)}
+
+
+def wrong_type(key: str, node: Mapping[str, Any]) -> str | None:
+    """One line for a value its target's annotation (`int`, `float | None`, ...) rules out, else None."""
+    try:
+        parameters = inspect.signature(get_object(str(node.get("_target_"))), eval_str=True).parameters
+    except Exception:  # say nothing rather than guess
+        return None
+    for name, value in node.items():
+        hint = parameters[name].annotation if name in parameters else None
+        kinds = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if all(kind in _SCALARS for kind in kinds) and not any(
+                isinstance(value, _SCALARS[kind]) and (kind is bool or not isinstance(value, bool)) for kind in kinds):
+            names = " | ".join("None" if kind is type(None) else kind.__name__ for kind in kinds)
+            return f"{key}.{name}={value}: {node.get('_target_')} takes {name}: {names}"
     return None
 
 

@@ -31,15 +31,16 @@ def at_least(minimum: int, or_null: bool = False) -> Rule:
     return lambda value: None if (value is None and or_null) or (value is not None and value >= minimum) else problem
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any, whole: bool = False) -> bool:
     # Also a type check: `optimizer.lr=abc` (an open group) gets this far.
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int,) if whole else (int, float)) and not isinstance(value, bool)
 
 
-def number_or_null(zero_allowed: bool) -> Rule:
-    problem = "must be a number >= 0" if zero_allowed else "must be a positive number"
-    return lambda value: None if value is None or (_is_number(value) and (value > 0 or zero_allowed and value == 0)) \
-        else problem
+def number_or_null(zero_allowed: bool, whole: bool = False) -> Rule:
+    kind = "whole number" if whole else "number"
+    problem = f"must be a {kind} >= 0" if zero_allowed else f"must be a positive {kind}"
+    return lambda value: None if value is None or (_is_number(value, whole) and (value > 0 or zero_allowed
+                                                                                  and value == 0)) else problem
 
 
 def fraction_or_null(value: Any) -> str | None:
@@ -151,8 +152,9 @@ OPEN_GROUP_RULES: dict[str, Rule] = {
     "scheduler.warmup_epochs": number_or_null(zero_allowed=True),  # absent (null): the schedule has none
     "scheduler.step_epochs": number_or_null(zero_allowed=False),  # 0 would decay the LR at every step
     "scheduler.gamma": number_or_null(zero_allowed=False),  # 0 would stop training at the first decay
-    "dataset.num_workers": number_or_null(zero_allowed=True),  # absent (null): 0, the loading in the main process
-    "dataset.val_batch_size": number_or_null(zero_allowed=False),  # null: dataset.batch_size
+    "dataset.batch_size": number_or_null(False, whole=True),  # the global batch; null: src/data/loaders.py refuses it
+    "dataset.num_workers": number_or_null(True, whole=True),  # absent (null): 0, the loading in the main process
+    "dataset.val_batch_size": number_or_null(False, whole=True),  # null: dataset.batch_size
 }
 
 

@@ -50,12 +50,14 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[tuple[str, torch.nn
     except (ValueError, IndexError) as error:  # IndexError: betas=[0.9]
         message = f"{options['_target_']} refused its settings ({error}): change the {key}.* keys"
         raise UsageError(message) from error
-    except TypeError as error:  # a key the class does not take, e.g. `fused` copied to an RMSprop YAML
-        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(error))
-        if unknown is None:
+    except TypeError as error:  # a key the class does not take (`fused` copied to an RMSprop YAML), or a value of
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(error))  # a type its annotation rules out
+        line = building.wrong_type(key, options) if unknown is None else (
+            f"{options['_target_']} does not take {unknown.group(1)}: remove it from the optimizer's YAML, or drop it "
+            f"for this run with ~{key}.{unknown.group(1)}")
+        if line is None:
             raise
-        raise UsageError(f"{options['_target_']} does not take {unknown.group(1)}: remove it from the optimizer's "
-                         f"YAML, or drop it for this run with ~{key}.{unknown.group(1)}") from error
+        raise UsageError(line) from error
 
 
 def parameter_groups(named: list[tuple[str, torch.nn.Parameter]], lr: float | None, weight_decay: float,

@@ -52,8 +52,9 @@ ROWS = [
     # Values the types let through, refused when the run starts (src/config/schema.py): two rows here, as they
     # share one path to the `error:` line; the wording of every value the schema refuses is checked in process
     # by tests/unit/config/test_schema.py.
-    row(TRAIN, ["trainer.epochs=0", "trainer.keep_last=0"], "trainer.epochs=0 must be at least 1; "
-        "trainer.keep_last=0 must be at least 1", "zero-epochs-and-keep-last"),
+    row(TRAIN, ["trainer.epochs=0", "trainer.keep_last=0", "dataset.batch_size=abc"], "trainer.epochs=0 must be at "
+        "least 1; trainer.keep_last=0 must be at least 1; dataset.batch_size=abc must be a positive whole number",
+        "zero-epochs-keep-last-and-a-batch-size-of-abc"),
     row(TRAIN, ["dataset=image_folder"], "dataset.root is required: add dataset.root=VALUE", "required-key"),
     # A ${KEY} naming no key: a typo, resolved by the check above; or a fork's task YAML without the monitor that
     # trainer.monitor interpolates, resolved earlier, by Hydra's callbacks (the sweep summary names trainer.monitor).
@@ -80,9 +81,8 @@ ROWS = [
         "callback-argument-missing"),
     row(EVAL, ["checkpoint={checkpoint}", "weights=best"], "weights=best is not one of model, ema",
         "eval-unknown-weights"),
-    # What the run finds when it starts: batches, files, devices, ports (a negative batch size: the same check,
-    # in process, in tests/unit/data/test_data.py).
-    row(TRAIN, ["dataset.batch_size=0"], "dataset.batch_size must be positive", "batch-size-zero"),
+    # What the run finds when it starts: batches, files, devices, ports (a batch size of 0: the schema's, above; the
+    # sampler's own check, in process, in tests/unit/data/test_data.py).
     row(TRAIN, ["trainer.grad_accum=3"], "must be divisible by world_size x trainer.grad_accum", "grad-accum"),
     # The workers of dist.nproc_per_node find it: their one line, then exit 2 and no run dir, as in one process.
     row(TRAIN, ["dataset.batch_size=63", "dist.nproc_per_node=2"], "dataset.batch_size=63 is the global batch and "
@@ -208,8 +208,9 @@ def test_hydra_full_error_shows_hydras_traceback(tmp_path: Path):
 
 
 def test_errors_of_the_run_itself_keep_hydras_report(tmp_path: Path):
-    # Not a usage error: a model option the model class cannot take. Hydra reports it as usual.
-    result = run([sys.executable, TRAIN, "model.hidden=abc", "hydra.run.dir=run"], tmp_path)
+    # Not a usage error: a model option the model class cannot take, of a type no check judges (a wrongly typed
+    # int, float, bool or str argument is one line: tests/unit/config/test_building.py). Hydra reports it as usual.
+    result = run([sys.executable, TRAIN, "model.channels=ab", "hydra.run.dir=run"], tmp_path)
     assert result.returncode == 1
     assert "Error in call to target 'src.components.models.SimpleCNN'" in result.stderr
     assert "Set the environment variable HYDRA_FULL_ERROR=1" in result.stderr

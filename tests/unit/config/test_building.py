@@ -57,9 +57,33 @@ def test_a_value_the_target_refuses_by_its_own_check_is_one_line_naming_where():
                                 "to be between 0 and 1, but got 1.5; raised at dropout.py:25): change the model.* keys")
 
 
+@pytest.mark.parametrize("node, message", [
+    ({**CNN, "hidden": "abc"}, "model.hidden=abc: src.components.models.SimpleCNN takes hidden: int"),
+    ({**CNN, "hidden": 1.5}, "model.hidden=1.5: src.components.models.SimpleCNN takes hidden: int"),
+    ({**CNN, "dropout": "high"}, "model.dropout=high: src.components.models.SimpleCNN takes dropout: float"),
+])
+def test_a_value_of_a_type_the_target_s_annotation_rules_out_is_one_line(node, message):
+    """The TypeError it raised inside (`'<' not supported between 'str' and 'int'`) names the key and the type."""
+    with pytest.raises(UsageError) as error:
+        built("model", node)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"foreach": "yes"}, "k.foreach=yes: torch.optim.AdamW takes foreach: bool | None"),
+    ({"amsgrad": 1}, "k.amsgrad=1: torch.optim.AdamW takes amsgrad: bool"),  # 1 is no bool, True no number
+    ({"eps": True}, "k.eps=True: torch.optim.AdamW takes eps: float"),
+    ({"eps": 1, "foreach": None, "amsgrad": False, "weight_decay": 0.1}, None),  # an int is a float's value
+    ({"lr": "abc", "betas": ["a", "b"]}, None),  # float | Tensor, a tuple: types it does not judge
+])
+def test_the_annotations_judged_are_scalars_and_their_unions(values, message):
+    assert building.wrong_type("k", {"_target_": "torch.optim.AdamW", **values}) == message
+    assert building.wrong_type("k", {"_target_": "no.such.Target", **values}) is None  # unreadable: no guess
+
+
 def test_other_errors_of_the_target_keep_their_report():
     with pytest.raises(Exception, match="Error in call to target") as error:
-        built("model", {**CNN, "hidden": "abc"})  # a TypeError inside the model, not an argument mismatch
+        built("model", {**CNN, "channels": "ab"})  # a TypeError inside the model; Sequence[int] is not judged
     assert not isinstance(error.value, UsageError)
 
 

@@ -66,7 +66,8 @@ def test_device_backend_and_precision_are_checked_once_at_run_start(override, me
     ("trainer.device=tpu", "not one of auto, cpu, cuda"),
     ("dist.backend=mpi", "not one of auto, nccl, gloo"),
     ("trainer.precision=8", "trainer.precision=8 is not one of 32, bf16, 16"),
-    ("dataset.num_workers=-2", "dataset.num_workers=-2 must be a number >= 0"),
+    ("dataset.num_workers=-2", "dataset.num_workers=-2 must be a whole number >= 0"),
+    ("dataset.batch_size=abc", "dataset.batch_size=abc must be a positive whole number"),
 ])
 def test_eval_checks_the_same_values(override, message):
     with pytest.raises(UsageError, match=message):
@@ -86,8 +87,12 @@ def test_every_problem_is_named_at_once_in_declaration_order():
     (["scheduler.warmup_epochs=-1"], "scheduler.warmup_epochs=-1 must be a number >= 0"),
     (["scheduler=step", "scheduler.step_epochs=0"], "scheduler.step_epochs=0 must be a positive number"),
     (["scheduler=step", "scheduler.gamma=0"], "scheduler.gamma=0 must be a positive number"),
-    (["dataset.num_workers=-1"], "dataset.num_workers=-1 must be a number >= 0"),
-    (["dataset.val_batch_size=0"], "dataset.val_batch_size=0 must be a positive number"),
+    (["dataset.num_workers=-1"], "dataset.num_workers=-1 must be a whole number >= 0"),
+    (["dataset.num_workers=1.5"], "dataset.num_workers=1.5 must be a whole number >= 0"),
+    (["dataset.val_batch_size=0"], "dataset.val_batch_size=0 must be a positive whole number"),
+    (["dataset.val_batch_size=true"], "dataset.val_batch_size=True must be a positive whole number"),
+    (["dataset.batch_size=0"], "dataset.batch_size=0 must be a positive whole number"),
+    (["dataset.batch_size=2.5"], "dataset.batch_size=2.5 must be a positive whole number"),
     (["trainer.log_every_steps=0"], "trainer.log_every_steps=0 must be at least 1"),
     (["trainer.monitor_mode=maximum"], "trainer.monitor_mode=maximum is not one of max, min"),
     (["trainer.limit_train_batches=-1"], "trainer.limit_train_batches=-1 must be at least 1 (or null)"),

@@ -74,6 +74,10 @@ def test_build_optimizer_completes_the_partial_and_reports_torchs_refusals():
     with pytest.raises(UsageError, match=r"^torch.optim.AdamW refused its settings \(list index out of range\): "):
         build_optimizer(cfg, params)
     cfg.betas = [0.9, 0.99]
+    cfg.weight_decay = "abc"  # torch's comparison raises a TypeError: the annotation names the type
+    with pytest.raises(UsageError, match=r"^optimizer.weight_decay=abc: torch.optim.AdamW takes weight_decay: float$"):
+        build_optimizer(cfg, params)
+    cfg.pop("weight_decay")
     cfg._target_ = "torch.optim.RMSprop"  # a YAML copied from adamw.yaml keeps `fused`, which RMSprop lacks
     cfg.pop("betas")
     cfg.fused = True

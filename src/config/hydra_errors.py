@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import types
+from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any, Iterator, Union, get_args, get_origin, get_type_hints
 
@@ -131,7 +132,8 @@ def unknown_key_message(error: OmegaConfBaseException, source: str, script: str,
         return f"{source} is not a config key (did you mean {meant}?){passing}"
     suggestion = _did_you_mean(key, [str(k) for k in node], prefix)
     listing = "" if suggestion else f" ({script} --cfg job lists the keys)"
-    adding = f"; to add a new key, use +{override.input_line}" if override else ""
+    schema = is_dataclass(OmegaConf.get_type(node))  # a block src/config/schema.py declares refuses a +key too
+    adding = f"; to add a new key, use +{override.input_line}" if override and not schema else ""
     target = node.get("_target_")
     found = building.argument_names(target) if isinstance(target, str) else None
     if found is not None and key not in found[0] and not found[1]:  # the target would refuse +key too

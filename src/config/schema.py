@@ -5,9 +5,10 @@ groups whose options name a `_target_` stay open; the few values there that matt
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -201,14 +202,26 @@ def check_train_config(cfg: DictConfig) -> None:
                         "pass only one (with resume=auto, init_from applies only when the run dir holds no "
                         "checkpoint yet)")
     rules = {**rules_of("trainer", TrainerConfig), **rules_of("dist", DistConfig), **OPEN_GROUP_RULES}
-    if problems := problems + value_problems(cfg, rules, skip=missing):
+    if problems := problems + [*added_settings(cfg, TrainSchema)] + value_problems(cfg, rules, skip=missing):
         raise UsageError("; ".join(problems))
 
 
 def check_eval_config(cfg: DictConfig) -> None:
     """eval.py's `check_train_config`, for the keys it shares (its `checkpoint` it checks itself)."""
-    if problems := value_problems(cfg, {**rules_of("", EvalSchema), **OPEN_GROUP_RULES}):  # and dataset.*
+    rules = {**rules_of("", EvalSchema), **OPEN_GROUP_RULES}  # and dataset.*
+    if problems := [*added_settings(cfg, EvalSchema)] + value_problems(cfg, rules):
         raise UsageError("; ".join(problems))
+
+
+def added_settings(node: DictConfig, settings: type, prefix: str = "") -> Iterator[str]:
+    """What is wrong with each key a `+` added to a block the schema declares (the root, `trainer`, `dist`)."""
+    declared = {f.name: f.default_factory for f in fields(settings)}
+    for key in map(str, node):
+        if is_dataclass(declared.get(key)):
+            yield from added_settings(node[key], declared[key], f"{prefix}{key}.")
+        elif key not in declared:
+            close = [f" (did you mean {prefix}{name}?)" for name in difflib.get_close_matches(key, declared, n=1)]
+            yield f"{prefix}{key} is not a setting{''.join(close)}: nothing reads it; remove it"
 
 
 def rules_of(prefix: str, settings: type) -> dict[str, Rule]:

@@ -15,9 +15,7 @@ def tree_map(function: Callable[[torch.Tensor], Any], batch: Any) -> Any:
         return {key: tree_map(function, value) for key, value in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields as arguments
         return type(batch)(*(tree_map(function, value) for value in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(tree_map(function, value) for value in batch)
-    return batch
+    return type(batch)(tree_map(function, value) for value in batch) if isinstance(batch, (list, tuple)) else batch
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -50,14 +49,10 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[tuple[str, torch.nn
     except (ValueError, IndexError) as error:  # IndexError: betas=[0.9]
         message = f"{options['_target_']} refused its settings ({error}): change the {key}.* keys"
         raise UsageError(message) from error
-    except TypeError as error:  # a key the class does not take (`fused` copied to an RMSprop YAML), or a value of
-        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(error))  # a type its annotation rules out
-        line = building.wrong_type(key, options) if unknown is None else (
-            f"{options['_target_']} does not take {unknown.group(1)}: remove it from the optimizer's YAML, or drop it "
-            f"for this run with ~{key}.{unknown.group(1)}")
-        if line is None:
-            raise
-        raise UsageError(line) from error
+    except TypeError as error:  # a key the class does not take (`fused` in an RMSprop YAML), or a wrongly typed value
+        if line := building.argument_mismatch(key, options, (), ("params",)) or building.wrong_type(key, options):
+            raise UsageError(line) from error
+        raise
 
 
 def parameter_groups(named: list[tuple[str, torch.nn.Parameter]], lr: float | None, weight_decay: float,

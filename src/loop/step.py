@@ -272,9 +272,7 @@ def _gradient_sync(model: nn.Module) -> Callable[[], ContextManager[Any]]:
     inner = getattr(model, "_orig_mod", model)  # under torch.compile's wrapper
     if isinstance(inner, DistributedDataParallel):
         return inner.no_sync
-    if fsdp.is_sharded(inner):
-        return lambda: fsdp.no_gradient_sync(inner)
-    return contextlib.nullcontext
+    return (lambda: fsdp.no_gradient_sync(inner)) if fsdp.is_sharded(inner) else contextlib.nullcontext
 
 
 class _AllGather(torch.autograd.Function):

@@ -4,6 +4,7 @@ checked once when the run starts (the command-line rows are in tests/integration
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -68,11 +69,29 @@ def test_device_backend_and_precision_are_checked_once_at_run_start(override, me
     ("trainer.precision=8", "trainer.precision=8 is not one of 32, bf16, 16"),
     ("dataset.num_workers=-2", "dataset.num_workers=-2 must be a whole number >= 0"),
     ("dataset.batch_size=abc", "dataset.batch_size=abc must be a positive whole number"),
+    ("+trainer.devic=cpu", "trainer.devic is not a setting (did you mean trainer.device?): nothing reads it; "
+                           "remove it"),
 ])
 def test_eval_checks_the_same_values(override, message):
-    with pytest.raises(UsageError, match=message):
+    with pytest.raises(UsageError, match=re.escape(message)):
         schema.check_eval_config(composed("eval", ["checkpoint=x.pt", "dataset=digits", override]))
     schema.check_eval_config(composed("eval", ["checkpoint=x.pt", "dataset=digits", "trainer.precision=null"]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["+trainer.epoch=3"], "trainer.epoch is not a setting (did you mean trainer.epochs?): nothing reads it; "
+                           "remove it"),
+    (["+dist.fsdp.wrapp=[Block]"], "dist.fsdp.wrapp is not a setting (did you mean dist.fsdp.wrap?): nothing reads it; "
+                                   "remove it"),
+    (["+my_flag=1", "+trainer.zzz.x=1"], "trainer.zzz is not a setting: nothing reads it; remove it; my_flag is not a "
+                                         "setting: nothing reads it; remove it"),
+])
+def test_a_key_added_to_a_block_the_schema_declares_is_refused(overrides, message):
+    """Hydra's `+` adds it, where the block's own keys are closed; nothing would read it: a typo trained silently."""
+    with pytest.raises(UsageError) as error:
+        schema.check_train_config(composed("config", overrides))
+    assert str(error.value) == message
+    schema.check_train_config(composed("config", ["+model.extra=1", "+logger.anything=2"]))  # open blocks: theirs
 
 
 def test_every_problem_is_named_at_once_in_declaration_order():

@@ -136,12 +136,21 @@ def wrong_type(key: str, node: Mapping[str, Any]) -> str | None:
         return None
     for name, value in node.items():
         hint = parameters[name].annotation if name in parameters else None
-        kinds = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        kinds = union_members(hint)
         if all(kind in _SCALARS for kind in kinds) and not any(
                 isinstance(value, _SCALARS[kind]) and (kind is bool or not isinstance(value, bool)) for kind in kinds):
             names = " | ".join("None" if kind is type(None) else kind.__name__ for kind in kinds)
             return f"{key}.{name}={value}: {node.get('_target_')} takes {name}: {names}"
     return None
+
+
+def union_members(hint: Any) -> tuple[Any, ...]:
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
+def did_you_mean(word: str, candidates: Iterable[str], prefix: str) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def named(node: Mapping[str, Any], key: str, default_name: str = "model") -> dict[str, Any]:

@@ -4,14 +4,12 @@ to change, built from the errors' attributes, not their wording; anything else k
 from __future__ import annotations
 
 import contextlib
-import difflib
 import os
 import re
 import sys
-import types
 from dataclasses import is_dataclass
 from pathlib import Path
-from typing import Any, Iterator, Union, get_args, get_origin, get_type_hints
+from typing import Any, Iterator, get_origin, get_type_hints
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -73,8 +71,8 @@ def describe_config_error(error: Exception, script: str, overrides: list[str], c
                 "special characters, e.g. key='a value' (https://hydra.cc/docs/advanced/override_grammar/basic/)")
     if isinstance(error, MissingConfigException) and error.options and error.missing_cfg_file:
         group, _, option = str(error.missing_cfg_file).rpartition("/")
-        return (f"{group}={option} is not an option of {group}{_did_you_mean(option, error.options, f'{group}=')}; "
-                f"choose one of {', '.join(sorted(error.options))}")
+        meant = building.did_you_mean(option, error.options, f"{group}=")
+        return f"{group}={option} is not an option of {group}{meant}; choose one of {', '.join(sorted(error.options))}"
     cause = error.__cause__ or error.__context__
     try:
         described = _diagnose(cause, script, overrides, config_name, config_dir)
@@ -130,7 +128,7 @@ def unknown_key_message(error: OmegaConfBaseException, source: str, script: str,
         meant, choose = f"{prefix}{below[0]}.{key}", f"{parent}={below[1]} " if below[1] else ""
         passing = f"; pass {choose}{meant}={override.input_line.split('=', 1)[1]}" if override else ""
         return f"{source} is not a config key (did you mean {meant}?){passing}"
-    suggestion = _did_you_mean(key, [str(k) for k in node], prefix)
+    suggestion = building.did_you_mean(key, [str(k) for k in node], prefix)
     listing = "" if suggestion else f" ({script} --cfg job lists the keys)"
     schema = is_dataclass(OmegaConf.get_type(node))  # a block src/config/schema.py declares refuses a +key too
     adding = f"; to add a new key, use +{override.input_line}" if override and not schema else ""
@@ -157,8 +155,7 @@ def wrong_value_message(error: ValidationError, source: str) -> str:
     """`trainer.epochs=abc`: the key, the type its block's dataclass declares, an example from the config."""
     schema = OmegaConf.get_type(error.parent_node) if isinstance(error.parent_node, DictConfig) else None
     declared = get_type_hints(schema).get(str(error.key)) if isinstance(schema, type) else None
-    union = get_origin(declared) in (Union, types.UnionType)  # e.g. float | None
-    alternatives = get_args(declared) if union else (declared,)
+    alternatives = building.union_members(declared)  # e.g. float | None: (float, NoneType)
     optional = type(None) in alternatives
     kind = next(get_origin(t) or t for t in alternatives if t is not type(None))
     members = getattr(kind, "__members__", None)  # an Enum's
@@ -170,8 +167,3 @@ def wrong_value_message(error: ValidationError, source: str) -> str:
     if error.value is None and not optional:
         return f"{source}: {error.full_key} cannot be null; set it to {expected}{example}"
     return f"{source}: {error.full_key} takes {expected}{' or null' if optional else ''}{example}"
-
-
-def _did_you_mean(word: str, candidates: list[str], prefix: str) -> str:
-    close = difflib.get_close_matches(word, candidates, n=1)
-    return f" (did you mean {prefix}{close[0]}?)" if close else ""

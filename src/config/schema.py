@@ -5,7 +5,6 @@ groups whose options name a `_target_` stay open; the few values there that matt
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,7 +16,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from src.checkpoint import layout
 from src.common.errors import UsageError, exit_on_usage_error
-from src.config.building import Rule
+from src.config.building import Rule, did_you_mean
 from src.parallel.ranks import is_main_process, resume_setting
 
 
@@ -220,8 +219,7 @@ def added_settings(node: DictConfig, settings: type, prefix: str = "") -> Iterat
         if is_dataclass(declared.get(key)):
             yield from added_settings(node[key], declared[key], f"{prefix}{key}.")
         elif key not in declared:
-            close = [f" (did you mean {prefix}{name}?)" for name in difflib.get_close_matches(key, declared, n=1)]
-            yield f"{prefix}{key} is not a setting{''.join(close)}: nothing reads it; remove it"
+            yield f"{prefix}{key} is not a setting{did_you_mean(key, declared, prefix)}: nothing reads it; remove it"
 
 
 def rules_of(prefix: str, settings: type) -> dict[str, Rule]:

@@ -20,11 +20,9 @@ CSV_FILE = "confusion_matrix.csv"
 
 class ConfusionMatrix(Callback):
     def on_validation(self, run: Run, val: Mapping[str, Any]) -> None:
-        counts = val.get("confusion")
-        if counts is None:
-            return
-        run.parts.reporter.image("val/confusion_matrix", confusion_heatmap(counts), run.state.step)
-        run.parts.reporter.file(CSV_FILE, confusion_csv(counts))
+        if (counts := val.get("confusion")) is not None:
+            run.parts.reporter.image("val/confusion_matrix", confusion_heatmap(counts), run.state.step)
+            run.parts.reporter.file(CSV_FILE, confusion_csv(counts))
 
 
 def confusion_heatmap(counts: torch.Tensor, max_side: int = 512) -> torch.Tensor:

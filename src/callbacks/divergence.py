@@ -39,8 +39,7 @@ class NonFiniteLossWatch:
 
     def check_now(self) -> None:
         """Raise if any rank saw a bad loss. A collective: call on every rank at the same step."""
-        first = int(all_reduce_min(self._first_bad_step.clone()).item())
-        if first < _NEVER:
+        if (first := int(all_reduce_min(self._first_bad_step.clone()).item())) < _NEVER:
             raise TrainingDiverged(diverged_message(first, "the loss became NaN or infinite"))
 
 

@@ -53,8 +53,7 @@ class EmaWeights:
                 torch._foreach_copy_(live, kept)
 
     def state_dict(self) -> dict[str, Any]:
-        # The model's state_dict keys, a tied tensor's every name among them, without building one (a sharded
-        # model's would gather).
+        # The model's state_dict keys, every tied tensor's names, without building one (a sharded model's would gather).
         averages = dict(zip(map(id, self.model.parameters()), self.average.values()))
         state = {name: averages[id(parameter)]
                  for name, parameter in self.model.named_parameters(remove_duplicate=False)}

@@ -24,8 +24,7 @@ def load_resume_checkpoint(directory: Path, is_main_process: bool, resume: str |
                            allowed: set[str]) -> Checkpoint | None:
     """The checkpoint to continue from (None: a fresh start), read on every rank: `resume` is None, `auto` or a path
     in `directory`, the run's checkpoints/; `allowed`: the `_target_`s its config may name. Two collectives."""
-    resume = resume_setting(resume)
-    if resume is None:
+    if (resume := resume_setting(resume)) is None:
         layout.resume_path(directory, None)  # a fresh run refuses a run dir that already holds one
         return None
     choice, failure, chosen = None, None, None

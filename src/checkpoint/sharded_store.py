@@ -141,8 +141,7 @@ class ShardedCheckpoint(Checkpoint):
 
     @classmethod
     def read(cls, path: Path) -> "ShardedCheckpoint":
-        directory = layout.resolve(path)
-        if not directory.is_dir():
+        if not (directory := layout.resolve(path)).is_dir():
             raise UsageError(f"checkpoint {path} names {directory}, which does not exist")
         if not ((directory / METADATA).is_file() and (directory / STATE).is_file()):
             raise UsageError(f"checkpoint {directory} is incomplete (no {METADATA} or {STATE}): its save did not "

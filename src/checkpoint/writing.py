@@ -58,8 +58,7 @@ def _file_size_limit() -> int | None:
 
 def no_room(error: BaseException, path: Path, size: Callable[[], int]) -> UsageError | None:
     """A one-line error for a write of `path` that found no room (full, quota, file-size limit), else None."""
-    cause = no_room_error(error)
-    if cause is None:
+    if (cause := no_room_error(error)) is None:
         return None
     free, limit = shutil.disk_usage(path.parent).free, _file_size_limit()
     limit_note = "" if limit is None else f", and files may hold at most {limit:,} bytes (ulimit -f)"

@@ -77,8 +77,7 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
     try:
         yield
     except Exception as error:
-        usage_error = find_usage_error(error)
-        if usage_error is None:
+        if (usage_error := find_usage_error(error)) is None:
             out_of_memory = next((e for e in _chain(error) if isinstance(e, MemoryError) or (
                 isinstance(e, RuntimeError) and any(words in str(e) for words in _NO_MEMORY))), None)
             if out_of_memory is None:

@@ -53,8 +53,7 @@ def _filled(node: Any, fields: Mapping[str, Any], dataset_name: str, where: str)
     match = _FIELD.fullmatch(node) if isinstance(node, str) else None
     if match is None:
         return node
-    name = match.group(1)
-    if name not in fields:
+    if (name := match.group(1)) not in fields:
         provided = ", ".join(f"{key}={value}" for key, value in fields.items()) or "nothing"
         raise UsageError(f"{where} asks for the dataset's {name}, which {dataset_name} does not provide (it provides "
                          f"{provided}); choose a model that fits this dataset, or set {where}=VALUE")

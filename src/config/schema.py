@@ -22,8 +22,7 @@ from src.parallel.ranks import is_main_process, resume_setting
 
 def one_of(*allowed: str, or_null: bool = False) -> Rule:
     problem = f"is not one of {', '.join(allowed)}" + (" (or null)" if or_null else "")
-    return lambda value: None if (value is None and or_null) or (value is not None and str(value) in allowed) \
-        else problem
+    return lambda value: None if (or_null if value is None else str(value) in allowed) else problem
 
 
 def at_least(minimum: int, or_null: bool = False) -> Rule:
@@ -197,9 +196,8 @@ def check_train_config(cfg: DictConfig) -> None:
     problems = [f"{key} is required: add {key}=VALUE" for key in sorted(missing)]
     init_from, resume = OmegaConf.select(cfg, "init_from"), OmegaConf.select(cfg, "resume")
     if init_from is not None and resume not in (None, "auto"):  # a fresh run, or another run's state: not both
-        problems.append(f"init_from={init_from} starts a fresh run from weights, resume={resume} continues a run: "
-                        "pass only one (with resume=auto, init_from applies only when the run dir holds no "
-                        "checkpoint yet)")
+        problems.append(f"init_from={init_from} starts a fresh run from weights, resume={resume} continues a run: pass "
+                        "only one (with resume=auto, init_from applies only when the run dir holds no checkpoint yet)")
     rules = {**rules_of("trainer", TrainerConfig), **rules_of("dist", DistConfig), **OPEN_GROUP_RULES}
     if problems := problems + [*added_settings(cfg, TrainSchema)] + value_problems(cfg, rules, skip=missing):
         raise UsageError("; ".join(problems))

@@ -56,11 +56,9 @@ def check_saved_config(saved: Any, path: Path, allowed: set[str]) -> None:
         if isinstance(value, str) and "${" in value:
             raise UsageError(f"checkpoint {path} holds the interpolation {key}={value!r}; train.py saves configs "
                              "resolved, so this file was not written by it: nothing was built")
-    unknown = [(key, target) for key, target in targets_in(saved) if str(target) not in allowed]
-    if not unknown:
-        return
-    named = ", ".join(f"{key}={target}" for key, target in unknown)
-    listing = ",".join(sorted({str(target) for _, target in unknown}))
-    raise UsageError(f"checkpoint {path} names {named}, which no option of conf/ ({', '.join(GROUPS)}) names; "
-                     "nothing was built. If you trust this file, pass the config folder of its run "
-                     f"(hydra.searchpath=[file://DIR]) or allow it with trusted_targets=[{listing}]")
+    if unknown := [(key, target) for key, target in targets_in(saved) if str(target) not in allowed]:
+        named = ", ".join(f"{key}={target}" for key, target in unknown)
+        listing = ",".join(sorted({str(target) for _, target in unknown}))
+        raise UsageError(f"checkpoint {path} names {named}, which no option of conf/ ({', '.join(GROUPS)}) names; "
+                         "nothing was built. If you trust this file, pass the config folder of its run "
+                         f"(hydra.searchpath=[file://DIR]) or allow it with trusted_targets=[{listing}]")

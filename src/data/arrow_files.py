@@ -114,10 +114,8 @@ def _value(column: Any, row: int, is_image: bool) -> Any:
     """One cell: an image's encoded bytes (read from its path where it has none), else the Python value."""
     if not is_image:
         return column[row].as_py()
-    encoded = column.field("bytes")[row].as_py()
-    if encoded is None:
-        path = column.field("path")[row].as_py()
-        if path is None:
+    if (encoded := column.field("bytes")[row].as_py()) is None:
+        if (path := column.field("path")[row].as_py()) is None:
             raise ValueError("the image holds neither bytes nor a path")
         return Path(path).read_bytes()
     return encoded

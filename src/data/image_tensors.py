@@ -51,8 +51,7 @@ class ImageTensorDataset(TensorDataset):
         if not self.augments:
             return images
         n, c, h, w = images.shape
-        pad = self.crop_padding
-        black = -self.mean / self.std
+        pad, black = self.crop_padding, -self.mean / self.std
         padded = black.expand(n, c, h + 2 * pad, w + 2 * pad).clone(memory_format=torch.contiguous_format)
         padded[:, :, pad : pad + h, pad : pad + w] = images
         keys = keys.view(n, 1)

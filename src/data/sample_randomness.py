@@ -1,7 +1,6 @@
-"""Randomness per sample: every draw that shapes sample i of epoch e comes from (seed, epoch, i) alone, not from
-the rank, worker, batch or resume step. DataLoader datasets (`SeededSamples`) get torch's CPU, Python's and NumPy's
-global generators seeded from it; uint8 images on the device hash it there (`sample_key`, `draw`). Val samples
-draw from (seed, VAL_EPOCH, i)."""
+"""Randomness per sample: every draw shaping sample i of epoch e comes from (seed, epoch, i) alone, not from the rank,
+worker, batch or resume step. DataLoader datasets (`SeededSamples`) get torch's CPU, Python's and NumPy's generators
+seeded from it; uint8 images on the device hash it there (`sample_key`, `draw`). Val samples use epoch VAL_EPOCH."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The contract between the loop and its add-ons: a `Callback` is told what the loop does at a few named points,
-and may report, change what it shows, or stop the run. The template's own add-ons are callbacks (src/callbacks/),
-composed from the `callbacks` config group; the loop names none of them. Every hook is called on every rank, in
-the config's order:
+"""The contract between the loop and its add-ons: a `Callback` is told what the loop does at a few named points, and may
+report, change what it shows, or stop the run. The template's own add-ons are callbacks (src/callbacks/), composed from
+the `callbacks` config group; the loop names none of them. Every hook is called on every rank, in the config's order:
 
     on_run_start(run)                  before the first step: the run's parts and its state (fresh or resumed)
     on_before_optimizer_step(update)   before each optimizer's step, its gradients all-reduced (under dist=fsdp:

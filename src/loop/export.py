@@ -3,10 +3,9 @@
     python -m src.loop.export outputs/DATE/TIME/checkpoints/best model.safetensors
     python -m src.loop.export CHECKPOINT generator.safetensors --model generator --weights ema
 
-CHECKPOINT is any checkpoint of this template (a sharded one is gathered here, in one process). OUT holds the
-model's whole state_dict under the plain module's names, so `model.load_state_dict(load_file(OUT))` loads it into
-the module the config builds, and `init_from=OUT` fine-tunes from it. Nothing from the checkpoint is executed; the
-file is written atomically."""
+CHECKPOINT is any checkpoint of this template (a sharded one is gathered here, in one process). OUT holds the model's
+whole state_dict under the plain module's names, so `model.load_state_dict(load_file(OUT))` loads it into the module the
+config builds, and `init_from=OUT` fine-tunes from it. No code in the checkpoint runs; OUT is written atomically."""
 
 from __future__ import annotations
 

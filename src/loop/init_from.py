@@ -65,11 +65,10 @@ def _template_weights(saved: Any, names: list[str]) -> dict[str, dict[str, torch
     """Each of the run's models the checkpoint holds, by name (one model from one, whatever their names)."""
     if len(names) == 1 and len(saved.model_names) == 1:
         return {names[0]: strip_prefixes(saved.model_weights(saved.model_names[0]))}
-    found = {name: strip_prefixes(saved.model_weights(name)) for name in names if name in saved.model_names}
-    if not found:
-        raise UsageError(f"init_from={saved.path} holds the models {', '.join(saved.model_names)}, none of this "
-                         f"run's ({', '.join(names)})")
-    return found
+    if found := {name: strip_prefixes(saved.model_weights(name)) for name in names if name in saved.model_names}:
+        return found
+    raise UsageError(f"init_from={saved.path} holds the models {', '.join(saved.model_names)}, none of this run's "
+                     f"({', '.join(names)})")
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -1,8 +1,7 @@
-"""The task contract: what the loop asks of a task (concrete ones: src/components/tasks.py; a fork's method with its
-own step: src/recipes/). A task trains the config's models (`models`; `output_model` is the one eval.py, export and
-EMA take) and may read frozen auxiliary ones (`aux_models`, in `self.aux`). Its `train_step(step)` is one training
-step (src/loop/step.py), its `evaluate(val)` one evaluation pass (src/loop/evaluation.py); the supervised defaults
-ask it:
+"""The task contract: what the loop asks of a task (concrete ones: src/components/tasks.py; a fork's method with its own
+step: src/recipes/). A task trains the config's models (`models`; `output_model` is the one eval.py, export and EMA
+take) and may read frozen auxiliary ones (`aux_models`, in `self.aux`). Its `train_step(step)` is one training step
+(src/loop/step.py), its `evaluate(val)` one evaluation pass (src/loop/evaluation.py); the supervised defaults ask it:
 
 - `split(batch)`: the model's inputs and the target, picked out of a batch of any structure by the binding of the
   task's `inputs` and `target` to the dataset's fields;

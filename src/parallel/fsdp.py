@@ -37,9 +37,8 @@ def units(module: nn.Module, wrap: Sequence[str], min_unit_params: int = 0) -> l
                                      "holding all its uses, or [root]")
                 found.append(child)
         if not found:
-            classes = sorted({type(child).__name__ for child in module.modules()})
-            raise UsageError(f"dist.fsdp.wrap={list(wrap)} names no module class of the model; its classes: "
-                             f"{', '.join(classes)}")
+            classes = ", ".join(sorted({type(child).__name__ for child in module.modules()}))
+            raise UsageError(f"dist.fsdp.wrap={list(wrap)} names no module class of the model; its classes: {classes}")
         return found
     return [unit for unit in _candidates(module)
             if _size(unit) >= max(min_unit_params, 1) and not _tied_outside(unit, module, uses)]
@@ -92,8 +91,7 @@ def fused_step_takes_shards(build: Callable[[list[nn.Parameter]], torch.optim.Op
                             parameters: Sequence[nn.Parameter]) -> bool:
     """Whether the fused optimizer `build(params)` makes steps DTensor shards (fused SGD does not): one step on a
     one-element shard tells, without communication."""
-    like = next((parameter for parameter in parameters if isinstance(parameter, DTensor)), None)
-    if like is None:
+    if (like := next((parameter for parameter in parameters if isinstance(parameter, DTensor)), None)) is None:
         return True
 
     def shard() -> DTensor:

@@ -1,9 +1,8 @@
-"""A rank that stops arriving (frozen, hung, swapped out): fail the group soon, and say who it was
-(docs/fault-tolerance.md). After the first training step the group's timeout drops from `dist.timeout_s` (start-up)
-to `dist.step_timeout_s`, the longest gap between two collectives of a running job. gloo says only "Timed out
-waiting 10000ms for recv", so every rank that timed out marks itself in the launcher's store and, after a short
-grace, the ranks without a mark are named; those on this host are SIGKILLed as this process exits (a stopped process
-never exits, and some launchers wait for every task)."""
+"""A rank that stops arriving (frozen, hung, swapped out): fail the group soon, and name it (docs/fault-tolerance.md).
+After the first training step the group's timeout drops from `dist.timeout_s` (start-up) to `dist.step_timeout_s`, the
+longest gap between two collectives of a running job. gloo says only "Timed out waiting 10000ms for recv", so every rank
+that timed out marks itself in the launcher's store and, after a short grace, the unmarked ranks are named; those on
+this host are SIGKILLed as this process exits (a stopped process never exits; some launchers wait for every task)."""
 
 from __future__ import annotations
 

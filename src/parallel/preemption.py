@@ -64,10 +64,9 @@ class Preemption:
         seconds_per_step = (now - self._checked_at) / (step - self._checked_step)
         signalled, slowest = all_reduce_max(
             torch.tensor([float(self.received is not None), seconds_per_step], device=self.device)).tolist()
-        # The next check: about CHECK_EVERY_S ahead at the slowest rank's pace, or the next log step.
-        timed = max(1, int(CHECK_EVERY_S / max(slowest, 1e-6)))
-        # At most double per check: one fast window must not put the next check minutes away.
-        self._interval = min(timed, 2 * self._interval)
+        # The next check: about CHECK_EVERY_S ahead at the slowest rank's pace, at most double the last interval (one
+        # fast window must not put the next check minutes away), or the next log step.
+        self._interval = min(max(1, int(CHECK_EVERY_S / max(slowest, 1e-6))), 2 * self._interval)
         self._next_check = min(step + self._interval, (step // self.log_every_steps + 1) * self.log_every_steps)
         self._checked_step, self._checked_at = step, now
         self.agreed = signalled > 0

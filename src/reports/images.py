@@ -9,8 +9,7 @@ def image_grid(images: torch.Tensor, min_side: int = 32) -> torch.Tensor:
     """A (3, H, W) grid in [0, 1] of `images`, eight to a row, each min-max scaled and enlarged to `min_side`."""
     factor = -(-min_side // min(images.shape[-2:]))
     images = images.float().repeat_interleave(factor, dim=-2).repeat_interleave(factor, dim=-1)
-    low = images.amin(dim=(1, 2, 3), keepdim=True)
-    high = images.amax(dim=(1, 2, 3), keepdim=True)
+    low, high = images.amin(dim=(1, 2, 3), keepdim=True), images.amax(dim=(1, 2, 3), keepdim=True)
     return tile((images - low) / (high - low).clamp(min=1e-5), columns=8, padding=2, pad_value=1.0)
 
 

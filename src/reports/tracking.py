@@ -59,11 +59,9 @@ class Trackers(Callback):
         saved = json.loads(ids_file.read_text()) if ids_file.exists() else {}
         known = {**saved.get("ids", {}), **self.ids}
         for name, tracker in self.trackers.items():
-            run_id = tracker.open(known.get(name), self.identity, params)
-            if run_id is not None:
+            if (run_id := tracker.open(known.get(name), self.identity, params)) is not None:
                 self.ids[name] = run_id
-            held = tracker.sent_steps()
-            if held is None:
+            if (held := tracker.sent_steps()) is None:
                 self._ledger.add(name)
                 held = saved.get("sent", {}).get(name, {}) if known.get(name) == run_id else {}
             self.sent[name] = dict(held)

@@ -43,8 +43,7 @@ class ResumableGridSweeper(BasicSweeper):
         for num, overrides in enumerate(all_jobs):
             job_dir = jobs.job_dir(self.hydra_context.config_loader, self.config, overrides, num)
             jobs.check_same_job(job_dir, overrides)
-            state = jobs.job_state(job_dir)
-            if state in jobs.FINISHED:
+            if (state := jobs.job_state(job_dir)) in jobs.FINISHED:
                 log.info("job %d (%s): %s, not run again", num, " ".join(overrides), state)
                 continue
             pending[num] = overrides if state is None else jobs.rerun_overrides(job_dir, overrides)

@@ -59,8 +59,7 @@ class MLflowTracker(Tracker):
         return True
 
     def _experiment_id(self) -> str:
-        experiment = self.client.get_experiment_by_name(self.experiment_name)
-        if experiment is None:
+        if (experiment := self.client.get_experiment_by_name(self.experiment_name)) is None:
             try:
                 return self.client.create_experiment(self.experiment_name)
             except Exception:  # another job created it meanwhile

@@ -223,7 +223,8 @@ COMPOSABLE = sorted(
 
 
 @pytest.mark.parametrize("command", COMPOSABLE)
-def test_readme_commands_compose_and_pass_the_value_checks(command: str):
+def test_readme_commands_compose_and_pass_the_value_checks(command: str, tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # composing makes the default run dir (fresh_dir): not in the repo's outputs/
     config_name, overrides = overrides_of(command)
     if config_name == "eval":  # eval.py registers its `checkpoint` dataset option itself: ask it
         composed = check(run([sys.executable, str(REPO / "eval.py"), *overrides, "--cfg", "job"], REPO)).stdout

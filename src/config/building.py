@@ -47,6 +47,8 @@ def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[s
     """Build `node` (the config at `key`) inside the block: an argument its target does not take or misses, or a
     value it refuses, is one line naming `key`; `passed_elsewhere`: the node's keys that are not arguments;
     `called_with`: the arguments the block gives a partial's target (a scheduler's optimizer, total_steps, ...)."""
+    if line := wrong_type(key, node):  # before the build: a value some step would have read at its first use
+        raise UsageError(line)
     try:
         yield
     except (InstantiationException, TypeError, ValueError) as error:  # a partial's come from its call, unwrapped
@@ -59,9 +61,8 @@ def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[s
             where = traceback.extract_tb(cause.__traceback__)[-1]
             raise UsageError(f"{key}: {node.get('_target_')} refused its settings ({cause}; raised at "
                              f"{Path(where.filename).name}:{where.lineno}): change the {key}.* keys") from None
-        mismatch = argument_mismatch(key, node, passed_elsewhere, called_with) or wrong_type(key, node) \
-            if isinstance(cause, TypeError) else None
-        if mismatch is None:
+        mismatch = isinstance(cause, TypeError) and argument_mismatch(key, node, passed_elsewhere, called_with)
+        if not mismatch:
             raise
         raise UsageError(mismatch) from None
     except SettingError as error:  # built without instantiate
@@ -129,19 +130,33 @@ _SCALARS = {int: (int,), float: (int, float), bool: (bool,), str: (str,), type(N
 
 
 def wrong_type(key: str, node: Mapping[str, Any]) -> str | None:
-    """One line for a value its target's annotation (`int`, `float | None`, ...) rules out, else None."""
+    """One line for a value its target's annotation (`int`, `float | None`, `Sequence[int]`, ...) rules out."""
     try:
         parameters = inspect.signature(get_object(str(node.get("_target_"))), eval_str=True).parameters
+        values = dict(node.items())  # a missing or unresolvable value: the build reports it
     except Exception:  # say nothing rather than guess
         return None
-    for name, value in node.items():
+    for name, value in values.items():
         hint = parameters[name].annotation if name in parameters else None
-        kinds = union_members(hint)
-        if all(kind in _SCALARS for kind in kinds) and not any(
-                isinstance(value, _SCALARS[kind]) and (kind is bool or not isinstance(value, bool)) for kind in kinds):
-            names = " | ".join("None" if kind is type(None) else kind.__name__ for kind in kinds)
-            return f"{key}.{name}={value}: {node.get('_target_')} takes {name}: {names}"
+        if fits(value, hint) is False:
+            annotation = inspect.formatannotation(hint).replace("collections.abc.", "")
+            return f"{key}.{name}={value}: {node.get('_target_')} takes {name}: {annotation}"
     return None
+
+
+def fits(value: Any, hint: Any) -> bool | None:
+    """Whether `value` fits `hint` (a scalar, a list, tuple or sequence of one, their unions); None for others."""
+    verdicts = []
+    for kind in union_members(hint):
+        items = [item for item in typing.get_args(kind) if item is not Ellipsis]
+        if kind in _SCALARS:
+            verdicts.append(isinstance(value, _SCALARS[kind]) and (kind is bool or not isinstance(value, bool)))
+        elif typing.get_origin(kind) in (list, tuple, Sequence) and len(set(items)) <= 1:
+            listed = isinstance(value, Sequence) and not isinstance(value, str)
+            verdicts.append(listed and (not items or all(fits(item, items[0]) is not False for item in value)))
+        else:
+            return None
+    return any(verdicts)
 
 
 def union_members(hint: Any) -> tuple[Any, ...]:

@@ -38,6 +38,8 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[tuple[str, torch.nn
     def make(params: Iterable[Any], **overrides: Any) -> Optimizer:
         return instantiate({**options, **overrides}, _convert_="all")(params=params)  # plain lists: torch's errors
 
+    if line := building.wrong_type(key, options):
+        raise UsageError(line)
     try:
         if sharded and options.get("fused") and not fsdp.fused_step_takes_shards(make, [p for _, p in named]):
             log.info(f"optimizer.fused=true: {options['_target_']}'s fused kernel does not take sharded "
@@ -49,8 +51,8 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[tuple[str, torch.nn
     except (ValueError, IndexError) as error:  # IndexError: betas=[0.9]
         message = f"{options['_target_']} refused its settings ({error}): change the {key}.* keys"
         raise UsageError(message) from error
-    except TypeError as error:  # a key the class does not take (`fused` in an RMSprop YAML), or a wrongly typed value
-        if line := building.argument_mismatch(key, options, (), ("params",)) or building.wrong_type(key, options):
+    except TypeError as error:  # a key the class does not take (`fused` in an RMSprop YAML)
+        if line := building.argument_mismatch(key, options, (), ("params",)):
             raise UsageError(line) from error
         raise
 

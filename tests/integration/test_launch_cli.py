@@ -133,12 +133,12 @@ def test_a_failing_job_is_reported_and_the_sweep_goes_on(workdir: Path):
 
 def test_a_crash_after_another_job_s_usage_error_keeps_its_own_traceback(workdir: Path):
     """Job 0's workers record their usage error for their group; job 1's workers, launched by the same process,
-    crash (a model option its class cannot take, of a type no check judges) and report that, not job 0's error as
-    their peer's."""
-    args = ["-m", "dist.nproc_per_node=2", "dataset.batch_size=63,64", "model.channels=ab", "hydra.sweep.dir=crash"]
+    crash (a well-typed model option its class cannot build: a negative width) and report that, not job 0's error
+    as their peer's."""
+    args = ["-m", "dist.nproc_per_node=2", "dataset.batch_size=63,64", "model.hidden=-1", "hydra.sweep.dir=crash"]
     result = train(args, workdir)
     assert result.returncode == 1
-    crash = "Error in call to target 'src.components.models.SimpleCNN':\nTypeError("
+    crash = "Error in call to target 'src.components.models.SimpleCNN':\nRuntimeError("
     assert result.stderr.count(crash) == 2 and "a peer stopped" not in result.stderr  # each worker's own report
     failed = (workdir / "crash" / "1" / "FAILED").read_text()  # the launcher's: with the workers' tracebacks
     assert failed.startswith("ChildFailedError") and "Traceback (most recent call last)" in failed \

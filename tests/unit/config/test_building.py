@@ -3,6 +3,8 @@ value it refuses, is one line naming the config key; any other error of the targ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -61,12 +63,26 @@ def test_a_value_the_target_refuses_by_its_own_check_is_one_line_naming_where():
     ({**CNN, "hidden": "abc"}, "model.hidden=abc: src.components.models.SimpleCNN takes hidden: int"),
     ({**CNN, "hidden": 1.5}, "model.hidden=1.5: src.components.models.SimpleCNN takes hidden: int"),
     ({**CNN, "dropout": "high"}, "model.dropout=high: src.components.models.SimpleCNN takes dropout: float"),
+    ({**CNN, "channels": "ab"}, "model.channels=ab: src.components.models.SimpleCNN takes channels: Sequence[int]"),
+    ({**CNN, "channels": 32}, "model.channels=32: src.components.models.SimpleCNN takes channels: Sequence[int]"),
+    ({**CNN, "channels": [8, 1.5]}, "model.channels=[8, 1.5]: src.components.models.SimpleCNN takes channels: "
+                                    "Sequence[int]"),
 ])
 def test_a_value_of_a_type_the_target_s_annotation_rules_out_is_one_line(node, message):
-    """The TypeError it raised inside (`'<' not supported between 'str' and 'int'`) names the key and the type."""
+    """Judged before the target is called: no TypeError from deep inside (`'<' not supported between 'str' and
+    'int'`), and no value stored to fail at its first use."""
     with pytest.raises(UsageError) as error:
         built("model", node)
     assert str(error.value) == message
+
+
+def test_a_value_first_read_by_a_training_step_is_judged_when_its_owner_is_built():
+    """Classification stores label_smoothing and hands it to cross_entropy at the first step: refused here, before
+    any step (task.label_smoothing=abc crashed at the first batch before)."""
+    with pytest.raises(UsageError) as error:
+        built("task", {"_target_": "src.components.tasks.Classification", "label_smoothing": "abc"})
+    assert str(error.value) == "task.label_smoothing=abc: src.components.tasks.Classification takes label_smoothing: " \
+                               "float"
 
 
 @pytest.mark.parametrize("values, message", [
@@ -74,17 +90,37 @@ def test_a_value_of_a_type_the_target_s_annotation_rules_out_is_one_line(node, m
     ({"amsgrad": 1}, "k.amsgrad=1: torch.optim.AdamW takes amsgrad: bool"),  # 1 is no bool, True no number
     ({"eps": True}, "k.eps=True: torch.optim.AdamW takes eps: float"),
     ({"eps": 1, "foreach": None, "amsgrad": False, "weight_decay": 0.1}, None),  # an int is a float's value
-    ({"lr": "abc", "betas": ["a", "b"]}, None),  # float | Tensor, a tuple: types it does not judge
+    ({"lr": "abc", "betas": ["a", "b"]}, None),  # float | Tensor, tuple[float | Tensor, ...]: types it does not judge
 ])
 def test_the_annotations_judged_are_scalars_and_their_unions(values, message):
     assert building.wrong_type("k", {"_target_": "torch.optim.AdamW", **values}) == message
     assert building.wrong_type("k", {"_target_": "no.such.Target", **values}) is None  # unreadable: no guess
 
 
-def test_other_errors_of_the_target_keep_their_report():
+@pytest.mark.parametrize("hint, values, wrong", [
+    (Sequence[int], ([8, 16], (8,), []), ("ab", 8, [8, "x"], [8, True], None)),
+    (tuple[int, ...], ([1, 2, 3],), ([1.5],)),
+    (list[float] | None, ([1, 2.5], None), ([None], "1.5")),
+    (int | list[int], (3, [3]), ("3", [[3]])),
+])
+def test_sequences_of_scalars_are_judged_item_by_item(hint, values, wrong):
+    assert [building.fits(value, hint) for value in values] == [True] * len(values)
+    assert [building.fits(value, hint) for value in wrong] == [False] * len(wrong)
+
+
+@pytest.mark.parametrize("hint", [tuple[int, str], list, Sequence, dict[str, int], Sequence[int] | torch.Tensor])
+def test_other_annotations_are_not_judged(hint):
+    assert building.fits("abc", hint) is None
+
+
+@pytest.mark.parametrize("node, raised", [
+    ({**CNN, "hidden": -1}, "RuntimeError"),  # a negative width: torch's own error, well typed
+    ({"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 2, "dtype": "half"}, "TypeError"),  # unannotated
+])
+def test_other_errors_of_the_target_keep_their_report(node, raised):
     with pytest.raises(Exception, match="Error in call to target") as error:
-        built("model", {**CNN, "channels": "ab"})  # a TypeError inside the model; Sequence[int] is not judged
-    assert not isinstance(error.value, UsageError)
+        built("model", node)
+    assert not isinstance(error.value, UsageError) and type(error.value.__cause__).__name__ == raised
 
 
 @pytest.mark.parametrize("target, message", [

@@ -74,10 +74,13 @@ def test_build_optimizer_completes_the_partial_and_reports_torchs_refusals():
     with pytest.raises(UsageError, match=r"^torch.optim.AdamW refused its settings \(list index out of range\): "):
         build_optimizer(cfg, params)
     cfg.betas = [0.9, 0.99]
-    cfg.weight_decay = "abc"  # torch's comparison raises a TypeError: the annotation names the type
+    cfg.weight_decay = "abc"  # judged by torch's annotation before torch compares it (a TypeError from deep inside)
     with pytest.raises(UsageError, match=r"^optimizer.weight_decay=abc: torch.optim.AdamW takes weight_decay: float$"):
         build_optimizer(cfg, params)
     cfg.pop("weight_decay")
+    sgd = OmegaConf.create({"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "nesterov": "abc"})
+    with pytest.raises(UsageError, match=r"^optimizer.nesterov=abc: torch.optim.SGD takes nesterov: bool$"):
+        build_optimizer(sgd, params)  # SGD stores it and reads it at its first step: the build refuses it
     cfg._target_ = "torch.optim.RMSprop"  # a YAML copied from adamw.yaml keeps `fused`, which RMSprop lacks
     cfg.pop("betas")
     cfg.fused = True

@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from src.checkpoint import layout
 from src.common.errors import UsageError, exit_on_usage_error
 from src.config.building import Rule, did_you_mean
+from src.parallel.job import check_run_dir
 from src.parallel.ranks import is_main_process, resume_setting
 
 
@@ -245,5 +246,6 @@ class CheckBeforeWriting(Callback):
         HydraConfig.instance().set_config(config)  # as Hydra does as the job starts: errors name the options chosen
         with exit_on_usage_error(is_main_process()):  # Hydra makes a callback's exception a warning; not SystemExit
             check_train_config(OmegaConf.masked_copy(config, [key for key in config if key != "hydra"]))
+            check_run_dir(Path(config.hydra.run.dir))  # one set on the command line (a default one: fresh_dir's)
             if is_main_process():  # a late rank could see the checkpoint rank 0 has just written
                 layout.resume_path(Path(config.hydra.run.dir) / "checkpoints", resume_setting(config.resume))

@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from src.common.errors import exit_on_usage_error, find_usage_error
+from src.common.errors import UsageError, exit_on_usage_error, find_usage_error
 from src.config import data_fields, hydra_errors
 from src.parallel import distributed
 from src.parallel.ranks import adopt_cluster_env, in_multi_task_job, is_main_process, is_worker, read_env
@@ -130,6 +130,7 @@ _made_here: list[Path] = []  # the dirs `fresh_dir` made in this process
 
 def _made(path: str, number: int = 1) -> str:
     candidate = path if number == 1 else f"{path}-{number}"
+    check_run_dir(Path(candidate))
     try:
         Path(candidate).mkdir(parents=True)  # atomic: of runs racing for a dir, one makes it
     except FileExistsError:
@@ -138,6 +139,14 @@ def _made(path: str, number: int = 1) -> str:
         return _made(path, number)
     _made_here.append(Path(candidate))
     return candidate
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """One line, not a mkdir traceback, for a run dir below a file or in a folder this user cannot write."""
+    found = next(folder for folder in [run_dir, *run_dir.parents] if folder.exists())
+    if not (found.is_dir() and os.access(found, os.W_OK | os.X_OK)):
+        problem = "not writable by this user" if found.is_dir() else "not a folder"
+        raise UsageError(f"cannot make {run_dir}, the folder of this run's files: {found} is {problem}")
 
 
 def register_resolvers() -> None:

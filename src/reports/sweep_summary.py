@@ -15,8 +15,9 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from src.common.errors import exit_on_usage_error
 from src.common.files import write_text_atomically
-from src.parallel.job import composing_args
+from src.parallel.job import check_run_dir, composing_args
 from src.parallel.ranks import is_main_process
 from src.sweeps import jobs
 
@@ -98,5 +99,7 @@ class SweepSummary(Callback):
         self.write(Path(config.hydra.sweep.dir), composing_args(config.hydra))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with exit_on_usage_error(is_main_process()):  # resolving a default sweep dir makes it (fresh_dir)
+            check_run_dir(Path(config.hydra.sweep.dir))
         if is_main_process():  # printed as the process exits: also after a failed job (Hydra then exits at once)
             atexit.register(self.write, Path(config.hydra.sweep.dir), composing_args(config.hydra), show=True)

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import REPO, free_port
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-import src.config.schema  # noqa: F401 - registers train_schema and eval_schema
 from src.common.errors import UsageError
+from src.config import schema  # registers train_schema and eval_schema
 from src.parallel import job, ranks, workers
 from src.reports import sweep_summary
 from src.sweeps import jobs
@@ -116,6 +117,48 @@ def test_runs_started_in_the_same_second_take_a_dir_each(tmp_path: Path):
     assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["03-04-05", "03-04-05-2", "03-04-05-3"]
     srun_task = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1"}  # the tasks of `srun python train.py` share `path`
     assert job.fresh_dir(path, srun_task) == path and not (tmp_path / "outputs" / "03-04-05-4").exists()
+
+
+def test_a_run_dir_below_a_file_is_one_line_and_one_that_can_be_made_is_left_to_hydra(tmp_path: Path):
+    """train.py checks a hydra.run.dir set on the command line as the run starts; fresh_dir, the configs' default run
+    and sweep dirs, as it makes one; the sweep summary, a hydra.sweep.dir (the CLI row: test_bad_input.py)."""
+    (tmp_path / "notes.txt").write_text("")
+    for run_dir in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "a" / "run"):
+        with pytest.raises(UsageError) as error:
+            job.check_run_dir(run_dir)
+        assert str(error.value) == f"cannot make {run_dir}, the folder of this run's files: {tmp_path / 'notes.txt'} " \
+                                   "is not a folder"
+    job.check_run_dir(tmp_path / "outputs" / "a" / "run")
+    job.check_run_dir(tmp_path)  # an existing folder: a resumed run's
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "notes.txt"]  # nothing made: Hydra makes it as the job starts
+    with pytest.raises(UsageError, match=r"^cannot make .*/notes.txt/03-04-05, the folder of this run's files: "):
+        job.fresh_dir(str(tmp_path / "notes.txt" / "03-04-05"), {})
+
+
+def test_train_py_s_hooks_refuse_a_run_or_sweep_dir_below_a_file_in_one_line(tmp_path: Path, monkeypatch, capsys):
+    """The hooks Hydra calls before it makes the dir: the schema's check as a run starts, the sweep summary's as a
+    sweep does (the same path to the `error:` line as test_bad_input.py's schema rows)."""
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # restored afterwards: on_run_start sets it, as Hydra does
+    (tmp_path / "notes.txt").write_text("")
+    overrides = [f"hydra.run.dir={tmp_path / 'notes.txt' / 'run'}", f"hydra.sweep.dir={tmp_path / 'notes.txt' / 'sw'}"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        config = compose("config", overrides, return_hydra_config=True)
+    for hook, folder in ((schema.CheckBeforeWriting().on_run_start, "run"),
+                         (sweep_summary.SweepSummary("val/acc", "max").on_multirun_start, "sw")):
+        with pytest.raises(SystemExit) as stopped:
+            hook(config)
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err == f"error: cannot make {tmp_path / 'notes.txt' / folder}, the folder of this " \
+                                          f"run's files: {tmp_path / 'notes.txt'} is not a folder\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into any folder")
+def test_a_run_dir_in_a_folder_this_user_cannot_write_is_refused(tmp_path: Path):
+    (tmp_path / "shared").mkdir(mode=0o555)
+    with pytest.raises(UsageError) as error:
+        job.check_run_dir(tmp_path / "shared" / "outputs" / "run")
+    assert str(error.value) == (f"cannot make {tmp_path / 'shared' / 'outputs' / 'run'}, the folder of this run's "
+                                f"files: {tmp_path / 'shared'} is not writable by this user")
 
 
 def test_the_configs_run_and_sweep_dirs_are_fresh(tmp_path: Path, monkeypatch):

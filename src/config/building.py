@@ -137,8 +137,8 @@ def wrong_type(key: str, node: Mapping[str, Any]) -> str | None:
     except Exception:  # say nothing rather than guess
         return None
     for name, value in values.items():
-        hint = parameters[name].annotation if name in parameters else None
-        if fits(value, hint) is False:
+        hint, default = (parameters[name].annotation, parameters[name].default) if name in parameters else (None, None)
+        if fits(value, hint) is False and value != default:  # a class's own default is no mistake (x: float = None)
             annotation = inspect.formatannotation(hint).replace("collections.abc.", "")
             return f"{key}.{name}={value}: {node.get('_target_')} takes {name}: {annotation}"
     return None

@@ -4,6 +4,7 @@ value it refuses, is one line naming the config key; any other error of the targ
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,6 +96,16 @@ def test_a_value_first_read_by_a_training_step_is_judged_when_its_owner_is_built
 def test_the_annotations_judged_are_scalars_and_their_unions(values, message):
     assert building.wrong_type("k", {"_target_": "torch.optim.AdamW", **values}) == message
     assert building.wrong_type("k", {"_target_": "no.such.Target", **values}) is None  # unreadable: no guess
+
+
+def test_a_value_equal_to_the_class_s_own_default_is_never_refused(tmp_path: Path, monkeypatch):
+    """A fork's loose annotation (`x: float = None`, implicit Optional) must not refuse its own default."""
+    (tmp_path / "loose.py").write_text("class Loose:\n    def __init__(self, x: float = None, n: int = 2) -> None:\n"
+                                       "        self.x, self.n = x, n\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert building.wrong_type("model", {"_target_": "loose.Loose", "x": None, "n": 2}) is None
+    assert built("model", {"_target_": "loose.Loose", "x": None}).x is None
+    assert building.wrong_type("m", {"_target_": "loose.Loose", "x": "abc"}) == "m.x=abc: loose.Loose takes x: float"
 
 
 @pytest.mark.parametrize("hint, values, wrong", [

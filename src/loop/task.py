@@ -75,8 +75,8 @@ class Binding:
 
 class Task:
     """The base: batch structure, units and monitored metric; subclasses add the loss and metrics. `inputs`: the parts
-    passed to the model (None: every field but the target; a list of positions or names; a mapping argument ->
-    part); `target`: what the loss compares with (None: the dataset's, else the last part); `monitor`/`mode`: the
+    passed to the model (None: every field but the target; a position or name, or a list of them; a mapping argument
+    -> part); `target`: what the loss compares with (None: the dataset's, else the last part); `monitor`/`mode`: the
     metric (`val/<name>`) that decides best.pt and what sweeps optimise."""
 
     metric_names: tuple[str, ...] = ("loss",)  # what compute() returns (besides "count")
@@ -89,9 +89,9 @@ class Task:
     output_width: int | None = None  # what check_output compares with: the output width for the run's dataset
     output_setting = "model.num_outputs"  # and the model setting it names (src/loop/task_and_model.py sets both)
 
-    def __init__(self, inputs: Sequence[Key] | Mapping[str, Key] | None = None, target: Key | None = None,
+    def __init__(self, inputs: Key | Sequence[Key] | Mapping[str, Key] | None = None, target: Key | None = None,
                  monitor: str | None = None, mode: str | None = None) -> None:
-        self.inputs, self.target = inputs, target
+        self.inputs, self.target = [inputs] if isinstance(inputs, (str, int)) else inputs, target  # image: [image]
         self.monitor, self.mode = monitor or type(self).monitor, mode or type(self).mode
         self.binding: Binding | None = None
         self.aux: dict[str, nn.Module] = {}  # the run's frozen auxiliary models, by name (set when the run builds)

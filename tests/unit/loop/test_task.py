@@ -59,6 +59,10 @@ def test_a_fork_dataset_that_names_nothing_is_bound_by_position():
     task = bound(Regression(inputs={"rgb": "rgb"}, target="y"), fields=None, target=None,
                  sample={"rgb": RGB[0], "y": TARGET[0]})
     assert task.split({"rgb": RGB, "y": TARGET}) == ((), {"rgb": RGB}, TARGET)
+    # One name or position, as `task.inputs=rgb` gives it: that one input (its letters, before).
+    for one in ("rgb", 0):
+        task = bound(Regression(inputs=one), fields=FIELDS, target="target")
+        assert task.inputs == [one] and task.split((RGB, MASK, TARGET)) == ((RGB,), {}, TARGET)
     # Never bound to a dataset (unit tests, scripts): the first batch's structure, as above.
     assert Regression().split((RGB, MASK, TARGET)) == ((RGB, MASK), {}, TARGET)
 

@@ -75,7 +75,7 @@ def evaluate_checkpoint(cfg: DictConfig, dataset_choice: str, run_dir: Path) -> 
                                             trusted_targets.trusted(cfg.trusted_targets, cfg))
         splits = loaders.build_splits(dataset_cfg)
         named = "the checkpoint's dataset" if dataset_choice == FROM_CHECKPOINT else f"dataset={dataset_choice}"
-        split = check_data(saved_checkpoint, task, splits, cfg.split, named, dataset_cfg)
+        split = check_data(saved_checkpoint, task, splits, cfg.split, named)
         # The plain modules, not DDP: evaluation syncs no gradients, only the metric sums. A sharded checkpoint's
         # shards are read into the whole models on every rank; `weights=ema` puts the EMA weights into their model.
         output = saved_checkpoint.output_model
@@ -110,11 +110,11 @@ def read_checkpoint(cfg: DictConfig) -> Checkpoint:
     return saved
 
 
-def check_data(saved: Checkpoint, task: Task, splits: DataSplits, split: str | None, dataset: str,
-               dataset_cfg: DictConfig) -> str:
+def check_data(saved: Checkpoint, task: Task, splits: DataSplits, split: str | None, dataset: str) -> str:
     """Bind the task to the data and refuse, in one line, data the checkpoint's task or models do not fit, or a
     `split` it lacks; returns the split to evaluate (None: test where there is one, else val)."""
-    task_and_model.check_fit(task, splits.info, saved.config["task"]["_target_"], f"{dataset} ({dataset_cfg._target_})")
+    task_and_model.check_fit(task, splits.info, f"the checkpoint's task ({saved.config['task']['_target_']})", dataset,
+                             "evaluate it on a dataset that task fits")
     task_and_model.bind_to_dataset(task, splits, dataset)  # the task's inputs and target, by field
     split = split or ("test" if splits.test is not None else "val")
     if getattr(splits, split) is None:

@@ -45,8 +45,9 @@ def check_task(task: Task, splits: DataSplits, choices: Mapping[str, str], monit
     """`task`, refused in one line if it does not fit the dataset or compute the `monitor`ed metric (`extra_splits`:
     the callbacks' prefixes; `hints`: what turns on another's), and bound to the dataset."""
     task_name = choices.get("task") or type(task).__name__
-    check_fit(task, splits.info, task_name, choices.get("dataset") or "this dataset")
-    bind_to_dataset(task, splits, f"dataset={choices['dataset']}" if choices.get("dataset") else "the dataset")
+    dataset = f"dataset={choices['dataset']}" if choices.get("dataset") else "the dataset"
+    check_fit(task, splits.info, f"task={task_name}", dataset)
+    bind_to_dataset(task, splits, dataset)
     if monitor is None:  # trainer.monitor=null: no best.pt
         return task
     metrics = [f"{split}/{name}" for split in ("val", *extra_splits, "train") for name in task.metric_names]
@@ -63,13 +64,13 @@ def check_task(task: Task, splits: DataSplits, choices: Mapping[str, str], monit
     return task
 
 
-def check_fit(task: Task, info: Mapping[str, Any], task_name: str, dataset_name: str) -> None:
-    """Refuse a dataset the task cannot learn from, naming both and what to choose instead."""
+def check_fit(task: Task, info: Mapping[str, Any], task_named: str, dataset_named: str, advice: str = "") -> None:
+    """Refuse a dataset the task cannot learn from, naming both and what to do (`advice`, else: choose another)."""
     if problem := task.check(info):
         provided = ", ".join(f"{key}={value}" for key, value in info.items())
-        raise UsageError(f"task={task_name} {problem}, but dataset={dataset_name} provides {provided}: choose a task "
-                         "this dataset fits (classification needs num_classes, binary num_classes=2, regression "
-                         f"num_targets) or a dataset that task={task_name} fits")
+        raise UsageError(f"{task_named} {problem}, but {dataset_named} provides {provided}: " + (advice or "choose a "
+                         "task this dataset fits (classification needs num_classes, binary num_classes=2, regression "
+                         f"num_targets) or a dataset that {task_named} fits"))
 
 
 def bind_to_dataset(task: Task, splits: DataSplits, dataset_name: str) -> None:

@@ -125,6 +125,9 @@ ROWS = [
         "provides num_classes=10", "binary-on-ten-classes"),
     row(TRAIN, ["task=classification", "dataset=diabetes", "model=mlp"], "task=classification needs class labels "
         "(num_classes), but dataset=diabetes provides num_features=10, num_targets=1", "classification-on-regression"),
+    row(EVAL, ["checkpoint={checkpoint}", "dataset=diabetes"], "the checkpoint's task "
+        "(src.components.tasks.Classification) needs class labels (num_classes), but dataset=diabetes provides "
+        "num_features=10, num_targets=1", "eval-dataset-the-checkpoint-s-task-does-not-fit"),  # wording: test_task.py
     row(TRAIN, ["task=regression", "dataset=diabetes", "model=mlp", "trainer.monitor=val/f1"],
         "trainer.monitor=val/f1 is not a metric of task=regression; choose one of val/loss, val/mae, val/rmse, val/r2, "
         "train/loss", "monitor-the-task-lacks"),

@@ -14,7 +14,7 @@ from src.common.errors import UsageError
 from src.components.models import SimpleCNN, TwoInputCNN
 from src.components.tasks import Classification, Regression
 from src.data.splits import DataSplits
-from src.loop.task_and_model import bind_to_dataset, build_model, check_inputs, output_setting
+from src.loop.task_and_model import bind_to_dataset, build_model, check_fit, check_inputs, check_task, output_setting
 
 RGB, MASK, TARGET = torch.zeros(2, 3, 4, 4), torch.ones(2, 1, 4, 4), torch.full((2, 1), 0.5)
 FIELDS = ("rgb", "mask", "target")
@@ -141,3 +141,24 @@ def test_a_dataset_that_names_nothing_is_looked_at_without_moving_the_random_sta
     bind_to_dataset(task, DataSplits(Augmenting(), Augmenting(), {"num_classes": 2}), "dataset=fork")
     assert torch.equal(torch.rand(1), expected)
     assert task.binding.args == (0,) and task.binding.target == 1
+
+
+def test_a_dataset_the_task_cannot_learn_from_names_both_once_and_what_to_do():
+    """train.py's line names the options chosen (the task's class where no option is); eval.py's names the
+    checkpoint's task and its own advice (it cannot choose another task). `dataset=dataset=...` and
+    `dataset=this dataset` before."""
+    splits = DataSplits(TensorDataset(RGB, TARGET), TensorDataset(RGB, TARGET), {"num_features": 10, "num_targets": 1})
+    with pytest.raises(UsageError) as error:
+        check_task(Classification(), splits, {"task": "classification", "dataset": "diabetes"}, None)
+    assert str(error.value) == (
+        "task=classification needs class labels (num_classes), but dataset=diabetes provides num_features=10, "
+        "num_targets=1: choose a task this dataset fits (classification needs num_classes, binary num_classes=2, "
+        "regression num_targets) or a dataset that task=classification fits")
+    with pytest.raises(UsageError, match=r"^task=Classification needs class labels \(num_classes\), but the dataset "):
+        check_task(Classification(), splits, {}, None)
+    with pytest.raises(UsageError) as error:
+        check_fit(Classification(), splits.info, "the checkpoint's task (Classification)", "dataset=diabetes",
+                  "evaluate it on a dataset that task fits")
+    assert str(error.value) == ("the checkpoint's task (Classification) needs class labels (num_classes), but "
+                                "dataset=diabetes provides num_features=10, num_targets=1: evaluate it on a dataset "
+                                "that task fits")

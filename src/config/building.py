@@ -47,8 +47,7 @@ def errors_named(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[s
     """Build `node` (the config at `key`) inside the block: an argument its target does not take or misses, or a
     value it refuses, is one line naming `key`; `passed_elsewhere`: the node's keys that are not arguments;
     `called_with`: the arguments the block gives a partial's target (a scheduler's optimizer, total_steps, ...)."""
-    if line := wrong_type(key, node):  # before the build: a value some step would have read at its first use
-        raise UsageError(line)
+    check_types(key, node)  # before the build: a value some step would have read at its first use
     try:
         yield
     except (InstantiationException, TypeError, ValueError) as error:  # a partial's come from its call, unwrapped
@@ -129,19 +128,18 @@ def argument_mismatch(key: str, node: Mapping[str, Any], passed_elsewhere: Itera
 _SCALARS = {int: (int,), float: (int, float), bool: (bool,), str: (str,), type(None): (type(None),)}
 
 
-def wrong_type(key: str, node: Mapping[str, Any]) -> str | None:
+def check_types(key: str, node: Mapping[str, Any]) -> None:
     """One line for a value its target's annotation (`int`, `float | None`, `Sequence[int]`, ...) rules out."""
     try:
         parameters = inspect.signature(get_object(str(node.get("_target_"))), eval_str=True).parameters
         values = dict(node.items())  # a missing or unresolvable value: the build reports it
     except Exception:  # say nothing rather than guess
-        return None
+        return
     for name, value in values.items():
         hint, default = (parameters[name].annotation, parameters[name].default) if name in parameters else (None, None)
         if fits(value, hint) is False and value != default:  # a class's own default is no mistake (x: float = None)
             annotation = inspect.formatannotation(hint).replace("collections.abc.", "")
-            return f"{key}.{name}={value}: {node.get('_target_')} takes {name}: {annotation}"
-    return None
+            raise UsageError(f"{key}.{name}={value}: {node.get('_target_')} takes {name}: {annotation}")
 
 
 def fits(value: Any, hint: Any) -> bool | None:

@@ -38,8 +38,7 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[tuple[str, torch.nn
     def make(params: Iterable[Any], **overrides: Any) -> Optimizer:
         return instantiate({**options, **overrides}, _convert_="all")(params=params)  # plain lists: torch's errors
 
-    if line := building.wrong_type(key, options):
-        raise UsageError(line)
+    building.check_types(key, options)
     try:
         if sharded and options.get("fused") and not fsdp.fused_step_takes_shards(make, [p for _, p in named]):
             log.info(f"optimizer.fused=true: {options['_target_']}'s fused kernel does not take sharded "

@@ -144,8 +144,10 @@ class ShardedCheckpoint(Checkpoint):
         if not (directory := layout.resolve(path)).is_dir():
             raise UsageError(f"checkpoint {path} names {directory}, which does not exist")
         if not ((directory / METADATA).is_file() and (directory / STATE).is_file()):
-            raise UsageError(f"checkpoint {directory} is incomplete (no {METADATA} or {STATE}): its save did not "
-                             "finish, or it is no checkpoint (a run dir's are in its checkpoints/)")
+            held = [*layout.newest_first(directory), *layout.newest_first(directory / "checkpoints")]  # a run dir's
+            raise UsageError(f"checkpoint {directory} is a folder of checkpoints: name one, e.g. {held[0]}" if held
+                             else f"checkpoint {directory} is incomplete (no {METADATA} or {STATE}): its save did not "
+                             "finish, or it is no checkpoint")
         state = read_payload(directory / STATE)
         read_metadata(directory)  # refuse a crafted index before anything reads through it
         return cls(path, state, directory)

@@ -84,8 +84,14 @@ def test_resume_auto_takes_last_and_falls_back_past_an_incomplete_directory(save
     (saved.directory / "step_000000015" / ".metadata").unlink()  # as if killed before the index was renamed in
     with pytest.raises(UsageError, match=r"step_000000015 is incomplete \(no .metadata or state.pt"):
         checkpoint.read(saved.directory / "last")
-    with pytest.raises(UsageError, match=r"or it is no checkpoint \(a run dir's are in its checkpoints/\)$"):
-        checkpoint.read(saved.directory.parent)  # a run dir given where a checkpoint goes
+    for folder in (saved.directory.parent, saved.directory):  # a run dir, or its checkpoints/, given as a checkpoint
+        with pytest.raises(UsageError) as error:
+            checkpoint.read(folder)
+        assert str(error.value) == f"checkpoint {folder} is a folder of checkpoints: name one, e.g. " \
+                                   f"{saved.directory / 'last'}"
+    with pytest.raises(UsageError, match=r"step_000000015 is incomplete \(no .metadata or state.pt\): its save did "
+                                         r"not finish, or it is no checkpoint$"):
+        checkpoint.read(saved.directory / "step_000000015")
     assert checkpoint.read(saved.directory / "step_000000005").loop["step"] == 5
 
 

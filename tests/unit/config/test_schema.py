@@ -36,7 +36,8 @@ def test_the_composed_trainer_and_dist_keys_are_the_dataclasses_defaults():
     assert OmegaConf.to_object(cfg.dist) == schema.DistConfig()
 
 
-def test_presets_and_overrides_still_set_the_keys():
+def test_presets_and_overrides_still_set_the_keys(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a preset's hydra.run.dir makes composing resolve the default one: fresh_dir makes it
     cfg = composed("config", ["debug=fast", "trainer.epochs=3", "dist.sync_bn=false", "task=regression"])
     assert (cfg.trainer.epochs, cfg.trainer.limit_train_batches, cfg.trainer.save_checkpoints) == (3, 2, False)
     assert cfg.dist.sync_bn is False and cfg.trainer.monitor_mode == "min"

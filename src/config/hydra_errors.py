@@ -97,6 +97,8 @@ def _diagnose(cause: BaseException | None, script: str, lines: list[str], config
         if culprit and culprit.type is OverrideType.CHANGE and culprit.key_or_group not in choices:
             groups = ", ".join(sorted(f"{group}=OPTION" for group in choices if not group.startswith("hydra")))
             return f"{script} has no {culprit.key_or_group} option to choose; it chooses {groups}"
+        if culprit and culprit.type is OverrideType.ADD and culprit.key_or_group in choices:  # +experiment=NAME
+            return f"{culprit.input_line}: {culprit.key_or_group} is a group {script} chooses from already: drop the +"
         return None
     option = culprit.value() if culprit else None
     source = f"{key} (in {culprit.key_or_group}/{option}.yaml)" if isinstance(option, str) else key

@@ -15,8 +15,7 @@ from src.parallel.job import quote_override
 def split(overrides: list[Override]) -> tuple[dict[str, Any], list[str]]:
     """The swept keys with their Optuna distributions, and the fixed overrides every trial gets."""
     space = {o.get_key_element(): distribution(o) for o in overrides if o.is_sweep_override()}
-    fixed = [o.input_line or f"{o.get_key_element()}={o.value()}" for o in overrides if not o.is_sweep_override()]
-    return space, fixed
+    return space, [o.input_line or f"{o.get_key_element()}={o.value()}" for o in overrides if not o.is_sweep_override()]
 
 
 def distribution(override: Override) -> Any:

@@ -89,12 +89,16 @@ def options(group: str, *registered: str) -> str:
                                                  "logger.mlflow.tracking_uri?); pass logger.mlflow.tracking_uri=x"),
     (["logger.timeout_s=5"], "logger.timeout_s is not a config key (train.py --cfg job lists the keys); "
                              "to add a new key, use +logger.timeout_s=5"),
+    # A group the defaults list has (experiment: null), added with +: Hydra's advice is for a defaults list.
+    (["+experiment=digits_cnn"], "+experiment=digits_cnn: experiment is a group train.py chooses from already: "
+                                 "drop the +"),
+    (["model=mlp", "+model=cnn"], "+model=cnn: model is a group train.py chooses from already: drop the +"),
 ], ids=["unknown-option", "second-group", "typo-in-group", "typo-in-key", "unknown-key-no-suggestion",
         "int-expected", "float-expected", "bool-expected", "null-not-allowed", "port-not-a-number",
         "checked-after-the-overrides-before", "unparsable-override", "a-key-the-model-does-not-take",
         "a-key-the-callback-does-not-take", "one-level-down", "one-level-down-among-callbacks",
         "one-level-down-from-the-top", "one-level-down-in-an-option-not-chosen", "one-level-down-in-the-option-chosen",
-        "two-blocks-hold-it-no-guess"])
+        "two-blocks-hold-it-no-guess", "plus-on-a-group-chosen-by-none", "plus-on-a-group-chosen"])
 def test_train_command_line(overrides, message):
     assert described(overrides) == message
 

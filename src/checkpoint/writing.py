@@ -47,8 +47,7 @@ class _ByteCounter:
         self.count += len(data)
         return len(data)
 
-    def flush(self) -> None:
-        pass
+    def flush(self) -> None: ...
 
 
 def _file_size_limit() -> int | None:

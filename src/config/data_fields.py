@@ -57,8 +57,7 @@ def _filled(node: Any, fields: Mapping[str, Any], dataset_name: str, where: str)
         provided = ", ".join(f"{key}={value}" for key, value in fields.items()) or "nothing"
         raise UsageError(f"{where} asks for the dataset's {name}, which {dataset_name} does not provide (it provides "
                          f"{provided}); choose a model that fits this dataset, or set {where}=VALUE")
-    value = fields[name]
-    return list(value) if isinstance(value, tuple) else value
+    return list(value) if isinstance(value := fields[name], tuple) else value
 
 
 def used_by(model_cfg: DictConfig, fields: Mapping[str, Any]) -> dict[str, Any]:

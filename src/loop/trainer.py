@@ -51,8 +51,7 @@ class Trainer:
     """Runs `fit()` on every rank; all ranks execute the same collectives in the same order."""
 
     def __init__(self, config: TrainerConfig, parts: TrainParts) -> None:
-        self.config = config
-        self.parts = parts
+        self.config, self.parts = config, parts
         device = parts.runtime.device
         self.amp_dtype = autocast_dtype(config.precision)
         # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not.
@@ -110,6 +109,8 @@ class Trainer:
             self.parts.store.wait_after_failure()  # a background write ends before the group is torn down
             callbacks.exception(run, error)  # a callback may raise a clearer error in its place
             raise
+        finally:
+            self.parts.data.close()
         callbacks.run_end(run, outcome)
         return outcome
 
@@ -219,8 +220,7 @@ class Trainer:
         best = layout.best(self.parts.store.directory)
         if self.config.monitor is None or best is None:
             return None, f"the last, of step {state.step}"
-        chosen = checkpoint_read(best)
-        step = chosen.loop.get("step")
+        step = (chosen := checkpoint_read(best)).loop.get("step")
         return (None if step == state.step else chosen), f"{best.name}, of step {step} (best {self.config.monitor})"
 
     def _start_epoch(self, epoch: int, state: TrainState) -> dict[str, list[float]] | None:
@@ -229,9 +229,8 @@ class Trainer:
         for model in self.parts.train_models.values():
             model.train()
         self.epoch_metrics.reset()
-        restored = state.epoch_totals  # the sums of a resumed epoch's first steps
-        if restored is not None and self.parts.runtime.is_main_process:
-            self.epoch_metrics.load_state_dict(restored)  # all ranks' sums: added once, on rank 0
+        if (restored := state.epoch_totals) is not None and self.parts.runtime.is_main_process:
+            self.epoch_metrics.load_state_dict(restored)  # a resumed epoch's first steps: all ranks' sums, added once
         state.epoch_totals = None
         return restored
 

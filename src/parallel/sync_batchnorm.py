@@ -93,12 +93,10 @@ class _ThenItsChildren:
         return output
 
 
-class SyncBatchNormThen(_ThenItsChildren, nn.SyncBatchNorm):
-    pass
+class SyncBatchNormThen(_ThenItsChildren, nn.SyncBatchNorm): ...
 
 
-class CPUSyncBatchNormThen(_ThenItsChildren, CPUSyncBatchNorm):
-    pass
+class CPUSyncBatchNormThen(_ThenItsChildren, CPUSyncBatchNorm): ...
 
 
 def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:

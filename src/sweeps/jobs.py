@@ -36,8 +36,7 @@ def job_state(job_dir: Path) -> str | None:
 
 def read_metrics(job_dir: Path) -> dict[str, Any]:
     """The job's metrics.json (its last finished epoch), or {} before its first epoch ends."""
-    metrics_file = job_dir / "metrics.json"
-    return json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
+    return json.loads(metrics_file.read_text()) if (metrics_file := job_dir / "metrics.json").exists() else {}
 
 
 def job_dir(config_loader: Any, config: DictConfig, overrides: Sequence[str], job_num: int) -> Path:
@@ -50,8 +49,7 @@ def job_dir(config_loader: Any, config: DictConfig, overrides: Sequence[str], jo
 
 def saved_overrides(job_dir: Path) -> list[str] | None:
     """The task overrides a job dir's job ran with (None: no job there yet)."""
-    path = job_dir / ".hydra" / "overrides.yaml"
-    return list(OmegaConf.load(path)) if path.exists() else None
+    return list(OmegaConf.load(path)) if (path := job_dir / ".hydra" / "overrides.yaml").exists() else None
 
 
 def check_same_job(job_dir: Path, overrides: Sequence[str]) -> None:

@@ -1,7 +1,10 @@
 """Samplers and loaders: which samples each rank sees, for any world size."""
 
+import multiprocessing
+
 import pytest
 import torch
+from dataset_files import write_noise_folder
 from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
@@ -202,3 +205,21 @@ def test_a_dataset_yaml_without_batch_size_is_one_line():
         build_data(cfg, 0, 1, torch.device("cpu"), seed=0)
     assert str(error.value) == ("dataset.batch_size is required: add batch_size: N (the global batch) to the "
                                 "dataset's YAML")
+
+
+def test_close_ends_the_loaders_workers_and_a_later_pass_starts_new_ones(tmp_path):
+    """The trainer closes its data as fit() ends. A sweep's jobs run in one process, and persistent workers left to
+    the garbage collector each waited out a 5 s timeout in whichever later job freed them: a sweep of 3 two-second
+    jobs with 2 workers per loader took 26.7 s, 6.1 s with close() (2026-11-29)."""
+    write_noise_folder(tmp_path, {})
+    cfg = OmegaConf.create({"_target_": "src.components.datasets.image_folder", "root": str(tmp_path),
+                            "image_size": [8, 8], "augment": False, "batch_size": 4, "num_workers": 2})
+    data = build_data(cfg, rank=0, world_size=1, device=torch.device("cpu"), seed=0)
+    val = [labels.tolist() for _, labels in data.val_loader]
+    assert sum(len(labels) for _, labels in data.train_loader) == 8 and sum(map(len, val)) == 8
+    assert len(multiprocessing.active_children()) == 4  # persistent workers: 2 per loader, kept for the next epoch
+    data.close()
+    assert multiprocessing.active_children() == []
+    assert [labels.tolist() for _, labels in data.val_loader] == val  # new workers, the same batches
+    data.close()
+    assert multiprocessing.active_children() == []

@@ -158,3 +158,24 @@ def test_a_run_at_its_max_steps_takes_no_further_step(tmp_path: Path):
     weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     assert trainer.fit(state) is Outcome.MAX_STEPS and state.step == 2
     assert all(torch.equal(tensor, model.state_dict()[name]) for name, tensor in weights.items())
+
+
+class FailingTask(Classification):
+    def train_step(self, step) -> None:  # noqa: ANN001 - the task's hook
+        raise RuntimeError("a fork's step failed")
+
+
+@pytest.mark.parametrize("task", [Classification, FailingTask])
+def test_fit_closes_the_data_however_it_ends(tmp_path: Path, task: type[Classification]):
+    """The loaders' workers end with fit() (Data.close, tests/unit/data/test_data.py), also when it raises: a sweep's
+    next job runs in this process."""
+    trainer = one_process_trainer(tmp_path, task())
+    closed = []
+    real_close = trainer.parts.data.close
+    trainer.parts.data.close = lambda: closed.append(real_close())
+    if task is FailingTask:
+        with pytest.raises(RuntimeError, match="a fork's step failed"):
+            trainer.fit(TrainState())
+    else:
+        assert trainer.fit(TrainState()) is Outcome.COMPLETED
+    assert closed == [None]

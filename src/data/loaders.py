@@ -157,7 +157,7 @@ class Data:
     def close(self) -> None:
         """End the loaders' workers now: freed later by the garbage collector, each would first wait 5 s (#39570)."""
         for loader in (self.train_loader, self.val_loader, *(loader for loader, _ in self._eval_loaders.values())):
-            if (iterator := getattr(loader, "_iterator", None)) is not None:
+            if hasattr(iterator := getattr(loader, "_iterator", None), "_shutdown_workers"):  # persistent_workers
                 iterator._shutdown_workers()  # what the iterator does when freed by its last reference
                 loader._iterator = None  # a later pass (a callback's evaluation at the run's end) starts new workers
 

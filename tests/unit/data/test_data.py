@@ -1,5 +1,6 @@
 """Samplers and loaders: which samples each rank sees, for any world size."""
 
+import dataclasses
 import multiprocessing
 
 import pytest
@@ -223,3 +224,10 @@ def test_close_ends_the_loaders_workers_and_a_later_pass_starts_new_ones(tmp_pat
     assert [labels.tolist() for _, labels in data.val_loader] == val  # new workers, the same batches
     data.close()
     assert multiprocessing.active_children() == []
+
+    class ForksLoader(list):  # a fork's loader with an attribute of that name, and no workers: left as it is
+        _iterator = "its own"
+
+    forks = ForksLoader()
+    dataclasses.replace(data, val_loader=forks).close()
+    assert forks._iterator == "its own"

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import os
 import re
 import resource
 import sys
 import time
+import traceback
 from typing import Iterator, Sequence
 
 from hydra.core.hydra_config import HydraConfig
@@ -77,6 +79,8 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
     try:
         yield
     except Exception as error:
+        for each in _chain(error) if in_sweep else ():  # Hydra keeps a sweep job's error, not its frames (its model)
+            traceback.clear_frames(each.__traceback__)
         if (usage_error := find_usage_error(error)) is None:
             out_of_memory = next((e for e in _chain(error) if isinstance(e, MemoryError) or (
                 isinstance(e, RuntimeError) and any(words in str(e) for words in _NO_MEMORY))), None)
@@ -93,6 +97,9 @@ def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterat
             raise UsageError(f"error: {usage_error}") from usage_error
         retries.record_final_failure(str(usage_error))  # a restart would stop on it again
         sys.exit(USAGE_ERROR_EXIT_CODE)
+    finally:  # a sweep's next job runs in this process: what this one built goes now, not at Python's next full
+        if in_sweep:  # garbage collection (its model and optimizer, in reference cycles: memory the next job needs)
+            gc.collect()
 
 
 def _out_of_memory_hint(error: BaseException) -> str:

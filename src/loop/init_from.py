@@ -34,8 +34,9 @@ class Match:
     mismatched: list[str] = field(default_factory=list)  # `key file[shape] model[shape]`
 
     @property
-    def complete(self) -> bool:
-        return not (self.missing or self.unexpected or self.mismatched)
+    def problems(self) -> str:  # what keeps the file from fitting the model exactly (e.g. `2 missing: a, b`), or ""
+        kinds = (("missing", self.missing), ("unexpected", self.unexpected), ("shape differs", self.mismatched))
+        return "; ".join(f"{len(keys)} {kind}: {first_few(keys)}" for kind, keys in kinds if keys)
 
 
 def read_weights(path: Path, names: list[str], output: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -112,8 +113,8 @@ def load_initial_weights(modules: dict[str, nn.Module], output: str, path: Path,
         if not found.loadable:
             raise UsageError(f"{label}: none of its {len(found.unexpected)} keys matches a weight of the model "
                              f"({first_few(found.unexpected)}); the model expects e.g. {first_few(found.missing)}")
-        if strict and not found.complete:
-            raise UsageError(f"{label} does not fit the model ({_problems(found)}); pass init_from_strict=false "
+        if strict and found.problems:
+            raise UsageError(f"{label} does not fit the model ({found.problems}); pass init_from_strict=false "
                              "to load the weights that match and keep the rest freshly initialised (e.g. a new head)")
         if fsdp.is_sharded(module):
             whole = dcp.StateDictOptions(full_state_dict=True, strict=False)  # on every rank: each keeps its shards
@@ -143,11 +144,6 @@ def load_on_every_rank(modules: dict[str, nn.Module], output: str, path: Path, s
     for rank, reason in enumerate(distributed.gather_objects(failure)):
         if reason is not None:
             raise UsageError(reason if rank == 0 else f"rank {rank}: {reason}")
-
-
-def _problems(found: Match) -> str:
-    kinds = (("missing", found.missing), ("unexpected", found.unexpected), ("shape differs", found.mismatched))
-    return "; ".join(f"{len(keys)} {kind}: {first_few(keys)}" for kind, keys in kinds if keys)
 
 
 def freeze(modules: dict[str, nn.Module], prefixes: list[str]) -> int:

@@ -4,10 +4,14 @@ usage error is its line, and one line again as the sweep ends (src/common/errors
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import traceback
+import weakref
 
 import pytest
+import torch
 from hydra.conf import HydraConf
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
@@ -142,3 +146,42 @@ def test_a_sweep_job_s_usage_error_is_its_line_now_and_one_line_hydra_prints_as_
     assert capsys.readouterr().err == ""  # the workers printed theirs
     with pytest.raises(RuntimeError, match="shape mismatch"), errors.exit_on_usage_error(True, in_sweep=True):
         raise RuntimeError("shape mismatch")  # not the user's to fix: its traceback, in a sweep too
+
+
+
+class Model:
+    """A job's model in a reference cycle (as a trainer and its parts hold theirs): freed only by Python's cyclic
+    garbage collector."""
+
+    def __init__(self) -> None:
+        self.weight, self.me = torch.zeros(1000), self
+
+
+def _job(models: list[weakref.ref], fails: bool) -> None:
+    model = Model()
+    models.append(weakref.ref(model.weight))
+    if fails:
+        raise RuntimeError("a job's crash")
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["completed", "failed"])
+@pytest.mark.parametrize("in_sweep", [True, False], ids=["sweep", "single-run"])
+def test_a_sweep_job_s_model_is_freed_as_the_job_ends_however_it_ends(fails: bool, in_sweep: bool):
+    """A sweep's next job runs in this process: a job's model and optimizer (a GPU's memory) go as the job ends, not
+    when Python's collector next runs, and the error Hydra keeps of a failed job until the sweep ends holds no frame
+    of the job with its locals. (A single run exits instead: nothing is collected or cleared.)"""
+    models: list[weakref.ref] = []
+    raised = None
+    gc.disable()  # the collector runs only where exit_on_usage_error runs it
+    try:
+        try:
+            with errors.exit_on_usage_error(True, in_sweep=in_sweep):
+                _job(models, fails)
+        except RuntimeError as error:
+            raised = error  # kept, as Hydra's JobReturn keeps it
+        assert (models[0]() is None) == in_sweep
+    finally:
+        gc.enable()
+    assert (raised is not None) == fails
+    if fails:  # the report still says where it happened
+        assert 'in _job\n    raise RuntimeError("a job\'s crash")' in "".join(traceback.format_exception(raised))

@@ -79,7 +79,7 @@ def test_wrapper_prefixes_are_stripped(tmp_path: Path):
     state = {f"module._orig_mod.{key}": value for key, value in trained_net().state_dict().items()}
     assert set(strip_prefixes(state)) == set(Net().state_dict())
     path = save(tmp_path, state)
-    assert match(Net(), read_weights(path)).complete
+    assert match(Net(), read_weights(path)).problems == ""
 
 
 def test_another_head_is_refused_when_strict_and_reinitialised_when_not(tmp_path: Path, caplog):

@@ -162,6 +162,45 @@ def test_a_job_s_usage_error_in_a_one_process_sweep_is_its_line_and_the_sweep_go
     assert "Sweep summary (sorted by val/acc, max)" in result.stdout  # printed after a failed job too
 
 
+# A fork's task whose job crashes at its second step where `crash` is set; each job's first step prints how many
+# earlier jobs' models are still alive (held by a failed job's error or left in reference cycles), then adds its own.
+PROBE = """
+import weakref
+from src.components.tasks import Classification
+
+EARLIER = []
+
+
+class Probe(Classification):
+    def __init__(self, *args, crash=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.crash, self.steps = crash, 0
+
+    def train_step(self, step):
+        self.steps += 1
+        if self.steps == 1:
+            print("earlier models alive:", sum(ref() is not None for ref in EARLIER), flush=True)
+            EARLIER.append(weakref.ref(step.modules["model"]))
+        if self.crash and self.steps == 2:
+            raise RuntimeError("a fork's step crashed")
+        return super().train_step(step)
+"""
+
+
+def test_each_job_of_a_one_process_sweep_frees_its_model_before_the_next_job_however_it_ended(workdir: Path):
+    """A sweep's jobs run in its process, one after another: each job's model and optimizer state (on a GPU: the
+    memory the next job needs) are freed as it ends, after a crash as after a completed job."""
+    (workdir / "forkprobe.py").write_text(PROBE)
+    args = ["-m", "task._target_=forkprobe.Probe", "+task.crash=true,false,false", "trainer.epochs=1",
+            "trainer.limit_train_batches=3", "trainer.limit_val_batches=1", "hydra.sweep.dir=probed"]
+    result = train(args, workdir, env={"PYTHONPATH": str(workdir)})
+    assert result.returncode == 1 and "RuntimeError: a fork's step crashed" in result.stderr
+    assert [line for line in result.stdout.splitlines() if line.startswith("earlier models alive:")] == [
+        "earlier models alive: 0"] * 3
+    assert {r["job"]: r["status"] for r in summary_rows(workdir / "probed")} == {
+        "0": "failed", "1": "completed", "2": "completed"}
+
+
 def test_a_crashing_worker_ends_its_group_with_its_traceback(workdir: Path):
     crashing = str(REPO / "tests" / "fixtures" / "crashing_worker.py")
     # The whole group must be gone within 60 s of starting (a hang would hit this bound).

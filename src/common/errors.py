@@ -72,7 +72,8 @@ def no_room_error(error: BaseException) -> OSError | None:
 def exit_on_usage_error(is_main_process: bool, in_sweep: bool = False) -> Iterator[None]:
     """Exit with `error: <message>` (printed by the main process) and code 2 if the block raises a UsageError;
     in a sweep the line is printed and raised again. An out-of-memory error propagates with a note."""
-    if (failed_for_good := retries.final_failure()) is not None:
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # by torchrun --max-restarts
+    if restarted and (failed_for_good := retries.peer_failure()) is not None:  # an earlier attempt's usage error
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {failed_for_good} (not retried: every restart would stop on it)", file=sys.stderr)
         sys.exit(USAGE_ERROR_EXIT_CODE)

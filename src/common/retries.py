@@ -25,11 +25,6 @@ def record_final_failure(message: str) -> None:
     write_text_atomically(path, message, shared=True)  # every rank of the group may record at once
 
 
-def final_failure() -> str | None:
-    """In a restarted worker: the usage error an earlier attempt of this group stopped on, if any."""
-    return peer_failure() if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) else None
-
-
 def peer_failure(launcher: int | None = None, run_id: str | None = None) -> str | None:
     """The usage error a worker of this group stopped on, if any; a launcher names its own (pid and run id)."""
     return path.read_text(encoding="utf-8") if (path := _record_path(launcher, run_id)) and path.exists() else None

@@ -67,7 +67,8 @@ ROWS = [
         "task=classification does not set it: choose a task that does, or add +task.latent_size=VALUE",
         "model-reading-another-task-s-key"),
     # Callbacks' settings (conf/callbacks/), refused by the callback (src/config/building.py names the key); each
-    # callback's other values in process: tests/unit/callbacks/test_ema.py, tests/unit/config/test_building.py.
+    # callback's other values (early_stopping.patience=0 ...) in process: tests/unit/callbacks/test_ema.py,
+    # tests/unit/config/test_building.py; a task's own refusal (task.loss=huber) takes this path too: test_tasks.py.
     row(TRAIN, ["callbacks.ema.decay=1.5"], "callbacks.ema.decay=1.5 must be in (0, 1) (or null)",
         "ema-decay-above-1"),
     # A key the class does not take: the compose-time hint says so, and adding it anyway is one line too.
@@ -94,35 +95,24 @@ ROWS = [
     row(TRAIN, ["resume=missing.pt"], "checkpoint missing.pt does not exist", "missing-checkpoint"),
     row(TRAIN, ["resume={checkpoint}", "model=mlp"], "does not fit this model (Missing key(s) in state_dict: ",
         "resume-another-model"),
-    # Fine-tuning and early stopping (src/loop/init_from.py, src/loop/stopping.py).
+    # Fine-tuning (src/loop/init_from.py): one path to the line for every file that gives no weights, strict or not
+    # (each file's wording: tests/unit/loop/test_init_from.py); init_from with resume=PATH is the schema's, above.
     row(TRAIN, ["init_from=missing.pt"], "init_from=missing.pt does not exist", "init-from-missing"),
-    row(TRAIN, ["init_from=empty.pt"], "init_from=empty.pt cannot be read (", "init-from-empty-file"),
     row(TRAIN, ["init_from=foo.pt"], "init_from=foo.pt: none of its 1 keys matches a weight of the model (foo)",
         "init-from-no-matching-key"),
-    row(TRAIN, ["init_from=foo.pt", "init_from_strict=false"], "none of its 1 keys matches a weight of the model",
-        "init-from-no-matching-key-not-strict"),
-    row(TRAIN, ["init_from={checkpoint}", "resume={checkpoint}"], "starts a fresh run from weights, resume=",
-        "init-from-and-resume-path"),
     row(TRAIN, ["trainer.freeze=[backbone]"], "trainer.freeze: no parameter name starts with backbone; the model's "
         "parameter names start with classifier, features", "freeze-matches-nothing"),
-    row(TRAIN, ["callbacks.early_stopping.patience=0"], "callbacks.early_stopping.patience=0 must be at least 1 "
-        "(or null)", "patience-zero"),  # a negative min_delta: tests/unit/config/test_building.py
     row(TRAIN, ["trainer.device=cuda"], "trainer.device=cuda but no CUDA GPU is visible", "cuda-absent",
         marks=NO_GPU),
     row(TRAIN, ["dist.nproc_per_node=2", "dist.backend=nccl"], "dist.backend=nccl needs CUDA devices; "
         "use dist.backend=gloo", "nccl-on-cpu", marks=NO_GPU),
-    row(TRAIN, ["dist.backend=nccl"], "dist.backend=nccl needs CUDA devices; use dist.backend=gloo",
-        "nccl-on-cpu-one-process", marks=NO_GPU),
+    # (nccl in one process: the check of the cuda-absent row's path, tests/unit/parallel/test_distributed.py)
     row(EVAL, ["checkpoint={checkpoint}", "dist.backend=nccl"], "dist.backend=nccl needs CUDA devices; "
         "use dist.backend=gloo", "eval-nccl-on-cpu", marks=NO_GPU),
     row(TRAIN, ["dist.nproc_per_node=2", "dist.master_port={busy_port}"], "dist.master_port={busy_port} is in use "
         "on localhost; pick another port or leave dist.master_port=null", "port-in-use"),
-    # A task that does not fit the dataset, or a metric it does not compute: both sides named.
-    row(TRAIN, ["task=regression"], "task=regression needs real-valued targets (num_targets), but dataset=digits "
-        "provides num_classes=10, in_channels=1, image_size=[8, 8], num_features=64: choose a task this dataset fits",
-        "regression-on-digits"),
-    row(TRAIN, ["task=binary"], "task=binary needs two classes (num_classes=2, labels 0/1), but dataset=digits "
-        "provides num_classes=10", "binary-on-ten-classes"),
+    # A task that does not fit the dataset, or a metric it does not compute: both sides named (task=binary and
+    # task=regression on digits: tests/unit/loop/test_task.py; val_ema/acc without EMA: tests/unit/callbacks/test_ema.py).
     row(TRAIN, ["task=classification", "dataset=diabetes", "model=mlp"], "task=classification needs class labels "
         "(num_classes), but dataset=diabetes provides num_features=10, num_targets=1", "classification-on-regression"),
     row(EVAL, ["checkpoint={checkpoint}", "dataset=diabetes"], "the checkpoint's task "
@@ -131,15 +121,11 @@ ROWS = [
     row(TRAIN, ["task=regression", "dataset=diabetes", "model=mlp", "trainer.monitor=val/f1"],
         "trainer.monitor=val/f1 is not a metric of task=regression; choose one of val/loss, val/mae, val/rmse, val/r2, "
         "train/loss", "monitor-the-task-lacks"),
-    row(TRAIN, ["trainer.monitor=val_ema/acc"], "trainer.monitor=val_ema/acc needs EMA weights: set "
-        "callbacks.ema.decay (e.g. 0.999), or monitor val/acc", "monitor-val-ema-without-ema"),
     row(EVAL, ["checkpoint={checkpoint}", "weights=ema"], "{checkpoint} holds no EMA weights (its run had "
         "callbacks.ema.decay=null): evaluate its model with weights=model", "eval-ema-weights-absent"),
     row(TRAIN, ["task=regression", "dataset=diabetes"], "model.in_channels asks for the dataset's in_channels, which "
         "dataset=diabetes does not provide (it provides num_features=10, num_targets=1",
         "model-field-the-dataset-lacks"),
-    row(TRAIN, ["task=regression", "task.loss=huber", "dataset=diabetes", "model=mlp"],
-        "task.loss=huber is not one of l1, mse", "unknown-regression-loss"),
     # The task's inputs and target against the dataset's fields and the model's forward (src/loop/task_and_model.py).
     row(TRAIN, ["task.target=labl"], "task.target names the field 'labl', which dataset=digits does not have: its "
         "fields are image, label; set task.target to one of them", "field-the-dataset-lacks"),
@@ -163,8 +149,7 @@ def workdir_with_a_run(one_epoch_run: Path, tmp_path_factory) -> tuple[Path, Pat
     run_dir = copy_run(one_epoch_run, workdir / "outputs" / "2026-01-01" / "00-00-00")
     (workdir / "images" / "train").mkdir(parents=True)
     (workdir / "images" / "val").mkdir()
-    (workdir / "empty.pt").write_bytes(b"")  # init_from rows: a file cut to nothing, one with no model weights
-    torch.save({"foo": torch.zeros(3)}, workdir / "foo.pt")
+    torch.save({"foo": torch.zeros(3)}, workdir / "foo.pt")  # init_from's row: a file with no model weights
     return workdir, run_dir
 
 

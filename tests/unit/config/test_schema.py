@@ -120,6 +120,9 @@ def test_every_problem_is_named_at_once_in_declaration_order():
     (["dist.master_port=70000"], "dist.master_port=70000 is not a port (1-65535); leave it null for a free one"),
     (["dist.strategy=zero"], "dist.strategy=zero is not one of ddp, fsdp"),
     (["dataset=image_folder"], "dataset.root is required: add dataset.root=VALUE"),
+    (["init_from=w.pt", "resume=last.pt"], "init_from=w.pt starts a fresh run from weights, resume=last.pt continues a "
+                                           "run: pass only one (with resume=auto, init_from applies only when the run "
+                                           "dir holds no checkpoint yet)"),
 ])
 def test_each_value_the_types_let_through_is_refused_with_its_key_and_what_it_takes(overrides, message):
     """The command line's exit code 2 and single `error:` line for these: test_bad_input.py's schema rows."""

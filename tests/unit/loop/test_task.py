@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 
 from src.common.errors import UsageError
 from src.components.models import SimpleCNN, TwoInputCNN
-from src.components.tasks import Classification, Regression
+from src.components.tasks import Binary, Classification, Regression
 from src.data.splits import DataSplits
 from src.loop.task_and_model import bind_to_dataset, build_model, check_fit, check_inputs, check_task, output_setting
 
@@ -156,6 +156,15 @@ def test_a_dataset_the_task_cannot_learn_from_names_both_once_and_what_to_do():
         "regression num_targets) or a dataset that task=classification fits")
     with pytest.raises(UsageError, match=r"^task=Classification needs class labels \(num_classes\), but the dataset "):
         check_task(Classification(), splits, {}, None)
+    digits = DataSplits(TensorDataset(RGB, TARGET), TensorDataset(RGB, TARGET),
+                        {"num_classes": 10, "in_channels": 1, "image_size": [8, 8], "num_features": 64})
+    for task, name, need in ((Regression(), "regression", "real-valued targets (num_targets)"),
+                             (Binary(), "binary", "two classes (num_classes=2, labels 0/1)")):  # test_bad_input's rows
+        with pytest.raises(UsageError) as error:
+            check_task(task, digits, {"task": name, "dataset": "digits"}, None)
+        assert str(error.value).startswith(f"task={name} needs {need}, but dataset=digits provides num_classes=10, "
+                                           "in_channels=1, image_size=[8, 8], num_features=64: choose a task this "
+                                           "dataset fits")
     with pytest.raises(UsageError) as error:
         check_fit(Classification(), splits.info, "the checkpoint's task (Classification)", "dataset=diabetes",
                   "evaluate it on a dataset that task fits")

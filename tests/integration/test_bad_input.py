@@ -106,7 +106,9 @@ ROWS = [
         marks=NO_GPU),
     row(TRAIN, ["dist.nproc_per_node=2", "dist.backend=nccl"], "dist.backend=nccl needs CUDA devices; "
         "use dist.backend=gloo", "nccl-on-cpu", marks=NO_GPU),
-    # (nccl in one process: the check of the cuda-absent row's path, tests/unit/parallel/test_distributed.py)
+    # (nccl in one process: `process_group` (src/parallel/distributed.py) calls `select_backend` before its
+    # world-size branch, so the one-process eval-nccl-on-cpu row below takes train.py's path too; the message
+    # is checked in tests/unit/parallel/test_distributed.py)
     row(EVAL, ["checkpoint={checkpoint}", "dist.backend=nccl"], "dist.backend=nccl needs CUDA devices; "
         "use dist.backend=gloo", "eval-nccl-on-cpu", marks=NO_GPU),
     row(TRAIN, ["dist.nproc_per_node=2", "dist.master_port={busy_port}"], "dist.master_port={busy_port} is in use "

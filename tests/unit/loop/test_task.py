@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from src.common.errors import UsageError
+from src.components import datasets
 from src.components.models import SimpleCNN, TwoInputCNN
 from src.components.tasks import Binary, Classification, Regression
 from src.data.splits import DataSplits
@@ -156,8 +157,7 @@ def test_a_dataset_the_task_cannot_learn_from_names_both_once_and_what_to_do():
         "regression num_targets) or a dataset that task=classification fits")
     with pytest.raises(UsageError, match=r"^task=Classification needs class labels \(num_classes\), but the dataset "):
         check_task(Classification(), splits, {}, None)
-    digits = DataSplits(TensorDataset(RGB, TARGET), TensorDataset(RGB, TARGET),
-                        {"num_classes": 10, "in_channels": 1, "image_size": [8, 8], "num_features": 64})
+    digits = datasets.digits()  # the info dict `dataset=digits` reports, as train.py gets it
     for task, name, need in ((Regression(), "regression", "real-valued targets (num_targets)"),
                              (Binary(), "binary", "two classes (num_classes=2, labels 0/1)")):  # test_bad_input's rows
         with pytest.raises(UsageError) as error:

@@ -127,8 +127,7 @@ def _publish(directory: Path, staging: Path, name: str, is_best: bool, keep_last
                if (directory / pointer).is_file()}
     for path in directory.iterdir():
         stale = path.is_dir() and not layout.STEP.fullmatch(path.name) and path.name.startswith("step_")
-        dropped = path in steps[:-keep_last] and path.name not in pointed
-        if stale or dropped:
+        if stale or (path in steps[:-keep_last] and path.name not in pointed):
             shutil.rmtree(path)
 
 

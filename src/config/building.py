@@ -97,8 +97,7 @@ def argument_names(target: str) -> tuple[list[str], bool] | None:
 def takes(target: str) -> str:
     """`src.components.models.SimpleCNN takes in_channels, image_size, num_outputs`."""
     found = argument_names(target)
-    names = ", ".join(found[0]) if found and found[0] else "no arguments"
-    return f"{target} takes {names}"
+    return f"{target} takes {', '.join(found[0]) if found and found[0] else 'no arguments'}"
 
 
 def argument_mismatch(key: str, node: Mapping[str, Any], passed_elsewhere: Iterable[str] = (),

@@ -48,6 +48,11 @@ def one_line_config_errors(is_main_process: bool, config_name: str) -> Iterator[
                     raise
                 raise UsageError(f"the config does not compose ({error}); to leave a config group out of this run: "
                                  "~GROUP, e.g. ~optimizer") from None
+            except OSError as error:  # Hydra writing the run (or sweep) dir and its .hydra/, before the run starts
+                if error.filename is None or not _full_error_set_here:
+                    raise
+                raise UsageError(f"cannot write {error.filename} ({error.strerror}): choose another hydra.run.dir "
+                                 "(hydra.sweep.dir with -m)") from None
     finally:
         config_composed()
 

@@ -19,8 +19,7 @@ DEFAULT_CONF = Path(__file__).resolve().parents[2] / "conf"
 
 def _entries(node: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
     """Every `(dotted key, key, value)` anywhere in `node` (dicts and lists, nested)."""
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    for key, value in items:
+    for key, value in node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ():
         yield f"{prefix}{key}", key, value
         if key != "_target_":
             yield from _entries(value, f"{prefix}{key}.")

@@ -48,8 +48,7 @@ def build_optimizer(optimizer_cfg: Any, parameters: Iterable[tuple[str, torch.nn
     except InstantiationException as error:
         raise building.not_located(key, options, error) or error
     except (ValueError, IndexError) as error:  # IndexError: betas=[0.9]
-        message = f"{options['_target_']} refused its settings ({error}): change the {key}.* keys"
-        raise UsageError(message) from error
+        raise UsageError(f"{options['_target_']} refused its settings ({error}): change the {key}.* keys") from error
     except TypeError as error:  # a key the class does not take (`fused` in an RMSprop YAML)
         if line := building.argument_mismatch(key, options, (), ("params",)):
             raise UsageError(line) from error

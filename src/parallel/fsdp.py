@@ -132,8 +132,7 @@ def to_empty(module: nn.Module, device: torch.device | str) -> nn.Module:
     module.to_empty(device=device)
     for owner, key, source, source_key in ties:
         if owner is not source or key != source_key:
-            table = owner._parameters if key in owner._parameters else owner._buffers
-            table[key] = getattr(source, source_key)
+            (owner._parameters if key in owner._parameters else owner._buffers)[key] = getattr(source, source_key)
     return module
 
 

@@ -63,8 +63,7 @@ def composing_args(hydra_cfg: Any, argv: Sequence[str] = sys.argv) -> tuple[str,
     for index, arg in enumerate(argv):
         if arg.split("=", 1)[0] in CONFIG_FLAGS:
             flags += [arg] if "=" in arg else [arg, *argv[index + 1:index + 2]]
-    searchpath = [o for o in hydra_cfg.overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath"]
-    return (*flags, *searchpath)
+    return (*flags, *(o for o in hydra_cfg.overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath"))
 
 
 def run(main: Callable[[], Any], config_name: str) -> None:

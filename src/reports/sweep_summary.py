@@ -71,6 +71,8 @@ class SweepSummary(Callback):
         self.metric, self.mode = metric, mode
 
     def write(self, sweep_dir: Path, composing: Sequence[str] = (), show: bool = False) -> str:  # show: print it
+        if not sweep_dir.is_dir():  # Hydra could not make it: its `error:` line said so
+            return ""
         rows = collect(sweep_dir, self.metric, self.mode)
         columns = metric_columns(rows, self.metric)
         shown = ["job", "status", *columns, "overrides"]

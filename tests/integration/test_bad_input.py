@@ -92,6 +92,10 @@ ROWS = [
         "in nowhere/MNIST/raw, or set dataset.download=true", "missing-dataset-dir"),
     row(TRAIN, ["dataset=image_folder", "dataset.root={images}"], "image folder {images}/train is empty",
         "empty-image-folder"),
+    # A run dir Hydra cannot make: train.py's callback says so first (tests/unit/parallel/test_launch.py), eval.py's
+    # line comes from the mkdir Hydra tried (other places that take no folder: tests/unit/config/test_hydra_errors.py).
+    row(EVAL, ["checkpoint={checkpoint}", "hydra.run.dir=foo.pt/run"], "cannot write foo.pt/run (Not a directory): "
+        "choose another hydra.run.dir (hydra.sweep.dir with -m)", "eval-run-dir-below-a-file"),
     row(TRAIN, ["resume=missing.pt"], "checkpoint missing.pt does not exist", "missing-checkpoint"),
     row(TRAIN, ["resume={checkpoint}", "model=mlp"], "does not fit this model (Missing key(s) in state_dict: ",
         "resume-another-model"),

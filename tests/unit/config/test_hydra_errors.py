@@ -193,3 +193,36 @@ def test_a_hydra_main_script_exits_with_one_error_line(monkeypatch, capsys):
     assert exited.value.code == USAGE_ERROR_EXIT_CODE
     assert capsys.readouterr().err == ("error: trainer.epochs=abc: trainer.epochs takes an integer, "
                                        "e.g. trainer.epochs=20\n")
+
+
+def test_a_run_dir_hydra_cannot_make_is_one_error_line(monkeypatch, capsys, tmp_path):
+    """Hydra makes it before the task function runs: below a file, or in a folder that takes none (/proc). (train.py's
+    callback refuses the first of those earlier, with its own line: tests/unit/parallel/test_launch.py; eval.py's
+    has none.)"""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "config.yaml").write_text("x: 1\n")
+    (tmp_path / "notes.txt").write_text("a file, not a folder\n")
+    monkeypatch.setattr(sys, "argv", ["eval.py", f"hydra.run.dir={tmp_path}/notes.txt/run"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    main = hydra.main(version_base="1.3", config_path=str(tmp_path / "conf"), config_name="config")(lambda cfg: None)
+    with pytest.raises(SystemExit) as exited, hydra_errors.one_line_config_errors(True, "config"):
+        main()
+    assert exited.value.code == USAGE_ERROR_EXIT_CODE
+    assert capsys.readouterr().err == (f"error: cannot write {tmp_path}/notes.txt/run (Not a directory): choose "
+                                       "another hydra.run.dir (hydra.sweep.dir with -m)\n")
+
+
+def test_a_file_error_of_the_run_itself_keeps_hydras_report(monkeypatch, capsys, tmp_path):
+    def task_function(cfg):
+        hydra_errors.config_composed()  # as job.start() does: from here on, the run's own errors
+        (tmp_path / "missing" / "file.txt").read_text()
+
+    monkeypatch.setattr(sys, "argv", ["train.py", f"hydra.run.dir={tmp_path}/run"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    main = hydra.main(version_base="1.3", config_path=str(REPO / "conf"), config_name="config")(task_function)
+    with pytest.raises(SystemExit) as exited, hydra_errors.one_line_config_errors(True, "config"):
+        main()
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert "FileNotFoundError" in err and "missing/file.txt" in err and "error:" not in err
+    assert (tmp_path / "run" / ".hydra").is_dir()

@@ -1,6 +1,6 @@
 """The sweep summary's columns (src/reports/sweep_summary.py) follow the jobs' task: its metrics and its unit."""
 
-from src.reports.sweep_summary import metric_columns
+from src.reports.sweep_summary import SweepSummary, metric_columns
 
 
 def test_columns_are_the_tasks_metrics_then_epoch_and_throughput_in_its_unit():
@@ -29,3 +29,11 @@ def test_the_test_metric_stands_beside_the_ranked_val_one_and_ranks_nothing():
             (Path(folder) / name / ".hydra" / "overrides.yaml").write_text(f"- seed={name}\n")
             (Path(folder) / name / "metrics.json").write_text(json.dumps({**job, "val/acc": val, "test/acc": test}))
         assert [row["job"] for row in collect(Path(folder), "val/acc", "max")] == ["0", "1"]
+
+
+def test_a_sweep_dir_hydra_could_not_make_gets_no_summary(tmp_path):
+    # Written as the process exits, also when Hydra's launcher failed to make the dir (its `error:` line said so).
+    never_made = tmp_path / "not_a_folder" / "sweep"
+    (tmp_path / "not_a_folder").write_text("")
+    assert SweepSummary("val/acc", "max").write(never_made, show=True) == ""
+    assert [p.name for p in tmp_path.iterdir()] == ["not_a_folder"]

@@ -18,7 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from src.common.errors import UsageError
 from src.config import building
-from src.parallel import fsdp
+from src.parallel import fsdp, ranks
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +87,13 @@ def _under(name: str, prefix: str) -> bool:
     return prefix == "*" or name == prefix or name.startswith(prefix + ".")
 
 
-def _warmup_steps(warmup_epochs: float, steps_per_epoch: int, total_steps: int) -> int:
-    return min(total_steps, round(warmup_epochs * steps_per_epoch))
-
-
 def cosine_with_warmup(optimizer: Optimizer, total_steps: int, steps_per_epoch: int, warmup_epochs: float = 0.0,
                        min_lr_ratio: float = 0.0) -> LambdaLR:
     """Linear warmup from ~0 to the base LR, then a half cosine down to `min_lr_ratio` x base."""
-    warmup = _warmup_steps(warmup_epochs, steps_per_epoch, total_steps)
+    if (asked := round(warmup_epochs * steps_per_epoch)) > total_steps and ranks.is_main_process():  # said once
+        log.warning("warmup_epochs=%s is %d optimizer steps, more than the run's %d: the warmup spans the whole run",
+                    warmup_epochs, asked, total_steps)
+    warmup = min(total_steps, asked)
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -113,6 +112,5 @@ def step_decay(optimizer: Optimizer, total_steps: int, steps_per_epoch: int, ste
 
 
 def constant(optimizer: Optimizer, total_steps: int, steps_per_epoch: int, warmup_epochs: float = 0.0) -> LambdaLR:
-    """The base LR throughout, after an optional linear warmup."""
-    warmup = _warmup_steps(warmup_epochs, steps_per_epoch, total_steps)
-    return LambdaLR(optimizer, lambda step: (step + 1) / warmup if step < warmup else 1.0)
+    """The base LR throughout, after an optional linear warmup: the cosine schedule with its floor at the base LR."""
+    return cosine_with_warmup(optimizer, total_steps, steps_per_epoch, warmup_epochs, min_lr_ratio=1.0)

@@ -43,6 +43,20 @@ def test_constant_with_warmup():
     assert set(values[5:]) == {1.0}
 
 
+@pytest.mark.parametrize("factory", [optim.constant, optim.cosine_with_warmup])
+def test_a_warmup_longer_than_the_run_is_warned_of_once_and_spans_the_run(factory, caplog, monkeypatch):
+    values = lrs(factory, 20, warmup_epochs=3)  # 30 warmup steps asked of a 20-step run
+    assert values == pytest.approx([(i + 1) / 20 for i in range(20)])
+    (record,) = [record for record in caplog.records if record.name == optim.__name__]
+    assert record.levelname == "WARNING" and record.getMessage() == (
+        "warmup_epochs=3 is 30 optimizer steps, more than the run's 20: the warmup spans the whole run")
+    caplog.clear()
+    assert lrs(factory, 20, warmup_epochs=2)[-1] == pytest.approx(1.0)  # a warmup as long as the run: no warning
+    monkeypatch.setenv("RANK", "1")
+    assert lrs(factory, 20, warmup_epochs=3) == values  # rank 1: the same schedule, the warning said by rank 0 only
+    assert not caplog.records
+
+
 def test_schedule_state_round_trips_through_a_checkpoint():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     scheduler = optim.cosine_with_warmup(opt, total_steps=100, steps_per_epoch=10, warmup_epochs=1)

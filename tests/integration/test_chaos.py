@@ -13,6 +13,7 @@ from conftest import REPO, run
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(960)  # its command may take run()'s 900 s; then its output is the report
 def test_three_chaos_trials_end_bitwise_equal(tmp_path: Path):
     result = run([sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--trials", "3", "--workdir", str(tmp_path)],
                  tmp_path, timeout=900)

@@ -134,6 +134,7 @@ def test_the_fork_s_forward_is_as_long_as_the_guide_allows():
     assert len(forward) == FORWARD_LINES
 
 
+@pytest.mark.timeout(960)  # its command may take run()'s 900 s; then its output is the report
 def test_the_fork_facing_suite_passes_in_the_fork(fork: Path):
     # One process (-n 0): the suite's own workers keep both cores busy; a second worker here would only import and
     # collect everything again.

@@ -68,8 +68,14 @@ def composing_args(hydra_cfg: Any, argv: Sequence[str] = sys.argv) -> tuple[str,
 
 def run(main: Callable[[], Any], config_name: str) -> None:
     """Run an entry point's `@hydra.main` `main`: config errors as one line, a worker ended after its group."""
-    with hydra_errors.one_line_config_errors(is_main_process(), config_name):
-        main()
+    try:
+        with hydra_errors.one_line_config_errors(is_main_process(), config_name):
+            main()
+    finally:  # the dirs `fresh_dir` made that no run used (OmegaConf resolves the default's run dir as it merges a
+        for made in _made_here:  # preset's onto it), gone with their parent (the date) while empty, after an error too
+            with contextlib.suppress(OSError):
+                made.rmdir()
+                made.parent.rmdir()
     if is_worker():
         distributed.exit_after_a_group()
 
@@ -78,13 +84,7 @@ def start() -> RunContext:
     """Where a job starts: a submitit or `srun` task becomes a torchrun-style worker; its context, read once."""
     hydra_errors.config_composed()
     adopt_cluster_env()
-    context = RunContext.of(HydraConfig.get())
-    for made in _made_here:  # a dir no run uses, made as OmegaConf merged a preset's run dir onto the default's
-        if made.resolve() not in (context.run_dir.resolve(), *context.run_dir.resolve().parents):
-            with contextlib.suppress(OSError):  # (it resolves what it merges onto); gone while it and its
-                made.rmdir()  # parent (the date) are empty
-                made.parent.rmdir()
-    return context
+    return RunContext.of(HydraConfig.get())
 
 
 @contextlib.contextmanager

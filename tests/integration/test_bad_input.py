@@ -56,6 +56,10 @@ ROWS = [
         "must be at least 1; trainer.keep_last=0 must be at least 1; dataset.batch_size=abc must be a positive whole "
         "number", "zero-epochs-keep-last-a-batch-size-of-abc-and-an-added-trainer-key"),
     row(TRAIN, ["dataset=image_folder"], "dataset.root is required: add dataset.root=VALUE", "required-key"),
+    # Under a preset with a run dir of its own (debug=fast): OmegaConf made the default's run dir as it merged the
+    # preset's onto it (src/parallel/job.py); the refused run leaves neither behind.
+    row(TRAIN, ["debug=fast", "trainer.epochs=0"], "trainer.epochs=0 must be at least 1",
+        "refused-under-a-preset-with-its-own-run-dir"),
     # A ${KEY} naming no key: a typo, resolved by the check above; or a fork's task YAML without the monitor that
     # trainer.monitor interpolates, resolved earlier, by Hydra's callbacks (the sweep summary names trainer.monitor).
     row(TRAIN, ["model.hidden=${{nope}}"], "model.hidden: Interpolation key 'nope' not found: set that key in its "

@@ -29,6 +29,15 @@ class LayerDefaults:
         module.reset_parameters()
 
 
+def check_widths(**widths: int | Sequence[int]) -> None:
+    """Refuse a layer narrower than 1: torch builds a zero-width layer with only a warning, and the model's output
+    no longer depends on its input (a negative width fails deep in torch instead)."""
+    for key, value in widths.items():
+        if any(width < 1 for width in ([value] if isinstance(value, int) else value)):
+            shown = value if isinstance(value, int) else list(value)
+            raise ValueError(f"{key}={shown}: every layer needs a width of at least 1")
+
+
 class SimpleCNN(LayerDefaults, nn.Module):
     """Two 3x3 conv + BatchNorm blocks, a 2x2 max-pool and a two-layer classifier.
 
@@ -45,6 +54,7 @@ class SimpleCNN(LayerDefaults, nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        check_widths(channels=channels, hidden=hidden)
         c1, c2 = channels
         height, width = image_size
         self.features = nn.Sequential(
@@ -80,6 +90,7 @@ class MLP(LayerDefaults, nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        check_widths(hidden_sizes=hidden_sizes)
         width = in_features
         layers: list[nn.Module] = [nn.Flatten()]
         for hidden in hidden_sizes:
@@ -128,6 +139,7 @@ class TwoInputCNN(LayerDefaults, nn.Module):
 
     def __init__(self, in_channels: int, num_outputs: int, channels: Sequence[int] = (16, 32)) -> None:
         super().__init__()
+        check_widths(channels=channels)
         layers: list[nn.Module] = []
         width = in_channels
         for out in channels:
@@ -176,6 +188,7 @@ class TinyGPT(nn.Module):
     def __init__(self, vocab_size: int, num_outputs: int, max_length: int, width: int = 64, depth: int = 2,
                  heads: int = 4, dropout: float = 0.0) -> None:
         super().__init__()
+        check_widths(width=width)
         if width % heads:
             raise ValueError(f"TinyGPT: width={width} must be divisible by heads={heads}")
         self.token_embedding = nn.Embedding(vocab_size, width)

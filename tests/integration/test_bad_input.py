@@ -206,9 +206,9 @@ def test_hydra_full_error_shows_hydras_traceback(tmp_path: Path):
 
 
 def test_errors_of_the_run_itself_keep_hydras_report(tmp_path: Path):
-    # Not a usage error: a well-typed model option the model class cannot build (a negative width: torch's
+    # Not a usage error: a well-typed model option the model class cannot build (a negative input width: torch's
     # RuntimeError; a wrongly typed argument is one line: tests/unit/config/test_building.py). Hydra reports it.
-    result = run([sys.executable, TRAIN, "model.hidden=-1", "hydra.run.dir=run"], tmp_path)
+    result = run([sys.executable, TRAIN, "model.in_channels=-1", "hydra.run.dir=run"], tmp_path)
     assert result.returncode == 1
     assert "Error in call to target 'src.components.models.SimpleCNN'" in result.stderr
     assert "Set the environment variable HYDRA_FULL_ERROR=1" in result.stderr

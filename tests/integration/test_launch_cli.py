@@ -133,9 +133,9 @@ def test_a_failing_job_is_reported_and_the_sweep_goes_on(workdir: Path):
 
 def test_a_crash_after_another_job_s_usage_error_keeps_its_own_traceback(workdir: Path):
     """Job 0's workers record their usage error for their group; job 1's workers, launched by the same process,
-    crash (a well-typed model option its class cannot build: a negative width) and report that, not job 0's error
+    crash (a well-typed model option its class cannot build: a negative input width) and report that, not job 0's error
     as their peer's."""
-    args = ["-m", "dist.nproc_per_node=2", "dataset.batch_size=63,64", "model.hidden=-1", "hydra.sweep.dir=crash"]
+    args = ["-m", "dist.nproc_per_node=2", "dataset.batch_size=63,64", "model.in_channels=-1", "hydra.sweep.dir=crash"]
     result = train(args, workdir)
     assert result.returncode == 1
     crash = "Error in call to target 'src.components.models.SimpleCNN':\nRuntimeError("

@@ -1,13 +1,15 @@
 """Models take their shapes from what the dataset provides, named in their YAML as ${data:FIELD}."""
 
+import re
+
 import pytest
 import torch
 from conftest import REPO
 from omegaconf import OmegaConf
 
-from src.common.errors import find_usage_error
-from src.components.models import MLP, LeNet5, SimpleCNN, TwoInputCNN, resnet18
-from src.config import data_fields
+from src.common.errors import UsageError, find_usage_error
+from src.components.models import MLP, LeNet5, SimpleCNN, TinyGPT, TwoInputCNN, resnet18
+from src.config import building, data_fields
 from src.loop.task_and_model import build_model
 
 
@@ -53,6 +55,34 @@ def test_a_field_the_dataset_lacks_is_one_line_naming_both_sides():
     message = str(find_usage_error(raised.value))
     assert message.startswith("model.in_channels asks for the dataset's in_channels, which dataset=test does not "
                               "provide (it provides num_features=10, num_targets=1, num_outputs=1)")
+
+
+@pytest.mark.parametrize("name, key, value, shown", [
+    ("mlp", "hidden_sizes", [0], "hidden_sizes=[0]"), ("mlp", "hidden_sizes", [16, -1], "hidden_sizes=[16, -1]"),
+    ("cnn", "channels", [8, 0], "channels=[8, 0]"), ("cnn", "hidden", 0, "hidden=0"),
+])
+def test_a_layer_narrower_than_one_is_refused_in_one_line(name, key, value, shown):
+    """torch builds a zero-width layer with a warning only (the model's output is then a constant), and fails deep
+    inside on a negative one: the model refuses both, and building it says so in one line naming the keys."""
+    config = OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml")
+    config[key] = value
+    filled = data_fields.fill(config, image_fields(1, (8, 8)), "dataset=test")
+    with pytest.raises(UsageError) as raised, building.errors_named("model", filled):  # as train.py builds it
+        build_model(filled)
+    target = {"mlp": "MLP", "cnn": "SimpleCNN"}[name]
+    assert re.fullmatch(rf"model: src\.components\.models\.{target} refused its settings \({re.escape(shown)}: every "
+                        r"layer needs a width of at least 1; raised at models\.py:\d+\): change the model\.\* keys",
+                        str(raised.value)), str(raised.value)
+
+
+def test_the_other_models_refuse_a_zero_width_and_an_mlp_without_hidden_layers_is_linear():
+    for build, shown in ((lambda: TwoInputCNN(3, 2, channels=(4, 0)), "channels=[4, 0]"),
+                         (lambda: TinyGPT(10, 10, 8, width=0), "width=0")):
+        with pytest.raises(ValueError) as raised:
+            build()
+        assert str(raised.value) == f"{shown}: every layer needs a width of at least 1"
+    linear = MLP(30, 1, hidden_sizes=[])
+    assert [type(m).__name__ for m in linear.net] == ["Flatten", "Linear"]
 
 
 def test_an_override_replaces_the_field():
